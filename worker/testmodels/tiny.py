@@ -1,0 +1,209 @@
+"""Tiny seeded GGUF models that llama.cpp loads: the project's own test and bench models.
+
+No small real model with an MTP head can be downloaded, so tests write their own: a dense
+``llama`` (KV cache only), a hybrid ``qwen35`` (gated delta-net + attention) with one NextN
+(MTP) layer, and the same hybrid without its head (the "no MTP head" path). All are F32 with
+llama.cpp's built-in dummy tokenizer (``tok_0 .. tok_255``); tests drive token ids directly.
+Weights follow :mod:`worker.testmodels.recipe` so that speculation is non-trivial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from worker.testmodels.recipe import Dims, Recipe
+
+CONTEXT_LENGTH = 4096
+RMS_EPS = 1e-6
+ROPE_BASE = 10000.0
+
+DENSE_LAYERS = 2
+HYBRID_LAYERS = 4  # delta-net at 0 and 2, attention at 1 and 3 (full_attention_interval 2)
+HYBRID_ROPE_DIMS = 16
+HYBRID_ROPE_SECTIONS = (3, 3, 2, 0)
+SSM_CONV_KERNEL = 4
+SSM_STATE = 16
+SSM_GROUPS = 2
+SSM_HEADS = 4  # time_step_rank: number of value heads
+
+Tensors = Iterator[tuple[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    """Paths of the three tiny models built by :func:`build_tiny_models`."""
+
+    dense: Path
+    hybrid: Path
+    headless: Path
+
+
+def build_tiny_models(directory: Path, seed: int = 0) -> TinyModels:
+    """Write all tiny models into ``directory`` (created if needed) and return their paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return TinyModels(
+        dense=write_dense_llama(directory / "tiny-dense-llama.gguf", seed),
+        hybrid=write_qwen35_hybrid(directory / "tiny-qwen35-mtp.gguf", seed),
+        headless=write_qwen35_hybrid(directory / "tiny-qwen35-headless.gguf", seed, mtp=False),
+    )
+
+
+def write_dense_llama(path: Path, seed: int = 0) -> Path:
+    """Write a 2-layer F32 ``llama`` model (about 300 KB); same seed, same bytes."""
+    recipe = Recipe(seed)
+    d = recipe.dims
+    writer = _writer(path, "llama", d, n_blocks=DENSE_LAYERS)
+    writer.add_rope_dimension_count(d.head_dim)  # must equal the head size ("invalid n_rot")
+    _add_tensors(writer, _skeleton(recipe))
+    for il in range(DENSE_LAYERS):
+        _add_tensors(writer, _dense_block(recipe, il))
+    _finish(writer)
+    return path
+
+
+def write_qwen35_hybrid(path: Path, seed: int = 0, mtp: bool = True) -> Path:
+    """Write a 4-layer F32 ``qwen35`` hybrid, plus one NextN (MTP) layer when ``mtp``.
+
+    With ``mtp=False`` the trunk is byte-for-byte the same weights, only the head is missing.
+    """
+    recipe = Recipe(seed)
+    d = recipe.dims
+    writer = _writer(path, "qwen35", d, n_blocks=HYBRID_LAYERS + int(mtp))
+    arch = "qwen35"
+    writer.add_key_length(d.head_dim)
+    writer.add_value_length(d.head_dim)
+    writer.add_rope_dimension_count(HYBRID_ROPE_DIMS)
+    writer.add_rope_dimension_sections(list(HYBRID_ROPE_SECTIONS))
+    writer.add_ssm_conv_kernel(SSM_CONV_KERNEL)
+    writer.add_ssm_state_size(SSM_STATE)
+    writer.add_ssm_group_count(SSM_GROUPS)
+    writer.add_ssm_time_step_rank(SSM_HEADS)
+    writer.add_ssm_inner_size(SSM_STATE * SSM_HEADS)
+    writer.add_full_attention_interval(2)
+    if mtp:
+        writer.add_uint32(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 1)
+    _add_tensors(writer, _skeleton(recipe))
+    for il in range(HYBRID_LAYERS):
+        is_attention = (il + 1) % 2 == 0
+        mixer = _gated_attention(recipe, il) if is_attention else _delta_net(recipe, il)
+        _add_tensors(writer, mixer)
+        _add_tensors(writer, _qwen35_ffn(recipe, il))
+    if mtp:
+        _add_tensors(writer, _nextn_block(recipe, HYBRID_LAYERS))
+    _finish(writer)
+    return path
+
+
+# -- GGUF plumbing ---------------------------------------------------------------------------
+def _writer(path: Path, arch: str, d: Dims, n_blocks: int) -> gguf.GGUFWriter:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"specfleet tiny {arch}")
+    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_embedding_length(d.n_embd)
+    writer.add_block_count(n_blocks)
+    writer.add_feed_forward_length(d.n_ff)
+    writer.add_head_count(d.n_head)
+    writer.add_head_count_kv(d.n_head_kv)
+    writer.add_layer_norm_rms_eps(RMS_EPS)
+    writer.add_rope_freq_base(ROPE_BASE)
+    writer.add_vocab_size(d.n_vocab)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # llama.cpp's built-in dummy tokenizer: no merges, no special tokens needed.
+    writer.add_tokenizer_model("test")
+    writer.add_token_list([f"tok_{i}" for i in range(d.n_vocab)])
+    writer.add_token_scores([0.0] * d.n_vocab)
+    return writer
+
+
+def _add_tensors(writer: gguf.GGUFWriter, tensors: Tensors) -> None:
+    for name, array in tensors:
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# -- blocks (names and shapes as llama.cpp's loaders require them) ---------------------------
+def _skeleton(r: Recipe) -> Tensors:
+    yield "token_embd.weight", r.token_embd()
+    yield "output_norm.weight", r.ones(r.dims.n_embd)
+    yield "output.weight", r.output()
+
+
+def _dense_block(r: Recipe, il: int) -> Tensors:
+    d, s, p = r.dims, r.strengths, f"blk.{il}"
+    yield f"{p}.attn_norm.weight", r.ones(d.n_embd)
+    yield f"{p}.attn_q.weight", r.matrix(f"{p}.q", d.n_head * d.head_dim, d.n_embd, 2.0)
+    yield from _kvo(r, p, s.attention)
+    yield f"{p}.ffn_norm.weight", r.ones(d.n_embd)
+    yield from _ffn(r, p, s.ffn)
+
+
+def _kvo(r: Recipe, p: str, gain: float) -> Tensors:
+    d = r.dims
+    yield f"{p}.attn_k.weight", r.matrix(f"{p}.k", d.n_head_kv * d.head_dim, d.n_embd, 2.0)
+    yield f"{p}.attn_v.weight", r.matrix(f"{p}.v", d.n_head_kv * d.head_dim, d.n_embd)
+    yield f"{p}.attn_output.weight", r.matrix(f"{p}.o", d.n_embd, d.n_head * d.head_dim, gain)
+
+
+def _ffn(r: Recipe, p: str, gain: float) -> Tensors:
+    d = r.dims
+    yield f"{p}.ffn_gate.weight", r.matrix(f"{p}.gate", d.n_ff, d.n_embd, 2.0)
+    yield f"{p}.ffn_up.weight", r.matrix(f"{p}.up", d.n_ff, d.n_embd)
+    yield f"{p}.ffn_down.weight", r.matrix(f"{p}.down", d.n_embd, d.n_ff, gain)
+
+
+def _qwen35_ffn(r: Recipe, il: int, gain: float | None = None) -> Tensors:
+    p = f"blk.{il}"
+    yield f"{p}.attn_norm.weight", r.ones(r.dims.n_embd)
+    yield f"{p}.post_attention_norm.weight", r.ones(r.dims.n_embd)
+    yield from _ffn(r, p, r.strengths.ffn if gain is None else gain)
+
+
+def _gated_attention(r: Recipe, il: int, gain: float | None = None) -> Tensors:
+    """Qwen3.5 attention: ``attn_q`` holds query and output gate together."""
+    d, p = r.dims, f"blk.{il}"
+    yield f"{p}.attn_q.weight", r.matrix(f"{p}.q", 2 * d.n_head * d.head_dim, d.n_embd, 2.0)
+    yield f"{p}.attn_q_norm.weight", r.ones(d.head_dim)
+    yield f"{p}.attn_k_norm.weight", r.ones(d.head_dim)
+    yield from _kvo(r, p, r.strengths.attention if gain is None else gain)
+
+
+def _delta_net(r: Recipe, il: int) -> Tensors:
+    d, p = r.dims, f"blk.{il}"
+    key_dim = SSM_STATE * SSM_GROUPS
+    value_dim = SSM_STATE * SSM_HEADS
+    conv_dim = 2 * key_dim + value_dim
+    yield f"{p}.attn_qkv.weight", r.matrix(f"{p}.qkv", conv_dim, d.n_embd)
+    yield f"{p}.attn_gate.weight", r.matrix(f"{p}.z", value_dim, d.n_embd)
+    yield f"{p}.ssm_conv1d.weight", r.matrix(f"{p}.conv", conv_dim, SSM_CONV_KERNEL)
+    yield f"{p}.ssm_dt.bias", r.vector(f"{p}.dt", SSM_HEADS, 0.0, 0.5)
+    yield f"{p}.ssm_a", -np.abs(r.vector(f"{p}.a", SSM_HEADS, 1.0, 0.3))  # decay: negative
+    yield f"{p}.ssm_beta.weight", r.matrix(f"{p}.beta", SSM_HEADS, d.n_embd)
+    yield f"{p}.ssm_alpha.weight", r.matrix(f"{p}.alpha", SSM_HEADS, d.n_embd)
+    yield f"{p}.ssm_norm.weight", r.ones(SSM_STATE)
+    yield f"{p}.ssm_out.weight", r.matrix(f"{p}.out", d.n_embd, value_dim, r.strengths.delta_net)
+
+
+def _nextn_block(r: Recipe, il: int) -> Tensors:
+    """The MTP layer: mostly passes the token embedding through, so it predicts ``perm``."""
+    d, s, p = r.dims, r.strengths, f"blk.{il}"
+    eh_proj = np.concatenate(
+        [np.eye(d.n_embd, dtype=np.float32),
+         r.matrix(f"{p}.eh_hidden", d.n_embd, d.n_embd, s.mtp_hidden)],
+        axis=1,
+    )  # input is concat(enorm(token embedding), hnorm(target hidden state))
+    yield f"{p}.nextn.eh_proj.weight", eh_proj
+    yield f"{p}.nextn.enorm.weight", r.ones(d.n_embd)
+    yield f"{p}.nextn.hnorm.weight", r.ones(d.n_embd)
+    yield from _gated_attention(r, il, s.mtp_block)
+    yield from _qwen35_ffn(r, il, s.mtp_block)
