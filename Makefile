@@ -1,0 +1,41 @@
+# specfleet developer entry points. Everything installs into ./.venv in the repo root.
+#   make demo   install, find or start Redis, run one worker on Gemma 3 270M, stream a batch
+#   make test   install and run the whole test suite against a real Redis
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# llama-cpp-python is a source build; keep the user's own CMAKE_ARGS (e.g. -DGGML_CUDA=on).
+CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+export CMAKE_ARGS
+
+.PHONY: install demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	@echo "installing specfleet into $(VENV) (llama-cpp-python builds from source: ~5 min on 2 cores)"
+	$(PIP) install -e '.[dev,demo]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m coordinator.demo
+
+test: install
+	$(PY) -m coordinator.redis_local -- $(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) bench/spec_vs_plain.py
+	$(PY) bench/rollback_depth.py
+	$(PY) bench/service_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

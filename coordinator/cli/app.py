@@ -1,0 +1,22 @@
+"""The root Typer application and helpers shared by every sub-command."""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+import typer
+
+app = typer.Typer(
+    name="specfleet",
+    help="Speculative LLM decoding on a fleet of GPU workers behind Redis.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Exit non-zero with a one-line message on stderr (what operators and scripts expect)."""
+    sys.stderr.write(f"specfleet: error: {message}\n")
+    raise typer.Exit(code)

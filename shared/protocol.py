@@ -1,0 +1,304 @@
+"""Wire protocol: every object that crosses Redis or a JSONL file is one of these models.
+
+Keeping them in one module means the coordinator, the workers and the CLI cannot drift apart:
+a field renamed here is renamed everywhere, and every bad field is rejected at the edge with a
+message that names it (pydantic's ``loc``), before anything is queued.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+
+#: Hard cap on tokens one request may generate; larger budgets are a batch's job.
+MAX_TOKENS_CAP = 8192
+#: Hard cap on the prompt, in characters (text) and in token ids.
+MAX_PROMPT_CHARS = 256 * 1024
+MAX_PROMPT_TOKENS = 131072
+#: Hard cap on the draft width a request may ask for.
+MAX_DRAFT = 64
+MAX_STOP_SEQUENCES = 8
+MAX_STOP_CHARS = 128
+
+
+class _Strict(BaseModel):
+    """Base for wire models: unknown fields are errors, so a typo never silently does nothing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class SpecMethod(StrEnum):
+    """Which drafter proposes tokens. ``auto`` = MTP when the GGUF has a NextN head, else n-gram."""
+
+    NONE = "none"
+    NGRAM = "ngram"
+    MTP = "mtp"
+    AUTO = "auto"
+
+
+class CheckpointMode(StrEnum):
+    """Where compact-rollback checkpoints live."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+class Priority(StrEnum):
+    NORMAL = "normal"
+    HIGH = "high"
+
+
+class SpecSettings(_Strict):
+    """Per-request speculative settings. Defaults follow the measured sweet spot (docs/benchmarks)."""
+
+    method: SpecMethod = SpecMethod.AUTO
+    draft_max: int = Field(default=8, ge=1, le=MAX_DRAFT, description="draft width ceiling N")
+    draft_min: int = Field(default=0, ge=0, le=MAX_DRAFT, description="shorter drafts are dropped")
+    p_min: float = Field(default=0.0, ge=0.0, le=1.0, description="drafter confidence floor")
+    adaptive: bool = Field(default=False, description="adapt the draft width (seed 003 rule)")
+    rollback_depth: int | None = Field(
+        default=None, ge=1, le=MAX_DRAFT, description="direct rollback snapshots D (None = N)"
+    )
+    ngram_min: int = Field(default=1, ge=1, le=8, description="shortest n-gram looked up")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="longest n-gram looked up")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpecSettings:
+        if self.draft_min > self.draft_max:
+            raise ValueError(
+                f"draft_min ({self.draft_min}) must not exceed draft_max ({self.draft_max})"
+            )
+        if self.rollback_depth is not None and self.rollback_depth > self.draft_max:
+            raise ValueError(
+                f"rollback_depth ({self.rollback_depth}) must satisfy "
+                f"1 <= rollback_depth <= draft_max ({self.draft_max})"
+            )
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not SpecMethod.NONE
+
+
+class GenerationRequest(_Strict):
+    """One generation: a prompt (text or token ids), a budget, sampling and speculation."""
+
+    model: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[\w.\-]+$")
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    prompt_tokens: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, max_length=MAX_PROMPT_TOKENS
+    )
+    max_tokens: int = Field(default=128, ge=1, le=MAX_TOKENS_CAP)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_SEQUENCES
+    )
+    speculative: SpecSettings = Field(default_factory=SpecSettings)
+    priority: Priority = Priority.NORMAL
+    custom_id: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_prompt_and_greedy_spec(self) -> GenerationRequest:
+        if (self.prompt is None) == (self.prompt_tokens is None):
+            raise ValueError("exactly one of 'prompt' or 'prompt_tokens' must be given")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("'prompt' must not be empty")
+        if self.prompt_tokens is not None and not self.prompt_tokens:
+            raise ValueError("'prompt_tokens' must not be empty")
+        if self.temperature > 0 and self.speculative.enabled:
+            raise ValueError(
+                "speculative decoding is greedy-only: temperature must be 0 when "
+                "speculative.method is not 'none' (set speculative.method='none' to sample)"
+            )
+        return self
+
+
+class Telemetry(BaseModel):
+    """What speculation bought for one generation (or cumulatively for an engine).
+
+    Field names are part of the public contract (CLI ``--json``, events, logs, dashboards).
+    ``tokens_per_second`` counts decode time only; ``effective_tokens_per_second`` is wall time
+    including drafting, which is the one to believe (seed 000, "Reading the numbers").
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec_method: str = "none"
+    draft_max: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance: float = 0.0
+    accepted_per_position: list[int] = Field(default_factory=list)
+    drafted_per_position: list[int] = Field(default_factory=list)
+    mean_accepted_length: float = 0.0
+    target_decodes: int = 0
+    tokens_per_verify: float = 0.0
+    draft_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    effective_tokens_per_second: float = 0.0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    replay_events: int = 0
+    replay_tokens: int = 0
+    checkpoint_mode: str | None = None
+    checkpoint_saves: int = 0
+    host_fallbacks: int = 0
+    rollback_depth: int | None = None
+
+
+class FinishReason(StrEnum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+    CONTEXT = "context"
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    STARTED = "started"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class _EventBase(_Strict):
+    """Every streamed event names its job, attempt and position in the job's stream."""
+
+    job_id: str
+    attempt: int = Field(ge=1)
+    seq: int = Field(ge=0)
+    ts: float = Field(default_factory=time.time)
+
+
+class TokenEvent(_EventBase):
+    type: Literal["token"] = "token"
+    tokens: list[int]
+    text: str
+    index: int = Field(ge=0, description="position of tokens[0] in the generation")
+
+
+class TelemetryEvent(_EventBase):
+    type: Literal["telemetry"] = "telemetry"
+    telemetry: Telemetry
+
+
+class ProgressEvent(_EventBase):
+    type: Literal["progress"] = "progress"
+    stage: str
+    done: int = 0
+    total: int = 0
+    worker: str | None = None
+
+
+class ErrorEvent(_EventBase):
+    type: Literal["error"] = "error"
+    message: str
+    error_type: str = "error"
+    retryable: bool = False
+
+
+class FinalEvent(_EventBase):
+    type: Literal["final"] = "final"
+    status: JobStatus
+    finish_reason: FinishReason | None = None
+    tokens: list[int] = Field(default_factory=list)
+    text: str = ""
+    telemetry: Telemetry | None = None
+    worker: str | None = None
+    error: str | None = None
+
+
+Event = Annotated[
+    TokenEvent | TelemetryEvent | ProgressEvent | ErrorEvent | FinalEvent,
+    Field(discriminator="type"),
+]
+
+
+AnyEvent = TokenEvent | TelemetryEvent | ProgressEvent | ErrorEvent | FinalEvent
+_EVENT_ADAPTER: TypeAdapter[AnyEvent] = TypeAdapter(Event)
+
+
+def parse_event(raw: str | bytes) -> AnyEvent:
+    """Decode one event from its JSON wire form (the ``type`` field picks the model)."""
+    return _EVENT_ADAPTER.validate_json(raw)
+
+
+class DeviceFit(BaseModel):
+    """One device's share of a fit: every component measured from llama.cpp, in bytes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str
+    total_bytes: int
+    free_bytes: int
+    margin_bytes: int
+    components: dict[str, int] = Field(
+        default_factory=dict,
+        description="weights, kv, recurrent, snapshots, compute, draft, checkpoint_reservation",
+    )
+
+
+class FitReport(BaseModel):
+    """What a worker measured and fitted at start-up; logged as ``fit.report`` and published."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str
+    n_ctx: int
+    n_ctx_train: int
+    slots: int
+    total_bytes: int
+    budget_bytes: int
+    devices: list[DeviceFit]
+    spec_method: str
+    draft_max: int
+    rollback_depth: int | None = None
+    components: dict[str, int] = Field(default_factory=dict)
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class WorkerInfo(BaseModel):
+    """A live worker as registered in the fleet registry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    model_name: str
+    model_path: str
+    device: str
+    n_ctx: int
+    slots: int = 1
+    version: str
+    pid: int
+    host: str
+    started_at: float
+    heartbeat_at: float
+    current_job: str | None = None
+    spec_methods: list[str] = Field(default_factory=list)
+    fit: FitReport | None = None
+
+
+class BatchLine(_Strict):
+    """One input line of a batch file (OpenAI-style: ``custom_id`` plus a request ``body``)."""
+
+    custom_id: str = Field(min_length=1, max_length=256)
+    body: dict[str, Any]
+
+    @field_validator("body")
+    @classmethod
+    def _body_not_empty(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if not v:
+            raise ValueError("'body' must hold a generation request")
+        return v

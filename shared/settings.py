@@ -1,0 +1,47 @@
+"""Settings from the environment (``SPECFLEET_*`` and ``REDIS_URL``), validated once at start."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.keys import Keys
+
+
+class Settings(BaseSettings):
+    """Process-wide configuration; every field can be set as ``SPECFLEET_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECFLEET_", extra="ignore")
+
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("REDIS_URL", "SPECFLEET_REDIS_URL"),
+    )
+    prefix: str = Field(default="specfleet", pattern=r"^[\w.\-]+$")
+    log_level: str = "info"
+    log_format: str = Field(default="json", pattern=r"^(json|console)$")
+    heartbeat_seconds: float = Field(default=2.0, gt=0)
+    worker_ttl_seconds: float = Field(default=8.0, gt=0, description="missed-heartbeat deadline")
+    job_timeout_seconds: int = Field(default=3600, gt=0)
+    result_ttl_seconds: int = Field(default=86400, gt=0)
+    stream_maxlen: int = Field(default=10000, gt=0)
+    stream_ttl_seconds: int = Field(default=86400, gt=0)
+    token_chunk: int = Field(default=8, ge=1, description="tokens per streamed token event")
+    require_live_worker: bool = Field(
+        default=True, description="reject submits for models with no live worker"
+    )
+    fail_device_checkpoint: bool = Field(
+        default=False, description="fault injection: every device checkpoint save fails"
+    )
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read from the environment once."""
+    return Settings()

@@ -1,0 +1,90 @@
+"""The wire protocol rejects bad input at the edge with messages that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from shared.keys import Keys
+from shared.protocol import (
+    MAX_TOKENS_CAP,
+    FinalEvent,
+    GenerationRequest,
+    JobStatus,
+    Priority,
+    SpecSettings,
+    Telemetry,
+    TokenEvent,
+    parse_event,
+)
+
+
+def _error_locs(exc: ValidationError) -> list[str]:
+    return [".".join(str(p) for p in e["loc"]) for e in exc.errors()]
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": MAX_TOKENS_CAP + 1}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+        ({"prompt": "hi", "speculative": {"draft_max": 0}}, "speculative.draft_max"),
+        ({"prompt": "hi", "speculative": {"p_min": 1.5}}, "speculative.p_min"),
+        ({"prompt": "hi", "speculative": {"method": "medusa"}}, "speculative.method"),
+        ({"prompt_tokens": [1, -2, 3]}, "prompt_tokens.1"),
+        ({"prompt": "hi", "stop": [""]}, "stop.0"),
+        ({"prompt": "hi", "model": "bad name!"}, "model"),
+        ({"prompt": "hi", "colour": "red"}, "colour"),
+    ],
+)
+def test_bad_field_is_named(payload: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        GenerationRequest.model_validate(payload)
+    assert field in _error_locs(info.value)
+
+
+@pytest.mark.parametrize(
+    ("payload", "fragment"),
+    [
+        ({}, "exactly one of 'prompt' or 'prompt_tokens'"),
+        ({"prompt": "a", "prompt_tokens": [1]}, "exactly one of 'prompt' or 'prompt_tokens'"),
+        ({"prompt": "a", "temperature": 0.7}, "greedy-only"),
+        ({"prompt": "a", "speculative": {"draft_max": 3, "rollback_depth": 4}}, "rollback_depth"),
+        ({"prompt": "a", "speculative": {"draft_max": 3, "draft_min": 4}}, "draft_min"),
+    ],
+)
+def test_cross_field_rules_explain_themselves(payload: dict, fragment: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        GenerationRequest.model_validate(payload)
+    assert fragment in str(info.value)
+
+
+def test_sampling_without_speculation_is_allowed() -> None:
+    req = GenerationRequest(prompt="a", temperature=0.7, speculative=SpecSettings(method="none"))
+    assert req.temperature == 0.7 and not req.speculative.enabled
+
+
+def test_request_round_trips_through_json() -> None:
+    req = GenerationRequest(prompt_tokens=[1, 2, 3], max_tokens=5, priority=Priority.HIGH,
+                            speculative=SpecSettings(method="ngram", draft_max=6, adaptive=True))
+    assert GenerationRequest.model_validate_json(req.model_dump_json()) == req
+
+
+def test_events_are_discriminated_by_type() -> None:
+    tok = TokenEvent(job_id="j", attempt=1, seq=0, tokens=[5, 6], text="ab", index=0)
+    fin = FinalEvent(job_id="j", attempt=2, seq=9, status=JobStatus.FINISHED, tokens=[5, 6],
+                     telemetry=Telemetry(drafted=4, accepted=3))
+    assert parse_event(tok.model_dump_json()) == tok
+    back = parse_event(fin.model_dump_json())
+    assert isinstance(back, FinalEvent) and back.telemetry.accepted == 3
+    with pytest.raises(ValidationError):
+        parse_event(json.dumps({"type": "nope", "job_id": "j", "attempt": 1, "seq": 0}))
+
+
+def test_keys_are_namespaced_per_prefix() -> None:
+    a, b = Keys("a"), Keys("b")
+    assert a.events("j") != b.events("j")
+    assert a.queues("m") == ["a:m:high", "a:m"]

@@ -1,0 +1,1 @@
+"""Drafters: one proposer a module behind :class:`worker.engine.proposers.base.Proposer`."""

@@ -1,0 +1,64 @@
+"""The drafter interface the verify loop talks to.
+
+A proposer only proposes; it never touches the target context's memory. The verify loop
+decides what was accepted and tells the proposer afterwards, so every drafter (MTP head,
+n-gram lookup, a test oracle) plugs into the same loop without ``if method == ...`` branches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed continuation of ``last_token``.
+
+    ``cut_short`` is True when drafting stopped before the requested width for a reason the
+    width policy must not learn from (p-min confidence floor, no n-gram match, token budget).
+    """
+
+    tokens: list[int]
+    cut_short: bool = False
+    confidences: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """What one verify decode of ``[last_token, *draft]`` at ``pos0`` established.
+
+    ``n_accepted`` drafts matched the target's argmax; ``bonus`` is the target's token at the
+    first unverified row. ``rows`` is the target output row per batch entry (row i holds the
+    logits/hidden state of batch entry i).
+    """
+
+    pos0: int
+    last_token: int
+    draft: list[int]
+    n_accepted: int
+    bonus: int
+
+    @property
+    def accepted(self) -> list[int]:
+        return self.draft[: self.n_accepted]
+
+
+class Proposer(Protocol):
+    """A drafter. One instance serves one engine; ``start`` resets it per generation."""
+
+    name: str
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """A new generation: the target has just decoded ``prompt``."""
+        ...
+
+    def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
+        """Propose up to ``width`` tokens following ``history`` (prompt + generated so far;
+        its last element is the token the next verify decode starts with)."""
+        ...
+
+    def observe(self, outcome: VerifyOutcome) -> None:
+        """The verify decode finished: update drafter state with the accepted prefix only."""
+        ...

@@ -1,0 +1,164 @@
+"""A llama.cpp context built from a :class:`ContextSpec`, with checked low-level calls.
+
+The fitter measures contexts built from the very same spec the engine later runs, so a
+field added here changes both at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, replace
+
+import llama_cpp
+import numpy as np
+from llama_cpp import llama_cpp_ext
+
+from worker.llm.backend import LlamaError
+from worker.llm.batch import Batch
+from worker.llm.model import Model
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """Every context parameter specfleet sets; defaults are llama.cpp's unless noted."""
+
+    n_ctx: int
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    n_rs_seq: int = 0
+    #: Output rows per ubatch: a verify needs draft_max + 1, so capping it shrinks the
+    #: compute buffer from ubatch x vocab (hundreds of MiB on a 262k vocab) to a few MiB.
+    n_outputs_max: int = 0
+    n_threads: int = 0
+    mtp: bool = False
+    #: Full-size SWA cache is llama.cpp's default; off keeps only the window (Gemma: 6x less KV).
+    swa_full: bool = False
+    offload_kqv: bool = True
+
+    def with_(self, **changes: object) -> ContextSpec:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_params(self) -> llama_cpp.llama_context_params:
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = self.n_ctx
+        p.n_batch = self.n_batch
+        p.n_ubatch = min(self.n_ubatch, self.n_batch)
+        p.n_seq_max = self.n_seq_max
+        p.n_rs_seq = self.n_rs_seq
+        p.n_outputs_max = self.n_outputs_max
+        if self.n_threads > 0:
+            p.n_threads = self.n_threads
+            p.n_threads_batch = self.n_threads
+        p.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP if self.mtp else llama_cpp.LLAMA_CONTEXT_TYPE_DEFAULT
+        p.swa_full = self.swa_full
+        p.offload_kqv = self.offload_kqv
+        p.no_perf = True
+        return p
+
+
+class Context:
+    """Owns a ``llama_context`` over a :class:`Model`."""
+
+    def __init__(self, model: Model, spec: ContextSpec) -> None:
+        if spec.mtp and not model.spec.load_mtp:
+            # Creating an MTP context on a model loaded without load_mtp aborts the process
+            # inside llama.cpp (GGML_ASSERT); refuse here instead.
+            raise LlamaError("an MTP draft context needs the model loaded with load_mtp=True")
+        ptr = llama_cpp.llama_init_from_model(model.ptr, spec.to_params())
+        if not ptr:
+            what = "MTP draft context" if spec.mtp else "context"
+            raise LlamaError(
+                f"llama.cpp could not create the {what} (n_ctx={spec.n_ctx}, "
+                f"n_rs_seq={spec.n_rs_seq}): out of memory or unsupported model"
+            )
+        self.model = model
+        self.spec = spec
+        self.ptr = ptr
+        self.mem = llama_cpp.llama_get_memory(ptr)
+        self._n_vocab = model.n_vocab
+        self._n_embd = model.n_embd
+
+    @property
+    def n_ctx(self) -> int:
+        return int(llama_cpp.llama_n_ctx(self.ptr))
+
+    @property
+    def n_rs_seq(self) -> int:
+        """Rollback snapshots per sequence actually granted (0 on architectures without)."""
+        return int(llama_cpp.llama_n_rs_seq(self.ptr))
+
+    def decode(self, batch: Batch) -> None:
+        rc = llama_cpp.llama_decode(self.ptr, batch.raw)
+        if rc != 0:
+            raise LlamaError(f"llama_decode failed with code {rc} ({batch.n_tokens} tokens)")
+
+    def logits(self, row: int) -> np.ndarray:
+        """Logits of output row ``row`` of the last decode (a view; copy to keep)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, row)
+        if not ptr:
+            raise LlamaError(f"no logits for output row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def argmax(self, row: int) -> int:
+        """Greedy token of output row ``row``: argmax straight on the view, no copy."""
+        return int(np.argmax(self.logits(row)))
+
+    # -- hidden states (MTP hand-over) -----------------------------------------------------
+    def expose_hidden(self, masked: bool) -> None:
+        """Make every decode publish its NextN hidden rows (``masked``: only rows with logits).
+
+        The target exposes all rows (the draft needs the hidden state of every accepted
+        position); the MTP draft context only its output rows.
+        """
+        llama_cpp_ext.llama_set_embeddings_nextn(self.ptr, True, masked)
+
+    def hidden_rows(self, n: int) -> np.ndarray:
+        """The last decode's hidden rows for its ``n`` batch entries (a view; copy to keep)."""
+        ptr = llama_cpp_ext.llama_get_embeddings_nextn(self.ptr)
+        if not ptr:
+            raise LlamaError("no hidden rows: the context does not expose NextN embeddings")
+        return np.ctypeslib.as_array(ptr, shape=(n, self._n_embd))
+
+    def hidden(self, row: int) -> np.ndarray:
+        """Hidden row of output row ``row`` of the last decode (a view; copy to keep)."""
+        ptr = llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ptr, row)
+        if not ptr:
+            raise LlamaError(f"no hidden row for output row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_embd,))
+
+    # -- memory ----------------------------------------------------------------------------
+    def seq_rm(self, p0: int, p1: int = -1, seq: int = 0) -> bool:
+        """Remove positions [p0, p1) of ``seq``; False means nothing was removed."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(self.mem, True)
+
+    def pos_max(self, seq: int = 0) -> int:
+        return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
+
+    # -- state -----------------------------------------------------------------------------
+    def state_size(self, flags: int, seq: int = 0) -> int:
+        return int(llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq, flags))
+
+    def state_save(self, buf: ctypes.Array, flags: int, seq: int = 0) -> int:
+        """Write the sequence state into ``buf``; returns bytes written (0 = failure)."""
+        return int(llama_cpp.llama_state_seq_get_data_ext(
+            self.ptr, ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8)), len(buf), seq, flags))
+
+    def state_restore(self, buf: ctypes.Array, size: int, flags: int, seq: int = 0) -> int:
+        """Restore a state saved with the same ``flags``; returns bytes read (0 = failure)."""
+        return int(llama_cpp.llama_state_seq_set_data_ext(
+            self.ptr, ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8)), size, seq, flags))
+
+    def close(self) -> None:
+        if self.ptr:
+            llama_cpp.llama_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,130 @@
+"""A loaded GGUF model and what the engine and fitter need to know about it."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+
+from worker.llm.backend import LlamaError, init_backend
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to load a model. ``no_alloc`` loads metadata only (the fitter's dry run)."""
+
+    path: str
+    load_mtp: bool = False
+    n_gpu_layers: int = 0
+    main_gpu: int = 0
+    no_alloc: bool = False
+
+
+class Model:
+    """Owns a ``llama_model``; free it with :meth:`close` (or use as a context manager)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        init_backend()
+        path = Path(spec.path)
+        if not path.is_file():
+            raise LlamaError(f"model file not found: {spec.path}")
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = spec.n_gpu_layers
+        params.main_gpu = spec.main_gpu
+        params.load_mtp = spec.load_mtp
+        if spec.no_alloc:
+            # no_alloc aborts inside llama.cpp unless mmap/mlock loading is off too.
+            params.no_alloc = True
+            params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not ptr:
+            raise LlamaError(f"llama.cpp could not load the model {spec.path} (not a valid GGUF?)")
+        self.spec = spec
+        self.ptr = ptr
+        self.vocab = llama_cpp.llama_model_get_vocab(ptr)
+
+    # -- facts -----------------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+
+    @property
+    def n_embd(self) -> int:
+        return int(llama_cpp.llama_model_n_embd(self.ptr))
+
+    @property
+    def n_layer(self) -> int:
+        return int(llama_cpp.llama_model_n_layer(self.ptr))
+
+    @property
+    def n_layer_nextn(self) -> int:
+        """NextN (MTP) layers in the GGUF; reported even when loaded without ``load_mtp``."""
+        return int(llama_cpp.llama_model_n_layer_nextn(self.ptr))
+
+    @property
+    def has_mtp_head(self) -> bool:
+        return self.n_layer_nextn > 0
+
+    @property
+    def n_ctx_train(self) -> int:
+        return int(llama_cpp.llama_model_n_ctx_train(self.ptr))
+
+    @property
+    def is_recurrent(self) -> bool:
+        """True when the model carries recurrent state (pure recurrent or hybrid)."""
+        return bool(llama_cpp.llama_model_is_recurrent(self.ptr)) or bool(
+            llama_cpp.llama_model_is_hybrid(self.ptr)
+        )
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of all weight tensors, as llama.cpp counts them."""
+        return int(llama_cpp.llama_model_size(self.ptr))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
+
+    # -- tokens ----------------------------------------------------------------------------
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, False)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, False)
+        if n < 0:
+            raise LlamaError("tokenization failed")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """Raw bytes of one token's piece (may be part of a multi-byte UTF-8 character)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[: max(n, 0)]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.ptr:
+            llama_cpp.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
