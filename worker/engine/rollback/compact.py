@@ -20,9 +20,8 @@ from shared.logs import get_logger
 from shared.protocol import CheckpointMode
 from worker.engine.rollback.base import RollbackError
 from worker.engine.rollback.checkpoint import CheckpointStore
+from worker.engine.rollback.kv_trim import trim_tail
 from worker.llm import Batch, Context, LlamaError
-
-log = get_logger("rollback")
 
 
 class CompactRollback:
@@ -56,14 +55,10 @@ class CompactRollback:
         needs first: a replay is a decode and replaces the context's outputs."""
         depth = len(batch) - 1 - n_accepted
         if depth <= self.n_rs_seq:
-            if not target.seq_rm(pos0 + n_accepted + 1):
-                raise RollbackError(
-                    f"llama.cpp refused to roll back {depth} positions from {pos0 + n_accepted + 1}"
-                )
+            trim_tail(target, pos0 + n_accepted + 1)
             return
         self.store.restore(target)
-        if not target.seq_rm(pos0):
-            raise RollbackError(f"llama.cpp refused to trim the KV from position {pos0}")
+        trim_tail(target, pos0)
         kept = batch[: n_accepted + 1]
         try:
             target.decode(self._replay.set(kept, pos0))
@@ -71,7 +66,7 @@ class CompactRollback:
             raise RollbackError(f"replay of {len(kept)} tokens failed: {exc}") from exc
         self.replay_events += 1
         self.replay_tokens += len(kept)
-        log.info("rollback.replay", depth=depth, tokens=len(kept), pos=pos0)
+        get_logger("rollback").info("rollback.replay", depth=depth, tokens=len(kept), pos=pos0)
 
     def telemetry(self) -> dict[str, object]:
         return {
