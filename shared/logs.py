@@ -37,5 +37,9 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: IO[str] | 
 
 
 def get_logger(component: str) -> structlog.typing.FilteringBoundLogger:
-    """A logger whose every event carries ``component``."""
-    return structlog.get_logger().bind(component=component)
+    """A logger whose every event carries ``component``.
+
+    Stays a lazy proxy, so a module-level logger created at import follows a
+    :func:`configure_logging` that runs later (a CLI sets its level after importing).
+    """
+    return structlog.get_logger(component=component)

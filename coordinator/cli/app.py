@@ -20,3 +20,8 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """Exit non-zero with a one-line message on stderr (what operators and scripts expect)."""
     sys.stderr.write(f"specfleet: error: {message}\n")
     raise typer.Exit(code)
+
+
+@app.callback()
+def _root() -> None:
+    """Speculative LLM decoding on a fleet of GPU workers behind Redis."""

@@ -50,7 +50,8 @@ class ContextSpec:
         if self.n_threads > 0:
             p.n_threads = self.n_threads
             p.n_threads_batch = self.n_threads
-        p.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP if self.mtp else llama_cpp.LLAMA_CONTEXT_TYPE_DEFAULT
+        p.ctx_type = (llama_cpp.LLAMA_CONTEXT_TYPE_MTP if self.mtp
+                      else llama_cpp.LLAMA_CONTEXT_TYPE_DEFAULT)
         p.swa_full = self.swa_full
         p.offload_kqv = self.offload_kqv
         p.no_perf = True

@@ -1,0 +1,95 @@
+"""``specfleet generate``: run the speculative engine in-process (no Redis) on one prompt.
+
+Operators use it to try a model and a speculation setting; acceptance checks use ``--json``.
+Every failure (bad option, missing model, a method the model cannot do) exits non-zero with
+one line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from coordinator.cli.app import app, fail
+from shared.logs import configure_logging
+from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, Telemetry
+from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.rollback import RollbackError
+from worker.llm import LlamaError
+
+
+def _parse_tokens(raw: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in raw.split(",") if t.strip()]
+    except ValueError:
+        fail(f"--prompt-tokens must be comma-separated integers, got {raw!r}")
+    if not tokens:
+        fail("--prompt-tokens is empty")
+    return tokens
+
+
+def _summary(t: Telemetry) -> str:
+    """Seed 000's reading of the numbers: acceptance, then what it bought, then the rates."""
+    return (f"{t.spec_method}: {t.accepted}/{t.drafted} drafts accepted "
+            f"({100 * t.acceptance:.1f}%), {t.tokens_per_verify:.2f} tokens per verify decode "
+            f"({t.target_decodes} decodes for {t.generated_tokens} tokens); "
+            f"{t.tokens_per_second:.1f} tok/s decode, "
+            f"{t.effective_tokens_per_second:.1f} tok/s effective")
+
+
+@app.command()
+def generate(
+    model: Annotated[Path, typer.Option(help="GGUF model file")],
+    max_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate at most")],
+    prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
+    prompt_tokens: Annotated[str | None, typer.Option(help="prompt token ids: 1,2,3")] = None,
+    spec: Annotated[SpecMethod, typer.Option(help="drafting method")] = SpecMethod.AUTO,
+    draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
+    draft_min: Annotated[int, typer.Option(help="shorter drafts are dropped")] = 0,
+    p_min: Annotated[float, typer.Option(help="stop drafting below this confidence")] = 0.0,
+    adaptive: Annotated[bool, typer.Option(help="adapt the draft width (seed 003 rule)")] = False,
+    rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
+    checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
+    = CheckpointMode.DEVICE,
+    temperature: Annotated[float, typer.Option(help="sampling temperature (needs --spec none)")]
+    = 0.0,
+    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
+    ctx: Annotated[int, typer.Option(min=2, help="context size in tokens")] = 4096,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Generate from one prompt with the speculative engine, in this process."""
+    configure_logging(level="warning")
+    if (prompt is None) == (prompt_tokens is None):
+        fail("give exactly one of --prompt or --prompt-tokens")
+    if prompt == "":
+        fail("--prompt is empty")
+    try:
+        settings = SpecSettings(method=spec, draft_max=draft_max, draft_min=draft_min,
+                                p_min=p_min, adaptive=adaptive, rollback_depth=rollback_depth)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        fail(f"{where + ': ' if where else ''}{err['msg']}")
+    if temperature > 0 and settings.enabled:
+        fail("speculative decoding is greedy-only: use --temperature 0, or --spec none to sample")
+    config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, spec=settings,
+                          checkpoint=checkpoint)
+    try:
+        with SpeculativeEngine(config) as engine:
+            tokens = engine.tokenize(prompt) if prompt is not None else _parse_tokens(prompt_tokens)
+            result = engine.generate(tokens, max_tokens, settings, temperature=temperature,
+                                     seed=seed)
+    except (ValueError, LlamaError, RollbackError, NotImplementedError) as exc:
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    if as_json:
+        print(json.dumps({"tokens": result.tokens, "text": result.text,
+                          "telemetry": result.telemetry.model_dump(mode="json")}))
+    else:
+        print(result.text)
+        sys.stderr.write(_summary(result.telemetry) + "\n")

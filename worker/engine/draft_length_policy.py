@@ -1,0 +1,79 @@
+"""How wide the next draft may be: a fixed width, or seed 003's adaptive ceiling.
+
+The loop always asks a policy and always reports back, so turning adaptation on or off is a
+choice of object, not an ``if adaptive`` in the per-token path.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+#: A ceiling-reaching draft that accepts fewer than this many tokens counts towards backoff.
+BACKOFF_BELOW = 3
+#: This many such drafts in a row lower the ceiling by one.
+BACKOFF_STREAK = 2
+
+
+class DraftLengthPolicy(Protocol):
+    """Decides the draft width of the next step and learns from its outcome."""
+
+    def width(self) -> int:
+        """Width to ask the proposer for (the loop may cap it further for budget/context)."""
+        ...
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """The last step drafted ``drafted`` tokens and the target accepted ``accepted``."""
+        ...
+
+
+class FixedWidth:
+    """Always the same width; learns nothing."""
+
+    def __init__(self, width: int) -> None:
+        self._width = width
+
+    def width(self) -> int:
+        return self._width
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Fixed: outcomes do not matter."""
+
+
+class AdaptiveWidth:
+    """Seed 003's rule: start at ``draft_max``; two consecutive drafts that reached the
+    ceiling and accepted fewer than 3 lower it by one; a fully accepted ceiling-reaching draft
+    raises it by one; never above ``draft_max``, never below 1.
+
+    A draft shorter than the ceiling was cut short (p-min, no n-gram continuation, token or
+    context limit, a failed draft decode) and says nothing about the ceiling, so it neither
+    counts nor breaks a streak.
+    """
+
+    def __init__(self, draft_max: int) -> None:
+        self.draft_max = draft_max
+        self.ceiling = draft_max
+        self._streak = 0
+
+    def width(self) -> int:
+        return self.ceiling
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted < self.ceiling:
+            return
+        if accepted == drafted:
+            self.ceiling = min(self.ceiling + 1, self.draft_max)
+            self._streak = 0
+        elif accepted < BACKOFF_BELOW:
+            self._streak += 1
+            if self._streak == BACKOFF_STREAK:
+                self.ceiling = max(self.ceiling - 1, 1)
+                self._streak = 0
+        else:
+            self._streak = 0
+
+
+def make_policy(draft_max: int, adaptive: bool) -> DraftLengthPolicy:
+    """The width policy for one generation (``draft_max`` 0 = plain decoding)."""
+    if adaptive and draft_max > 0:
+        return AdaptiveWidth(draft_max)
+    return FixedWidth(draft_max)

@@ -1,0 +1,108 @@
+"""Counters of what speculation did and bought, turned into :class:`Telemetry`.
+
+One :class:`SpecCounters` per generation; the engine merges each into a lifetime total, and
+both render through the same :meth:`SpecCounters.to_telemetry`, so per-request and cumulative
+figures can never be computed two different ways.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from shared.protocol import Telemetry
+
+#: Rollback counters that add up across generations (the rest are the latest state).
+ROLLBACK_SUMS = ("replay_events", "replay_tokens", "checkpoint_saves", "host_fallbacks")
+#: What a rollback policy may report (its ``telemetry()`` keys beyond these are its own).
+ROLLBACK_FIELDS = (*ROLLBACK_SUMS, "checkpoint_mode", "rollback_depth")
+
+
+def _add_lists(into: list[int], other: list[int]) -> None:
+    into.extend([0] * (len(other) - len(into)))
+    for i, v in enumerate(other):
+        into[i] += v
+
+
+@dataclass
+class SpecCounters:
+    """Raw counts and seconds; every rate is derived only when rendering."""
+
+    spec_method: str = "none"
+    draft_max: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    #: Target verify decodes (a width-0 step is a verify of one row: a plain decode).
+    target_decodes: int = 0
+    #: Verify decodes that carried at least one drafted token.
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    #: Wall time of the decode loop (after prefill): drafting, verifying and bookkeeping.
+    wall_seconds: float = 0.0
+    rollback: dict[str, object] = field(default_factory=dict)
+
+    def record_verify(self, drafted: int, accepted: int) -> None:
+        """One verify decode of ``drafted`` drafts of which the first ``accepted`` matched."""
+        self.target_decodes += 1
+        if not drafted:
+            return
+        self.drafts += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        _add_lists(self.drafted_per_position, [1] * drafted)
+        _add_lists(self.accepted_per_position, [1] * accepted)
+
+    def set_rollback(self, before: Mapping[str, object], after: Mapping[str, object]) -> None:
+        """Rollback counters live as long as the engine; keep this generation's share."""
+        self.rollback = dict(after)
+        for key in ROLLBACK_SUMS:
+            if key in after:
+                self.rollback[key] = int(after[key]) - int(before.get(key, 0))  # type: ignore[call-overload]
+
+    def merge(self, other: SpecCounters) -> None:
+        """Fold one generation into a lifetime total."""
+        self.spec_method = other.spec_method
+        self.draft_max = max(self.draft_max, other.draft_max)
+        for name in ("prompt_tokens", "generated_tokens", "target_decodes", "drafts",
+                     "drafted", "accepted", "prefill_seconds", "draft_seconds",
+                     "decode_seconds", "wall_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        _add_lists(self.drafted_per_position, other.drafted_per_position)
+        _add_lists(self.accepted_per_position, other.accepted_per_position)
+        merged = dict(other.rollback)
+        for key in ROLLBACK_SUMS:
+            if key in other.rollback:
+                merged[key] = int(self.rollback.get(key, 0)) + int(other.rollback[key])  # type: ignore[call-overload]
+        self.rollback = merged
+
+    def to_telemetry(self) -> Telemetry:
+        def ratio(a: float, b: float) -> float:
+            return a / b if b > 0 else 0.0
+
+        return Telemetry(
+            spec_method=self.spec_method,
+            draft_max=self.draft_max,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            acceptance=ratio(self.accepted, self.drafted),
+            accepted_per_position=list(self.accepted_per_position),
+            drafted_per_position=list(self.drafted_per_position),
+            mean_accepted_length=ratio(self.accepted, self.drafts),
+            target_decodes=self.target_decodes,
+            tokens_per_verify=ratio(self.generated_tokens, self.target_decodes),
+            draft_seconds=self.draft_seconds,
+            decode_seconds=self.decode_seconds,
+            prefill_seconds=self.prefill_seconds,
+            wall_seconds=self.wall_seconds,
+            tokens_per_second=ratio(self.generated_tokens, self.decode_seconds),
+            effective_tokens_per_second=ratio(self.generated_tokens, self.wall_seconds),
+            generated_tokens=self.generated_tokens,
+            prompt_tokens=self.prompt_tokens,
+            **{k: v for k, v in self.rollback.items() if k in ROLLBACK_FIELDS},  # type: ignore[arg-type]
+        )
