@@ -54,6 +54,10 @@ class Keys:
         """A worker's registration (JSON ``WorkerInfo``), expiring without heartbeats."""
         return f"{self.prefix}:worker:{name}"
 
+    def worker_job(self, name: str) -> str:
+        """The job a worker is running; outlives the worker so crash recovery can requeue it."""
+        return f"{self.prefix}:worker:{name}:job"
+
     def models(self) -> str:
         """Set of model names that have (had) workers."""
         return f"{self.prefix}:models"

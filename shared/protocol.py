@@ -11,7 +11,15 @@ import time
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 #: Hard cap on tokens one request may generate; larger budgets are a batch's job.
 MAX_TOKENS_CAP = 8192
@@ -302,3 +310,12 @@ class BatchLine(_Strict):
         if not v:
             raise ValueError("'body' must hold a generation request")
         return v
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming every bad field and why (``speculative.draft_max: ...; prompt: ...``)."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err.get("loc", ())) or "request"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)

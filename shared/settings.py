@@ -32,6 +32,13 @@ class Settings(BaseSettings):
     require_live_worker: bool = Field(
         default=True, description="reject submits for models with no live worker"
     )
+    token_flush_seconds: float = Field(
+        default=0.05, ge=0, description="a partial token chunk is streamed after this long"
+    )
+    step_delay_seconds: float = Field(
+        default=0.0, ge=0, le=10,
+        description="test/drill only: sleep this long per decode step (slows a worker down)",
+    )
     fail_device_checkpoint: bool = Field(
         default=False, description="fault injection: every device checkpoint save fails"
     )

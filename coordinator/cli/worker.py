@@ -1,0 +1,60 @@
+"""``specfleet worker``: serve one model on one device from the Redis queues until SIGTERM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from redis import RedisError
+
+from coordinator.cli.app import app, fail
+from shared.logs import configure_logging
+from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
+from shared.settings import get_settings
+from worker.fitter.errors import FitError
+from worker.service.runner import WorkerOptions, serve
+
+
+@app.command()
+def worker(
+    model: Annotated[Path, typer.Option(help="GGUF model file")],
+    model_name: Annotated[str | None, typer.Option(help="name clients submit to "
+                                                   "(default: the file name without .gguf)")]
+    = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N (pinned before llama.cpp loads)")]
+    = "cpu",
+    budget_mib: Annotated[int | None, typer.Option(min=1, help="memory budget for the fitter")]
+    = None,
+    redis: Annotated[str | None, typer.Option(help="Redis URL (default: REDIS_URL)")] = None,
+    name: Annotated[str | None, typer.Option(help="worker name (default: host-device-pid)")]
+    = None,
+    ctx: Annotated[int, typer.Option(min=2, help="context size in tokens")] = 4096,
+    spec: Annotated[SpecMethod, typer.Option(help="drafting method capacity")] = SpecMethod.AUTO,
+    draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
+    rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
+    checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
+    = CheckpointMode.DEVICE,
+    threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
+) -> None:
+    """Run a resident-model worker: fit, load once, register, take jobs, heartbeat."""
+    settings = get_settings()
+    if redis is not None:
+        settings = settings.model_copy(update={"redis_url": redis})
+    configure_logging(settings.log_level, settings.log_format)
+    if not model.is_file():
+        fail(f"model file not found: {model}")
+    try:
+        spec_settings = SpecSettings(method=spec, draft_max=draft_max,
+                                     rollback_depth=rollback_depth)
+    except ValidationError as exc:
+        fail(describe_validation_error(exc))
+    options = WorkerOptions(
+        model_path=str(model), model_name=model_name or model.name.removesuffix(".gguf"),
+        device=device, name=name, n_ctx=ctx, budget_mib=budget_mib, threads=threads,
+        spec=spec_settings, checkpoint=checkpoint)
+    try:
+        serve(options, settings)
+    except (FitError, RedisError, RuntimeError, ValueError) as exc:
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -1,0 +1,176 @@
+"""The coordinator's Python API: submit requests, follow their events, cancel, watch the fleet.
+
+``Coordinator(settings).submit(request)`` validates at the edge (protocol, model, live worker,
+context) and queues one rq job running ``worker.service.jobs.run_generation`` with the JSON
+serializer; the returned ``JobHandle`` streams the job's events transparently across attempts
+(a crashed worker's job re-runs elsewhere) and gives the final result.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from redis import Redis
+from rq.job import Job
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+
+from coordinator.events import follow
+from coordinator.validation import SubmitError, check_admission, parse_request
+from shared.logs import get_logger
+from shared.protocol import (
+    AnyEvent,
+    FinalEvent,
+    GenerationRequest,
+    JobStatus,
+    Telemetry,
+    TokenEvent,
+    WorkerInfo,
+)
+from shared.settings import Settings, get_settings
+from worker.service.cancel import request_cancel
+from worker.service.events import EventWriter
+from worker.service.jobs import JOB_FUNCTION
+from worker.service.recovery import RecoveryMonitor
+from worker.service.registry import FleetRegistry
+
+log = get_logger("coordinator")
+
+__all__ = ["Coordinator", "JobHandle", "JobResult", "SubmitError"]
+
+
+@dataclass
+class JobResult:
+    """A job's outcome, from its final event (the CLI's ``--json`` object)."""
+
+    job_id: str
+    status: JobStatus
+    tokens: list[int]
+    text: str
+    telemetry: Telemetry | None
+    worker: str | None
+    attempts: int
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "status": str(self.status), "tokens": self.tokens,
+                "text": self.text,
+                "telemetry": self.telemetry.model_dump() if self.telemetry else None,
+                "worker": self.worker, "attempts": self.attempts,
+                "finish_reason": self.finish_reason, "error": self.error}
+
+
+class JobHandle:
+    """One submitted job: its events, its result, its cancellation."""
+
+    def __init__(self, coordinator: Coordinator, job_id: str) -> None:
+        self._coordinator = coordinator
+        self.job_id = job_id
+
+    def stream(self, timeout: float | None = None) -> Iterator[AnyEvent]:
+        """Every event from the first, across attempts, ending with the final event."""
+        c = self._coordinator
+        return follow(c.connection, c.settings.keys, self.job_id, timeout=timeout)
+
+    def text_stream(self, timeout: float | None = None) -> Iterator[str]:
+        """The generated text as it arrives, once: a re-run after a crash repeats the same
+        greedy tokens, so only text beyond what was already yielded is passed on."""
+        shown = 0
+        attempt_text: dict[int, str] = {}
+        for event in self.stream(timeout):
+            if isinstance(event, TokenEvent):
+                text = attempt_text.get(event.attempt, "") + event.text
+                attempt_text[event.attempt] = text
+                if len(text) > shown:
+                    yield text[shown:]
+                    shown = len(text)
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        """Wait for the final event; raises ``TimeoutError`` after ``timeout`` seconds."""
+        final: FinalEvent | None = None
+        for event in self.stream(timeout):
+            if isinstance(event, FinalEvent):
+                final = event
+        assert final is not None  # follow() only ends on a final event
+        return JobResult(job_id=self.job_id, status=final.status, tokens=final.tokens,
+                         text=final.text, telemetry=final.telemetry, worker=final.worker,
+                         attempts=final.attempt,
+                         finish_reason=str(final.finish_reason) if final.finish_reason else None,
+                         error=final.error)
+
+    def cancel(self) -> None:
+        """Stop the job: a queued job is withdrawn, a running one stops within one step."""
+        self._coordinator.cancel(self.job_id)
+
+
+class Coordinator:
+    """Submits to and watches one specfleet deployment (one Redis, one key prefix)."""
+
+    def __init__(self, settings: Settings | None = None, connection: Redis | None = None) -> None:
+        self.settings = settings or get_settings()
+        self.connection = connection or Redis.from_url(self.settings.redis_url)
+        self.keys = self.settings.keys
+        self.registry = FleetRegistry(self.connection, self.keys,
+                                      self.settings.worker_ttl_seconds)
+
+    def _queue(self, name: str) -> Queue:
+        return Queue(name, connection=self.connection, serializer=JSONSerializer,
+                     default_timeout=self.settings.job_timeout_seconds)
+
+    def known_models(self) -> set[str]:
+        return {m.decode() if isinstance(m, bytes) else m
+                for m in self.connection.smembers(self.keys.models())}
+
+    def submit(self, request: GenerationRequest | dict[str, Any]) -> JobHandle:
+        """Validate and queue one request; ``SubmitError`` says why it was refused."""
+        req = parse_request(request)
+        workers = self.registry.live_workers(req.model)
+        check_admission(req, workers, self.known_models(), self.settings.require_live_worker)
+        job_id = uuid.uuid4().hex
+        queue = self._queue(self.keys.queue(req.model, req.priority))
+        queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json"), job_id=job_id,
+                      job_timeout=self.settings.job_timeout_seconds,
+                      result_ttl=self.settings.result_ttl_seconds,
+                      failure_ttl=self.settings.result_ttl_seconds,
+                      meta={"model": req.model, "custom_id": req.custom_id})
+        log.info("job.queued", job_id=job_id, model=req.model, attempt=0, queue=queue.name,
+                 priority=str(req.priority), max_tokens=req.max_tokens)
+        return JobHandle(self, job_id)
+
+    def handle(self, job_id: str) -> JobHandle:
+        """A handle on a job submitted earlier (by anyone)."""
+        return JobHandle(self, job_id)
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a job; True when it was still waiting and was withdrawn from its queue."""
+        request_cancel(self.connection, self.keys, job_id, self.settings.stream_ttl_seconds)
+        try:
+            job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+        except Exception:  # no such job (or expired): the flag is all we can leave
+            return False
+        if not self._queue(job.origin).remove(job_id):
+            return False  # running (it sees the flag within one step) or already done
+        job.cancel()
+        attempt = int(self.connection.get(self.keys.attempts(job_id)) or 1)
+        EventWriter(self.connection, self.keys, job_id, attempt,
+                    maxlen=self.settings.stream_maxlen,
+                    ttl_seconds=self.settings.stream_ttl_seconds).final(
+            status=JobStatus.CANCELLED, finish_reason="cancelled")
+        with structlog.contextvars.bound_contextvars(job_id=job_id, attempt=attempt):
+            log.info("job.cancelled", model=(job.meta or {}).get("model"), stage="queued")
+        return True
+
+    def fleet(self) -> list[WorkerInfo]:
+        """Live workers (recovering any lost one's job first)."""
+        RecoveryMonitor(self.connection, self.keys, self.registry, self.settings.stream_maxlen,
+                        self.settings.stream_ttl_seconds).sweep()
+        return self.registry.live_workers()
+
+    def queue_depths(self, model: str) -> dict[str, int]:
+        """Jobs waiting per queue of one model."""
+        return {name: self._queue(name).count for name in self.keys.queues(model)}

@@ -1,0 +1,58 @@
+"""Admission checks at submit: every rejection is a clear error before anything is queued.
+
+Token counting is honest without a tokenizer: ``prompt_tokens`` are counted exactly; a text
+prompt has at least one token and at most (UTF-8 bytes + 2) tokens (every token consumes at
+least one byte; +2 for BOS/EOS specials). A text prompt is rejected here only when even one
+token cannot fit; when only the upper bound overflows, the worker counts exactly after
+tokenizing and fails the job with a ``context`` error before generating anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from shared.protocol import GenerationRequest, WorkerInfo, describe_validation_error
+
+
+class SubmitError(ValueError):
+    """A request the coordinator refuses to queue; the message says what and why."""
+
+
+def parse_request(request: GenerationRequest | dict[str, Any]) -> GenerationRequest:
+    """The request as a validated model, or a ``SubmitError`` naming every bad field."""
+    if isinstance(request, GenerationRequest):
+        return request
+    if not isinstance(request, dict):
+        raise SubmitError(f"a request must be a JSON object, not {type(request).__name__}")
+    try:
+        return GenerationRequest.model_validate(request)
+    except ValidationError as exc:
+        raise SubmitError(f"invalid request: {describe_validation_error(exc)}") from None
+
+
+def prompt_token_bounds(request: GenerationRequest) -> tuple[int, int]:
+    """Lowest and highest number of tokens the prompt can have."""
+    if request.prompt_tokens is not None:
+        return len(request.prompt_tokens), len(request.prompt_tokens)
+    return 1, len((request.prompt or "").encode("utf-8")) + 2
+
+
+def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
+                    known_models: set[str], require_live_worker: bool) -> None:
+    """Raise ``SubmitError`` when the request cannot be served by the fleet."""
+    if not workers and request.model not in known_models:
+        known = ", ".join(sorted(known_models)) or "none"
+        raise SubmitError(f"unknown model '{request.model}' (models served: {known})")
+    if not workers:
+        if require_live_worker:
+            raise SubmitError(f"no live worker serves model '{request.model}' "
+                              "(start one, or set SPECFLEET_REQUIRE_LIVE_WORKER=false to queue)")
+        return
+    largest = max(w.n_ctx for w in workers)
+    lowest, _ = prompt_token_bounds(request)
+    if lowest + request.max_tokens > largest:
+        what = "prompt" if request.prompt_tokens is not None else "prompt (at least 1 token)"
+        raise SubmitError(f"{what} of {lowest} tokens + max_tokens {request.max_tokens} exceeds "
+                          f"the largest context of model '{request.model}' workers ({largest})")

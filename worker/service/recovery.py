@@ -1,0 +1,97 @@
+"""Crash recovery: requeue, at the front of its queue, the job of a worker that stopped beating.
+
+rq's own abandoned-job cleanup runs every 10 minutes and then fails the job; this monitor runs
+in every worker's heartbeat thread (and in ``Coordinator.fleet()``), so a dead worker's job
+is running again within ``worker_ttl + heartbeat`` seconds. Exactly one monitor recovers a
+given worker: the claim is an atomic ``ZREM`` of its name from the fleet set.
+"""
+
+from __future__ import annotations
+
+from redis import Redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+
+from shared.keys import Keys
+from shared.logs import get_logger
+from worker.service.events import EventWriter
+from worker.service.registry import FleetRegistry
+
+log = get_logger("recovery")
+
+#: States in which a job of a dead worker still needs running (queued: popped, not started).
+_UNFINISHED = {JobStatus.QUEUED, JobStatus.STARTED}
+
+
+def requeue_front(connection: Redis, job_id: str) -> Job | None:
+    """Put a job back at the front of its queue; None when it no longer exists.
+
+    Removes it from the started registry (its executions) and the failed registry first, so
+    rq's own cleanup can never later mark the re-run as abandoned.
+    """
+    try:
+        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+    except NoSuchJobError:
+        return None
+    queue = Queue(job.origin, connection=connection, serializer=JSONSerializer)
+    with connection.pipeline() as pipe:
+        queue.started_job_registry.remove_executions(job, pipeline=pipe)
+        queue.failed_job_registry.remove(job, pipeline=pipe)
+        pipe.execute()
+    job.started_at = None
+    job.ended_at = None
+    queue.enqueue_job(job, at_front=True)
+    return job
+
+
+class RecoveryMonitor:
+    """Finds lost workers and requeues the job each was running."""
+
+    def __init__(self, connection: Redis, keys: Keys, registry: FleetRegistry,
+                 stream_maxlen: int = 10000, stream_ttl_seconds: int = 86400) -> None:
+        self._conn = connection
+        self._keys = keys
+        self._registry = registry
+        self._maxlen = stream_maxlen
+        self._ttl = stream_ttl_seconds
+
+    def sweep(self) -> list[str]:
+        """Recover every lost worker; returns the ids of the jobs requeued."""
+        requeued = []
+        for name in self._registry.registered_names():
+            if self._registry.is_alive(name) or not self._registry.claim_lost(name):
+                continue
+            job_id = self._registry.take_job(name)
+            log.warning("worker.lost", worker=name, job_id=job_id)
+            if job_id and self.requeue(job_id, lost_worker=name):
+                requeued.append(job_id)
+        return requeued
+
+    def recover_leftover(self, name: str) -> str | None:
+        """At start-up: requeue a job that a previous process with our name left running."""
+        job_id = self._registry.take_job(name)
+        if job_id and self.requeue(job_id, lost_worker=name):
+            return job_id
+        return None
+
+    def requeue(self, job_id: str, lost_worker: str) -> bool:
+        """Requeue one unfinished job and say so on its stream."""
+        try:
+            found = Job.fetch(job_id, connection=self._conn, serializer=JSONSerializer)
+        except NoSuchJobError:
+            return False
+        waiting = self._conn.lpos(Queue(found.origin, connection=self._conn).key, job_id)
+        if found.get_status() not in _UNFINISHED or waiting is not None:
+            return False
+        job = requeue_front(self._conn, job_id)
+        if job is None:
+            return False
+        attempt = int(self._conn.get(self._keys.attempts(job_id)) or 1)
+        model = (job.meta or {}).get("model")
+        EventWriter(self._conn, self._keys, job_id, attempt, maxlen=self._maxlen,
+                    ttl_seconds=self._ttl).progress("requeued", worker=lost_worker)
+        log.warning("job.requeued", job_id=job_id, worker=lost_worker, model=model,
+                    attempt=attempt, next_attempt=attempt + 1)
+        return True

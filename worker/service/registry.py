@@ -1,0 +1,124 @@
+"""Fleet registry: which workers are alive, what they serve, what they are running.
+
+Liveness is a registration key with a millisecond TTL (``worker:{name}``) refreshed by a
+heartbeat thread, so Redis's own clock decides who is dead (no clock skew between hosts).
+The ``workers`` sorted set lists every registered name (score: last heartbeat) and outlives a
+dead worker: a name in the set whose registration key has expired is a lost worker, and
+removing it from the set (``ZREM`` returns 1 exactly once) is how one monitor claims its
+recovery. ``worker:{name}:job`` names the job a worker runs and also outlives it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from redis import Redis
+
+from shared.keys import Keys
+from shared.logs import get_logger
+from shared.protocol import WorkerInfo
+
+log = get_logger("registry")
+
+
+class FleetRegistry:
+    """Register, heartbeat, list and deregister workers."""
+
+    def __init__(self, connection: Redis, keys: Keys, ttl_seconds: float) -> None:
+        self._conn = connection
+        self._keys = keys
+        self._ttl_ms = max(1, int(ttl_seconds * 1000))
+
+    def heartbeat(self, info: WorkerInfo) -> bool:
+        """Write ``info`` with a fresh TTL; False when the name had been declared lost."""
+        info.heartbeat_at = time.time()
+        pipe = self._conn.pipeline(transaction=True)
+        pipe.set(self._keys.worker(info.name), info.model_dump_json(), px=self._ttl_ms)
+        pipe.zadd(self._keys.workers(), {info.name: info.heartbeat_at})
+        pipe.sadd(self._keys.models(), info.model_name)
+        _, added, _ = pipe.execute()
+        return not added
+
+    def register(self, info: WorkerInfo) -> None:
+        """First heartbeat of a worker."""
+        self.heartbeat(info)
+
+    def is_alive(self, name: str) -> bool:
+        return bool(self._conn.exists(self._keys.worker(name)))
+
+    def deregister(self, name: str) -> None:
+        """Clean exit: the worker leaves the fleet with no job to recover."""
+        self._conn.delete(self._keys.worker(name), self._keys.worker_job(name))
+        self._conn.zrem(self._keys.workers(), name)
+
+    def set_current_job(self, name: str, job_id: str | None) -> None:
+        """Record (or clear) the job a worker runs, for crash recovery."""
+        if job_id is None:
+            self._conn.delete(self._keys.worker_job(name))
+        else:
+            self._conn.set(self._keys.worker_job(name), job_id)
+
+    def live_workers(self, model_name: str | None = None) -> list[WorkerInfo]:
+        """Workers whose registration has not expired, optionally only those of one model."""
+        names = [n.decode() if isinstance(n, bytes) else n
+                 for n in self._conn.zrange(self._keys.workers(), 0, -1)]
+        if not names:
+            return []
+        raw = self._conn.mget([self._keys.worker(n) for n in names])
+        workers = [WorkerInfo.model_validate_json(r) for r in raw if r]
+        return [w for w in workers if model_name is None or w.model_name == model_name]
+
+    def registered_names(self) -> list[str]:
+        """Every name in the fleet set, alive or not yet recovered."""
+        return [n.decode() if isinstance(n, bytes) else n
+                for n in self._conn.zrange(self._keys.workers(), 0, -1)]
+
+    def claim_lost(self, name: str) -> bool:
+        """Atomically take responsibility for a lost worker; True for exactly one caller."""
+        return bool(self._conn.zrem(self._keys.workers(), name))
+
+    def take_job(self, name: str) -> str | None:
+        """Remove and return the job a (lost) worker was running."""
+        raw = self._conn.getdel(self._keys.worker_job(name))
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+
+class Heartbeat(threading.Thread):
+    """Refreshes a worker's registration every ``interval`` seconds, also while a job runs.
+
+    Runs ``on_tick`` after each beat (the recovery sweep) and ``on_lost`` when it finds the
+    worker had been declared lost by another monitor (it stalled past the TTL): the worker
+    must then stop its current job, whose re-run has already been queued elsewhere.
+    """
+
+    def __init__(
+        self,
+        registry: FleetRegistry,
+        info: Callable[[], WorkerInfo],
+        interval: float,
+        on_tick: Callable[[], None] | None = None,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(name="specfleet-heartbeat", daemon=True)
+        self._registry = registry
+        self._info = info
+        self._interval = interval
+        self._on_tick = on_tick
+        self._on_lost = on_lost
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                if not self._registry.heartbeat(self._info()) and self._on_lost:
+                    self._on_lost()
+                if self._on_tick:
+                    self._on_tick()
+            except Exception as exc:  # a Redis hiccup must not kill the heartbeat
+                log.warning("worker.heartbeat_failed", error=repr(exc))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join(timeout=self._interval + 5)
