@@ -7,6 +7,7 @@ from coordinator.cli.app import app
 # Each import registers its sub-commands on ``app``.
 from coordinator.cli import generate  # noqa: E402,F401  isort: skip
 from coordinator.cli import worker  # noqa: E402,F401  isort: skip
+from coordinator.cli import fit  # noqa: E402,F401  isort: skip
 
 
 def main() -> None:

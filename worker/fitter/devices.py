@@ -1,0 +1,97 @@
+"""Where a worker's memory comes from: a CUDA device (NVML), the host (psutil) or a budget.
+
+The fitter only needs two numbers per device, total and free bytes. An explicit budget
+overrides both sources: tests use it to make fits deterministic, and operators use it when
+they share a device with other processes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import psutil
+
+from worker.fitter.errors import FitError
+
+MIB = 1024 * 1024
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
+
+
+@dataclass(frozen=True)
+class DeviceRef:
+    """A parsed ``--device`` value: ``cpu`` or ``cuda:N``."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Total and free bytes of one device, and where the figures came from."""
+
+    device: str
+    total_bytes: int
+    free_bytes: int
+    source: str  # "nvml", "host" or "budget"
+
+
+def parse_device(text: str) -> DeviceRef:
+    """Parse ``cpu`` or ``cuda:N``; anything else is a clear error at the edge."""
+    m = _DEVICE_RE.match(text.strip().lower())
+    if not m:
+        raise FitError(f"unknown device {text!r}: use 'cpu' or 'cuda:N' (e.g. cuda:0)")
+    return DeviceRef("cpu") if m.group(1) == "cpu" else DeviceRef("cuda", int(m.group(2)))
+
+
+def host_memory() -> DeviceMemory:
+    """The host's memory: what a CPU worker may still allocate without swapping."""
+    vm = psutil.virtual_memory()
+    return DeviceMemory("cpu", int(vm.total), int(vm.available), "host")
+
+
+def cuda_memory(index: int) -> DeviceMemory:
+    """Free/total bytes of CUDA device ``index`` through NVML.
+
+    Every NVML failure (library missing, no driver, no such index) becomes one
+    ``FitError`` starting with "no CUDA device", so a worker on a GPU-less host stops with a
+    message an operator understands instead of an NVML traceback.
+    """
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise FitError(
+            f"no CUDA device: nvidia-ml-py is not installed (pip install 'specfleet[cuda]'): {exc}"
+        ) from exc
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise FitError(f"no CUDA device: NVML could not start ({exc})") from exc
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        if not 0 <= index < count:
+            raise FitError(f"no CUDA device cuda:{index}: NVML sees {count} device(s)")
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return DeviceMemory(f"cuda:{index}", int(info.total), int(info.free), "nvml")
+    except pynvml.NVMLError as exc:
+        raise FitError(f"no CUDA device cuda:{index}: NVML failed ({exc})") from exc
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def device_memory(device: DeviceRef, budget_mib: int | None = None) -> DeviceMemory:
+    """The memory the fit may use on ``device``; ``budget_mib`` overrides what is measured."""
+    if budget_mib is not None:
+        if budget_mib <= 0:
+            raise FitError(f"--budget-mib must be positive, got {budget_mib}")
+        return DeviceMemory(device.name, budget_mib * MIB, budget_mib * MIB, "budget")
+    return cuda_memory(device.index) if device.is_cuda else host_memory()

@@ -1,0 +1,268 @@
+"""Fit the context to the device: the largest n_ctx whose measured total stays under budget.
+
+The total at a context size is measured, not extrapolated: the engine's target (and MTP
+draft) contexts are created at that size over a no_alloc model and llama.cpp's own sizes are
+added up, so sliding-window caches, compute buffers that grow with the context and
+everything else llama.cpp does are accounted as it does them. Totals grow with the context,
+so a binary search over multiples of 256 finds the largest that fits in about
+log2(n_ctx_train / 256) measurements of a few milliseconds each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from shared.protocol import CheckpointMode, DeviceFit, FitReport, SpecSettings
+from worker.engine.engine import EngineConfig
+from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device
+from worker.fitter.errors import FitError
+from worker.fitter.measure import (
+    ContextMemory,
+    StateSizes,
+    load_model,
+    measure_context,
+    measure_state,
+    weights_bytes,
+)
+from worker.fitter.report import breakdown_text, log_report, mib
+from worker.fitter.specs import EngineSpecs, engine_specs, model_spec
+
+#: Context sizes are fitted in steps of this many tokens.
+CTX_STEP = 256
+#: llama.cpp's own default ``--fit-target``: memory left free on the device.
+DEFAULT_FIT_TARGET_MIB = 1024.0
+DEFAULT_CTX_MIN = 1024
+#: Extra context the marginal KV bytes per token are measured over (no_alloc: free).
+_KV_PROBE_SPAN = 4096
+#: Log lines carry 0.01 MiB: how far llama.cpp's recurrent buffer may sit from the exact sum.
+_LOG_RESOLUTION = round(0.01 * MIB)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What the worker builds its engine with, and the report that justifies it."""
+
+    config: EngineConfig
+    report: FitReport
+
+    @property
+    def n_ctx(self) -> int:
+        return self.report.n_ctx
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """The device's bytes at one context size, and what sits beside them."""
+
+    components: dict[str, int]
+    #: Host-memory buffers of a GPU worker (output, host compute): not on the device.
+    host_bytes: int
+    #: Output-buffer growth after creation: in the total, not in llama.cpp's load-time logs.
+    runtime_growth: int
+    #: llama.cpp's recurrent buffer (live + snapshots), the cross-check of the exact sum.
+    recurrent_reported: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+
+class _Sizer:
+    """Measures the engine's memory at any context size; each size is measured once."""
+
+    def __init__(self, config: EngineConfig, device: str, slots: int) -> None:
+        self.config = config
+        self.device = device
+        self.slots = slots
+        self.model, _ = load_model(model_spec(config, no_alloc=True))
+        self.specs: EngineSpecs = engine_specs(config, self.model, slots)
+        self._seen: dict[int, Breakdown] = {}
+
+    def close(self) -> None:
+        self.model.close()
+
+    @property
+    def n_ctx_cap(self) -> int:
+        return self.model.n_ctx_train // CTX_STEP * CTX_STEP
+
+    @cached_property
+    def _real(self) -> tuple[int, StateSizes | None]:
+        """Weights and exact state sizes. The state needs a real load (memory-mapped, on the
+        CPU), and so do a CPU worker's weights; a GPU's weights come from the no_alloc load."""
+        on_gpu = self.device != "cpu"
+        if on_gpu and not self.model.is_recurrent:
+            return weights_bytes(self.model, None, self.device), None
+        real, buffers = load_model(replace(model_spec(self.config), n_gpu_layers=0))
+        try:
+            weights = weights_bytes(*((self.model, None) if on_gpu else (real, buffers)),
+                                    self.device)
+            state = measure_state(real, self.specs.target) if real.is_recurrent else None
+        finally:
+            real.close()
+        return weights, state
+
+    @property
+    def weights(self) -> int:
+        return self._real[0]
+
+    @property
+    def state(self) -> StateSizes | None:
+        return self._real[1]
+
+    @property
+    def checkpoint_per_slot(self) -> int:
+        """Bytes one slot's checkpoint occupies on the device (0 when none is needed)."""
+        if not self.specs.checkpoints or self.state is None:
+            return 0
+        if self.config.checkpoint is CheckpointMode.DEVICE:
+            return self.state.group
+        return self.state.host_checkpoint if self.device == "cpu" else 0
+
+    def target(self, n_ctx: int, n_rs_seq: int | None = None) -> ContextMemory:
+        specs = self.specs.at(n_ctx)
+        spec = specs.target if n_rs_seq is None else specs.target.with_(n_rs_seq=n_rs_seq)
+        hidden = n_ctx if specs.draft is not None else 0  # MTP target: every row's hidden state
+        return measure_context(self.model, spec, self.device, specs.draft_max + 1, hidden)
+
+    def at(self, n_ctx: int) -> Breakdown:
+        """Every component's bytes on the device at ``n_ctx`` (see docs/fitter.md)."""
+        if n_ctx not in self._seen:
+            self._seen[n_ctx] = self._measure(n_ctx)
+        return self._seen[n_ctx]
+
+    def _measure(self, n_ctx: int) -> Breakdown:
+        target = self.target(n_ctx)
+        draft_spec = self.specs.at(n_ctx).draft
+        draft = (measure_context(self.model, draft_spec, self.device, 1, 1)
+                 if draft_spec is not None else None)
+        group = self.state.group if self.state else 0
+        live = self.slots * group
+        snapshots = self.slots * self.specs.n_rs_seq * group
+        self._check_recurrent(target.recurrent, live + snapshots, n_ctx)
+        parts = [target, draft] if draft else [target]
+        return Breakdown(
+            components={
+                "weights": self.weights,
+                "kv": target.kv,
+                "recurrent": live,
+                "snapshots": snapshots,
+                "compute": target.compute,
+                "output": target.output_runtime,
+                "draft": (draft.kv + draft.recurrent + draft.compute + draft.output_runtime
+                          if draft else 0),
+                "checkpoint_reservation": self.slots * self.checkpoint_per_slot,
+            },
+            host_bytes=sum(p.host for p in parts),
+            runtime_growth=sum(max(0, p.output_runtime - p.output_created) for p in parts),
+            recurrent_reported=target.recurrent,
+        )
+
+    def _check_recurrent(self, reported: int, exact: int, n_ctx: int) -> None:
+        """llama.cpp's recurrent buffer must be the exact groups we account, within its log
+        resolution: otherwise the layout is not what the fit assumes, and fitting is unsafe."""
+        if abs(reported - exact) > _LOG_RESOLUTION + exact // 100:
+            raise FitError(
+                f"recurrent memory mismatch at n_ctx={n_ctx}: llama.cpp reports "
+                f"{mib(reported)} MiB, {self.slots} slot(s) x (1 + {self.specs.n_rs_seq}) "
+                f"groups of {self.state.group if self.state else 0} B give {mib(exact)} MiB"
+            )
+
+
+def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = None,
+               fit_target_mib: float = DEFAULT_FIT_TARGET_MIB, slots: int = 1,
+               spec: SpecSettings | None = None, ctx_min: int = DEFAULT_CTX_MIN,
+               n_threads: int = 2,
+               checkpoint: CheckpointMode = CheckpointMode.DEVICE) -> FitResult:
+    """Measure the model on ``device`` and fit the largest context that leaves the margin.
+
+    Raises :class:`FitError` (with the breakdown) when nothing safe fits: the weights alone,
+    or the context ``ctx_min``, exceed ``free - margin``.
+    """
+    if slots < 1:
+        raise FitError(f"slots must be at least 1, got {slots}")
+    if fit_target_mib < 0:
+        raise FitError(f"--fit-target-mib must not be negative, got {fit_target_mib}")
+    ref = parse_device(device)
+    memory = device_memory(ref, budget_mib)
+    margin = round(fit_target_mib * MIB)
+    config = EngineConfig(model_path=model_path, n_threads=n_threads,
+                          n_gpu_layers=-1 if ref.is_cuda else 0,
+                          spec=spec or SpecSettings(), checkpoint=checkpoint)
+    sizer = _Sizer(config, ref.name, slots)
+    try:
+        n_ctx = _search(sizer, ctx_min, memory, margin)
+        report = _report(sizer, n_ctx, memory, margin)
+    finally:
+        sizer.close()
+    log_report(report)
+    return FitResult(replace(config, n_ctx=n_ctx), report)
+
+
+def _search(sizer: _Sizer, ctx_min: int, memory: DeviceMemory, margin: int) -> int:
+    """The largest multiple of 256 up to n_ctx_train whose total fits in free - margin."""
+    available = memory.free_bytes - margin
+    where = (f"{mib(available)} MiB available on {memory.device} "
+             f"({memory.source}: free {mib(memory.free_bytes)} MiB - margin {mib(margin)} MiB)")
+    lo = -(-max(ctx_min, 1) // CTX_STEP)
+    if lo * CTX_STEP > sizer.n_ctx_cap:
+        raise FitError(f"--ctx-min {ctx_min} exceeds the model's training context "
+                       f"({sizer.model.n_ctx_train} tokens, fitted in steps of {CTX_STEP})")
+    if sizer.weights > available:
+        raise FitError(f"the weights do not fit: {mib(sizer.weights)} MiB of weights, {where}")
+    smallest = sizer.at(lo * CTX_STEP)
+    if smallest.total > available:
+        raise FitError(
+            f"context {lo * CTX_STEP} (--ctx-min {ctx_min}) does not fit: needs "
+            f"{mib(smallest.total)} MiB, {where}; breakdown: {breakdown_text(smallest.components)}"
+        )
+    hi = sizer.n_ctx_cap // CTX_STEP
+    while lo < hi:  # invariant: lo fits and the answer lies in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        if sizer.at(mid * CTX_STEP).total <= available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * CTX_STEP
+
+
+def _report(sizer: _Sizer, n_ctx: int, memory: DeviceMemory, margin: int) -> FitReport:
+    fitted = sizer.at(n_ctx)
+    kv_extra = sizer.target(n_ctx + _KV_PROBE_SPAN).kv - sizer.target(n_ctx).kv
+    details: dict[str, object] = {
+        "memory_source": memory.source,
+        "n_rs_seq": sizer.specs.n_rs_seq,
+        "checkpoint_mode": sizer.config.checkpoint.value if sizer.specs.checkpoints else None,
+        "kv_bytes_per_token": round(kv_extra / _KV_PROBE_SPAN, 1),
+        "host_bytes": fitted.host_bytes,
+        "runtime_growth_bytes": fitted.runtime_growth,
+        "recurrent_reported_bytes": fitted.recurrent_reported,
+        "next_step_total_bytes": (sizer.at(n_ctx + CTX_STEP).total
+                                  if n_ctx < sizer.n_ctx_cap else None),
+        **_state_details(sizer, n_ctx),
+    }
+    return FitReport(
+        model_path=sizer.config.model_path, n_ctx=n_ctx, n_ctx_train=sizer.model.n_ctx_train,
+        slots=sizer.slots, total_bytes=fitted.total, budget_bytes=memory.free_bytes - margin,
+        devices=[DeviceFit(device=memory.device, total_bytes=memory.total_bytes,
+                           free_bytes=memory.free_bytes, margin_bytes=margin,
+                           components=fitted.components)],
+        spec_method=str(sizer.specs.method), draft_max=sizer.specs.draft_max,
+        rollback_depth=sizer.config.spec.rollback_depth, components=fitted.components,
+        details=details,
+    )
+
+
+def _state_details(sizer: _Sizer, n_ctx: int) -> dict[str, object]:
+    """Recurrent figures: exact group and checkpoint sizes, and seed 003's plane delta
+    (target at n_rs_seq = D + 1 minus at D), kept only as a diagnostic."""
+    if sizer.state is None:
+        return {}
+    d = sizer.specs.n_rs_seq
+    return {
+        "snapshot_group_bytes": sizer.state.group,
+        "checkpoint_device_bytes_per_slot": sizer.state.group,
+        "checkpoint_host_bytes_per_slot": sizer.state.host_checkpoint,
+        "rs_plane_delta_bytes": sizer.target(n_ctx, d + 1).recurrent
+        - sizer.target(n_ctx, d).recurrent,
+    }
