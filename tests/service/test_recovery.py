@@ -1,0 +1,85 @@
+"""Crash recovery: kill -9 a worker mid-generation; its job finishes on another worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from redis import Redis
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+
+from coordinator.client import Coordinator
+from shared.protocol import FinalEvent, JobStatus, ProgressEvent, TokenEvent
+from shared.settings import Settings
+from worker.service.jobs import JOB_FUNCTION
+from worker.service.recovery import RecoveryMonitor
+from worker.service.registry import FleetRegistry
+
+from .workers import MODEL_NAME, Fleet
+
+REQUEST = {"model": MODEL_NAME, "prompt_tokens": [3, 1, 4, 1, 5], "max_tokens": 48}
+STEP_DELAY = 0.02  # test-only slowing, so that the kill lands mid-generation
+REPETITIONS = 10
+
+
+def test_kill_9_mid_generation_ten_times_loses_nothing(fleet: Fleet,
+                                                        coordinator: Coordinator) -> None:
+    undisturbed = None
+    fleet.start("w0", step_delay=STEP_DELAY, wait=False)
+    fleet.start("w1", step_delay=STEP_DELAY)
+    fleet.wait_registered("w0")
+    undisturbed = coordinator.submit(REQUEST).result(timeout=60)
+    assert undisturbed.status is JobStatus.FINISHED
+    next_name = 2
+    for _ in range(REPETITIONS):
+        handle = coordinator.submit(REQUEST)
+        events = handle.stream(timeout=60)
+        victim = None
+        for event in events:  # run until the first tokens of attempt 1 are out
+            if isinstance(event, ProgressEvent) and event.stage == "started":
+                victim = event.worker
+            if isinstance(event, TokenEvent):
+                break
+        assert victim is not None
+        fleet.kill(victim)
+        killed_at = time.time()
+        fleet.start(f"w{next_name}", step_delay=STEP_DELAY, wait=False)
+        next_name += 1
+        rest = list(events)
+
+        final = rest[-1]
+        assert isinstance(final, FinalEvent) and final.status is JobStatus.FINISHED
+        assert final.tokens == undisturbed.tokens
+        assert final.worker != victim
+        restarted = next(e for e in rest if isinstance(e, ProgressEvent)
+                         and e.stage == "started" and e.attempt == 2)
+        assert restarted.ts - killed_at < 10
+        assert any(isinstance(e, ProgressEvent) and e.stage == "requeued" for e in rest)
+        assert handle.result(timeout=5).attempts == 2
+    assert coordinator.queue_depths(MODEL_NAME) == {q: 0 for q in
+                                                     coordinator.keys.queues(MODEL_NAME)}
+
+
+def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings) -> None:
+    """Many monitors sweeping at once: the lost worker's job is queued exactly once."""
+    conn = Redis.from_url(settings.redis_url)
+    keys = settings.keys
+    queue = Queue(keys.queue(MODEL_NAME), connection=conn, serializer=JSONSerializer)
+    job = queue.enqueue(JOB_FUNCTION, REQUEST, job_id="lost-job-" + settings.prefix)
+    conn.lpop(queue.key)  # a worker took it ...
+    registry = FleetRegistry(conn, keys, settings.worker_ttl_seconds)
+    conn.zadd(keys.workers(), {"ghost": 1.0})  # ... and died: listed, registration expired
+    registry.set_current_job("ghost", job.id)
+
+    monitors = [RecoveryMonitor(conn, keys, registry) for _ in range(8)]
+    results: list[list[str]] = []
+    threads = [threading.Thread(target=lambda m=m: results.append(m.sweep())) for m in monitors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert sorted(sum(results, [])) == [job.id]
+    assert queue.get_job_ids() == [job.id]
+    assert registry.registered_names() == []

@@ -1,0 +1,80 @@
+"""Real ``specfleet worker`` processes for the service tests (started, killed, stopped)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coordinator.client import Coordinator
+from shared.settings import Settings
+
+SPECFLEET = str(Path(sys.executable).with_name("specfleet"))
+MODEL_NAME = "tiny"
+CTX = 512
+
+
+class Fleet:
+    """Starts and stops real worker processes for one test."""
+
+    def __init__(self, settings: Settings, model: Path, logs: Path) -> None:
+        self.settings = settings
+        self.model = model
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def env(self, step_delay: float, extra: dict[str, str]) -> dict[str, str]:
+        s = self.settings
+        return {**os.environ, "REDIS_URL": s.redis_url, "SPECFLEET_PREFIX": s.prefix,
+                "SPECFLEET_HEARTBEAT_SECONDS": str(s.heartbeat_seconds),
+                "SPECFLEET_WORKER_TTL_SECONDS": str(s.worker_ttl_seconds),
+                "SPECFLEET_TOKEN_CHUNK": str(s.token_chunk),
+                "SPECFLEET_TOKEN_FLUSH_SECONDS": str(s.token_flush_seconds),
+                "SPECFLEET_STEP_DELAY_SECONDS": str(step_delay),
+                "CUDA_VISIBLE_DEVICES": "", **extra}
+
+    def start(self, name: str, *, step_delay: float = 0.0, wait: bool = True,
+              extra_env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> int:
+        """Start ``specfleet worker`` named ``name``; returns its pid once it is registered."""
+        cmd = [SPECFLEET, "worker", "--model", str(self.model), "--model-name", MODEL_NAME,
+               "--name", name, "--ctx", str(CTX), "--threads", "1", *args]
+        log = (self.logs / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen(cmd, env=self.env(step_delay, extra_env or {}),
+                                            stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_registered(name)
+        return self.procs[name].pid
+
+    def wait_registered(self, name: str, timeout: float = 60) -> None:
+        coordinator = Coordinator(self.settings)
+        deadline = time.monotonic() + timeout
+        while not coordinator.registry.is_alive(name):
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise AssertionError(f"worker {name} exited ({proc.returncode}): "
+                                     f"{(self.logs / f'{name}.log').read_text()[-2000:]}")
+            assert time.monotonic() < deadline, f"worker {name} did not register"
+            time.sleep(0.05)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
