@@ -2,7 +2,8 @@
 
 MTP draft batches need both a token id and the target's hidden state per entry, but
 ``llama_batch_init(n, n_embd, 1)`` allocates only ``embd``; we own a separate token array
-and restore the original pointer before freeing.
+and null the pointer again before freeing (llama_batch_free would free our array). Reading
+a pointer field of a ctypes struct aliases the field, so "saving the original" does not work.
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ class Batch:
         self.n_embd = n_embd
         self.raw = llama_cpp.llama_batch_init(capacity, n_embd, 1)
         self._tokens = None
-        self._orig_token = None
         if n_embd:
             self._tokens = (llama_cpp.llama_token * capacity)()
-            self._orig_token = self.raw.token
             self.raw.token = ctypes.cast(self._tokens, type(self.raw.token))
             self._embd = np.ctypeslib.as_array(self.raw.embd, shape=(capacity, n_embd))
         for i in range(capacity):
@@ -54,8 +53,8 @@ class Batch:
 
     def close(self) -> None:
         if self.raw is not None:
-            if self._orig_token is not None:
-                self.raw.token = self._orig_token
+            if self._tokens is not None:
+                self.raw.token = type(self.raw.token)()
             llama_cpp.llama_batch_free(self.raw)
             self.raw = None
 
