@@ -1,0 +1,97 @@
+"""Engines shared by the engine tests, and the plain-greedy references they are checked against.
+
+Every exactness check compares a speculative run with plain one-token-at-a-time greedy
+decoding of the same prompt on the same model, token by token. The tiny models are F32,
+where batched and single-row logits agree (see docs/engine.md), so identity is the bar.
+Tiny engines run one thread: a 64-wide model gains nothing from two, and on a shared
+two-core machine thread barriers cost more than the arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shared.protocol import SpecMethod, SpecSettings, Telemetry
+from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
+from worker.testmodels import write_qwen35_hybrid
+from worker.testmodels.recipe import Strengths
+
+PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
+TOKENS = 200
+N_MAX = 7
+N_CTX = 512
+#: A softer output scale, so the MTP head's confidence spreads out (median ~0.6) and p-min
+#: really cuts drafts; at the default scale the head is ~100% sure of every token.
+SOFT_LOGIT_SCALE = 8.0
+
+
+@dataclass
+class Subject:
+    """An engine plus the plain-greedy continuation of :data:`PROMPT` on its model."""
+
+    engine: SpeculativeEngine
+    reference: list[int]
+
+
+def open_engine(model: Path, method: SpecMethod, draft_max: int = N_MAX,
+                n_ctx: int = N_CTX) -> SpeculativeEngine:
+    spec = SpecSettings(method=method, draft_max=draft_max)
+    return SpeculativeEngine(EngineConfig(str(model), n_ctx=n_ctx, n_threads=1, spec=spec))
+
+
+def _subject(model: Path, method: SpecMethod) -> Iterator[Subject]:
+    with open_engine(model, method) as engine:
+        plain = engine.generate(PROMPT, TOKENS, SpecSettings(method=SpecMethod.NONE))
+        yield Subject(engine, plain.tokens)
+
+
+@pytest.fixture(scope="session")
+def hybrid_mtp(hybrid_model: Path) -> Iterator[Subject]:
+    yield from _subject(hybrid_model, SpecMethod.MTP)
+
+
+@pytest.fixture(scope="session")
+def dense_ngram(dense_model: Path) -> Iterator[Subject]:
+    yield from _subject(dense_model, SpecMethod.NGRAM)
+
+
+@pytest.fixture(scope="session")
+def soft_hybrid_mtp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Subject]:
+    path = write_qwen35_hybrid(tmp_path_factory.mktemp("soft") / "soft-qwen35-mtp.gguf",
+                               strengths=Strengths(logit_scale=SOFT_LOGIT_SCALE))
+    yield from _subject(path, SpecMethod.MTP)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or of the shorter end), None when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
+def assert_consistent(result: GenerationResult) -> None:
+    """The telemetry invariants every generation must satisfy, whatever the drafter."""
+    t: Telemetry = result.telemetry
+    assert t.generated_tokens == len(result.tokens)
+    assert 0 <= t.accepted <= t.drafted
+    assert sum(t.accepted_per_position) == t.accepted
+    assert sum(t.drafted_per_position) == t.drafted
+    assert len(t.drafted_per_position) <= max(t.draft_max, 0)
+    # Position i can only be accepted where it was drafted and position i-1 was accepted.
+    for i, (acc, dr) in enumerate(zip(t.accepted_per_position, t.drafted_per_position,
+                                      strict=False)):
+        assert acc <= dr
+        if i:
+            assert acc <= t.accepted_per_position[i - 1]
+    assert t.acceptance == pytest.approx(t.accepted / t.drafted if t.drafted else 0.0)
+    assert t.tokens_per_verify == pytest.approx(t.generated_tokens / t.target_decodes)
+    # Each verify commits its accepted drafts plus one token (minus what a limit cut off).
+    assert t.generated_tokens <= t.accepted + t.target_decodes
+    assert t.tokens_per_second >= t.effective_tokens_per_second > 0
+    assert t.wall_seconds >= t.decode_seconds + t.draft_seconds
+    assert t.prompt_tokens == len(PROMPT)

@@ -1,0 +1,135 @@
+"""What a request can ask for, and what it gets back: limits, stop strings, streaming,
+cancellation, sampling, and the errors for what the engine cannot do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.protocol import FinishReason, SpecMethod, SpecSettings
+from worker.engine.proposers.mtp import MtpUnavailableError
+
+from .conftest import PROMPT, Subject, assert_consistent, open_engine
+
+NGRAM4 = SpecSettings(method=SpecMethod.NGRAM, draft_max=4)
+
+
+def test_headless_model_with_mtp_fails_at_load_with_a_message(headless_model: Path) -> None:
+    with pytest.raises(MtpUnavailableError, match="no MTP \\(NextN\\) head"):
+        open_engine(headless_model, SpecMethod.MTP)
+
+
+def test_auto_picks_mtp_with_a_head_and_ngram_without(hybrid_model: Path,
+                                                      headless_model: Path) -> None:
+    with open_engine(hybrid_model, SpecMethod.AUTO) as engine:
+        assert engine.method is SpecMethod.MTP
+    with open_engine(headless_model, SpecMethod.AUTO) as engine:
+        assert engine.method is SpecMethod.NGRAM
+
+
+def test_request_cannot_widen_the_engine_method(dense_ngram: Subject) -> None:
+    with pytest.raises(ValueError, match="not available"):
+        dense_ngram.engine.generate(PROMPT, 5, SpecSettings(method=SpecMethod.MTP))
+
+
+def test_temperature_with_speculation_is_rejected(dense_ngram: Subject) -> None:
+    with pytest.raises(ValueError, match="greedy-only"):
+        dense_ngram.engine.generate(PROMPT, 5, NGRAM4, temperature=0.7)
+
+
+def test_sampling_without_speculation_is_seeded(soft_hybrid_mtp: Subject) -> None:
+    """On the soft-output model a temperature really changes the choice of tokens."""
+    plain = SpecSettings(method=SpecMethod.NONE)
+    runs = [soft_hybrid_mtp.engine.generate(PROMPT, 40, plain, temperature=1.5, seed=s).tokens
+            for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert runs[0] != soft_hybrid_mtp.reference[:40]
+
+
+def test_draft_max_is_clamped_to_the_engine_capacity(dense_ngram: Subject) -> None:
+    result = dense_ngram.engine.generate(PROMPT, 100, SpecSettings(method="ngram", draft_max=30))
+    assert result.telemetry.draft_max == 7
+    assert len(result.telemetry.drafted_per_position) <= 7
+    assert result.tokens == dense_ngram.reference[:100]
+
+
+@pytest.mark.parametrize("prompt, max_tokens, message", [
+    ([], 5, "empty"),
+    (PROMPT, 0, "max_tokens"),
+    ([1] * 512, 5, "context holds"),
+    ([1, 256], 5, "outside the vocabulary"),
+])
+def test_bad_requests_are_clear_value_errors(dense_ngram: Subject, prompt: list[int],
+                                            max_tokens: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dense_ngram.engine.generate(prompt, max_tokens, NGRAM4)
+
+
+def test_generation_stops_at_the_end_of_the_context(dense_model: Path) -> None:
+    with open_engine(dense_model, SpecMethod.NGRAM, n_ctx=64) as engine:
+        result = engine.generate(PROMPT, 500, NGRAM4)
+        assert result.finish_reason is FinishReason.CONTEXT
+        # Every position of the context was decoded; the last token is committed unverified.
+        assert len(PROMPT) + len(result.tokens) == 64 + 1
+        assert_consistent(result)
+
+
+def test_max_tokens_is_exact(dense_ngram: Subject) -> None:
+    for n in (1, 2, 9, 33):
+        result = dense_ngram.engine.generate(PROMPT, n, NGRAM4)
+        assert result.tokens == dense_ngram.reference[:n]
+        assert result.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_string_cuts_text_and_tokens(dense_ngram: Subject) -> None:
+    engine, reference = dense_ngram.engine, dense_ngram.reference
+    full = engine.detokenize(reference)
+    stop = full[60:64]
+    cut = full.find(stop)
+    # The tokens up to the one that completes the first occurrence of the stop string.
+    n = next(i for i in range(1, len(reference) + 1)
+             if stop in engine.detokenize(reference[:i]))
+    result = engine.generate(PROMPT, 200, NGRAM4, stop=[stop, "never-there"])
+    assert result.finish_reason is FinishReason.STOP
+    assert result.text == full[:cut]
+    assert result.tokens == reference[:n]
+
+
+def test_streamed_pieces_add_up_to_the_result(dense_ngram: Subject) -> None:
+    pieces: list[tuple[list[int], str]] = []
+    stop = dense_ngram.engine.detokenize(dense_ngram.reference)[90:93]
+    result = dense_ngram.engine.generate(PROMPT, 200, NGRAM4, stop=[stop],
+                                         on_tokens=lambda t, s: pieces.append((t, s)))
+    assert [t for chunk, _ in pieces for t in chunk] == result.tokens
+    assert "".join(s for _, s in pieces) == result.text
+    assert len(pieces) == result.telemetry.target_decodes
+    assert any(len(chunk) > 1 for chunk, _ in pieces)  # speculation committed groups
+
+
+def test_should_stop_cancels_between_steps(dense_ngram: Subject) -> None:
+    polls: list[int] = []
+
+    def should_stop() -> bool:
+        polls.append(1)
+        return len(polls) > 5
+
+    result = dense_ngram.engine.generate(PROMPT, 200, NGRAM4, should_stop=should_stop)
+    assert result.finish_reason is FinishReason.CANCELLED
+    assert result.telemetry.target_decodes == 5
+    assert result.tokens == dense_ngram.reference[: len(result.tokens)]
+
+
+def test_engine_telemetry_is_cumulative(hybrid_model: Path) -> None:
+    with open_engine(hybrid_model, SpecMethod.MTP) as engine:
+        runs = [engine.generate(PROMPT, 50, SpecSettings(method="mtp", draft_max=w))
+                for w in (2, 5)]
+        total = engine.telemetry()
+    assert total.generated_tokens == 100
+    assert total.drafted == sum(r.telemetry.drafted for r in runs)
+    assert total.accepted == sum(r.telemetry.accepted for r in runs)
+    assert total.target_decodes == sum(r.telemetry.target_decodes for r in runs)
+    assert total.accepted_per_position[:2] == [
+        sum(r.telemetry.accepted_per_position[i] for r in runs) for i in range(2)]
+    assert total.tokens_per_verify == pytest.approx(100 / total.target_decodes)

@@ -1,0 +1,46 @@
+"""The two pieces of pure logic in the loop: the width policy and the n-gram lookup."""
+
+from __future__ import annotations
+
+from worker.engine.draft_length_policy import AdaptiveWidth, FixedWidth
+from worker.engine.proposers.ngram import NgramProposer
+
+
+def test_fixed_width_never_moves() -> None:
+    policy = FixedWidth(4)
+    for drafted, accepted in [(4, 0), (4, 0), (4, 4)]:
+        policy.update(drafted, accepted)
+    assert policy.width() == 4
+
+
+def test_adaptive_width_follows_seed_003() -> None:
+    policy = AdaptiveWidth(5)
+    assert policy.width() == 5
+    policy.update(5, 2)
+    assert policy.width() == 5          # one poor ceiling draft is not enough
+    policy.update(3, 0)                 # cut short (p-min, budget): does not count...
+    policy.update(5, 1)
+    assert policy.width() == 4          # ...nor break the streak: two in a row lower it
+    policy.update(4, 3)                 # 3 accepted is not "fewer than 3": streak reset
+    policy.update(4, 0)
+    assert policy.width() == 4
+    policy.update(4, 4)                 # full accept raises
+    assert policy.width() == 5
+    policy.update(5, 5)
+    assert policy.width() == 5          # never above draft_max
+    for _ in range(20):
+        policy.update(policy.width(), 0)
+    assert policy.width() == 1          # never below 1
+
+
+def test_ngram_prefers_the_longest_most_recent_match() -> None:
+    proposer = NgramProposer(1, 3)
+    history = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    proposer.start(history)
+    # [2, 3] last occurred at index 5..6, followed by 7, 8, 5.
+    assert proposer.propose(history, 3, 0.0).tokens == [7, 8, 5]
+    history += [4]
+    assert proposer.propose(history, 3, 0.0).tokens == []      # 4 never seen before
+    history += [1, 2]
+    # [4, 1, 2] is new, [1, 2] last at 4..5 -> 3, 7
+    assert proposer.propose(history, 2, 0.0).tokens == [3, 7]
