@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
+
 from .conftest import PROMPT, TOKENS, Subject, assert_consistent, first_difference
 
 WIDTHS = range(1, 8)
