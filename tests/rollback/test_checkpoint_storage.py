@@ -1,0 +1,109 @@
+"""Checkpoint storage: device first, a failed device save moves to the host for good.
+
+The fault-injection switch makes llama.cpp's real device save fail (it is handed no room for
+the state), so these tests run the same failure path a broken device checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from structlog.testing import capture_logs
+
+from shared.protocol import CheckpointMode
+from worker.engine.rollback.compact import CompactRollback
+from worker.llm import capture_llama_log
+
+from .conftest import MATRIX_TOKENS, PROMPT, engine_for
+from .oracle import OracleProposer
+
+DRAFT_MAX, DEPTH = 5, 1
+#: Generated tokens after which the drill breaks device saves.
+BREAK_AFTER = 30
+#: llama.cpp's line when it allocates the context-owned device checkpoint buffer.
+ALLOCATED = re.compile(r"allocated '[^']+' buffer ([\d.]+) MiB")
+
+
+def fallbacks(logs: list[dict[str, object]]) -> list[dict[str, object]]:
+    return [entry for entry in logs if entry["event"] == "checkpoint.fallback"]
+
+
+def test_device_save_failure_mid_generation_moves_to_host_for_good(
+        hybrid_model: Path, hybrid_reference: list[int]) -> None:
+    expected = hybrid_reference[:MATRIX_TOKENS]
+    with engine_for(hybrid_model, DRAFT_MAX, DEPTH, CheckpointMode.DEVICE) as engine:
+        rollback = engine.rollback
+        assert isinstance(rollback, CompactRollback)
+        store = rollback.store
+        at_break: dict[str, object] = {}
+        produced: list[int] = []
+
+        def break_device(tokens: list[int], text: str) -> None:
+            produced.extend(tokens)
+            if len(produced) >= BREAK_AFTER and not at_break:
+                at_break.update(mode=store.mode, saves=store.saves)
+                store.fail_device = True
+
+        oracle = OracleProposer(expected, engine.model.n_vocab, seed=7)
+        with capture_logs() as logs:
+            first = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle, on_tokens=break_device)
+            first_plan = list(oracle.plan)
+            store.fail_device = False  # the device "recovers": storage must stay on the host
+            second = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle)
+
+    assert at_break["mode"] is CheckpointMode.DEVICE and at_break["saves"] > 0
+    for result, plan in ((first, first_plan), (second, oracle.plan)):
+        assert result.tokens == expected
+        assert result.telemetry.checkpoint_mode == "host"
+        assert result.telemetry.checkpoint_saves == sum(p.width > DEPTH for p in plan)
+        assert result.telemetry.replay_events == sum(p.rejected > DEPTH for p in plan) > 0
+    assert first.telemetry.host_fallbacks == 1
+    assert second.telemetry.host_fallbacks == 0
+    [event] = fallbacks(logs)
+    assert event["phase"] == "save"
+    assert "fault injection" in str(event["reason"])
+
+
+def test_reserve_allocates_the_device_checkpoint_before_any_request(
+        hybrid_model: Path, hybrid_reference: list[int]) -> None:
+    expected = hybrid_reference[:MATRIX_TOKENS]
+    with engine_for(hybrid_model, DRAFT_MAX, DEPTH, CheckpointMode.DEVICE) as engine:
+        rollback = engine.rollback
+        assert isinstance(rollback, CompactRollback)
+        with capture_llama_log() as at_start:
+            reserved = rollback.reserve(engine.target)
+        oracle = OracleProposer(expected, engine.model.n_vocab, seed=3)
+        with capture_llama_log() as serving:
+            result = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle)
+
+    [allocation] = [line for line in at_start if ALLOCATED.search(line)]
+    allocated_mib = float(ALLOCATED.search(allocation).group(1))
+    assert reserved > 0
+    assert abs(allocated_mib * 2**20 - reserved) <= 0.0005 * 2**20  # the log prints 0.001 MiB
+    assert not [line for line in serving if ALLOCATED.search(line)], "runtime allocated again"
+    assert result.tokens == expected
+    assert result.telemetry.checkpoint_mode == "device"
+    assert result.telemetry.checkpoint_saves > 0 and result.telemetry.replay_events > 0
+
+
+def test_fault_injection_at_start_reserves_host_storage(
+        hybrid_model: Path, hybrid_reference: list[int]) -> None:
+    expected = hybrid_reference[:MATRIX_TOKENS]
+    with engine_for(hybrid_model, DRAFT_MAX, DEPTH, CheckpointMode.DEVICE,
+                    fail_device=True) as engine:
+        rollback = engine.rollback
+        assert isinstance(rollback, CompactRollback)
+        oracle = OracleProposer(expected, engine.model.n_vocab, seed=5)
+        with capture_logs() as logs:
+            reserved = rollback.reserve(engine.target)
+            result = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle)
+
+    assert reserved > 0
+    assert rollback.store.mode is CheckpointMode.HOST
+    [event] = fallbacks(logs)
+    assert event["phase"] == "reserve"
+    assert result.tokens == expected
+    assert result.telemetry.checkpoint_mode == "host"
+    assert result.telemetry.host_fallbacks == 0
+    assert result.telemetry.replay_events == sum(p.rejected > DEPTH for p in oracle.plan) > 0
