@@ -1,0 +1,26 @@
+"""``specfleet cancel``: stop a job (withdrawn if queued; stops within one step if running)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from redis import RedisError
+
+from coordinator.cli.app import app, fail
+from coordinator.client import Coordinator
+from shared.logs import configure_logging
+from shared.settings import get_settings
+
+
+@app.command()
+def cancel(job_id: Annotated[str, typer.Argument(help="id printed by submit")]) -> None:
+    """Cancel one job."""
+    settings = get_settings()
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        withdrawn = Coordinator(settings).cancel(job_id)
+    except RedisError as exc:
+        fail(f"Redis at {settings.redis_url}: {exc}", code=3)
+    print(f"{job_id}: " + ("withdrawn from its queue" if withdrawn
+                           else "cancel requested (a running job stops within one step)"))

@@ -1,0 +1,47 @@
+"""``specfleet fleet``: the live workers, what they serve, and how much work is waiting."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import typer
+from redis import RedisError
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.cli.app import app, fail
+from coordinator.client import Coordinator
+from shared.logs import configure_logging
+from shared.settings import get_settings
+
+
+@app.command()
+def fleet(
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """List live workers (model, device, fitted context, current job) and queue depths."""
+    settings = get_settings()
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        coordinator = Coordinator(settings)
+        workers = coordinator.fleet()
+        models = sorted({w.model_name for w in workers} | coordinator.known_models())
+        queues = {m: coordinator.queue_depths(m) for m in models}
+    except RedisError as exc:
+        fail(f"Redis at {settings.redis_url}: {exc}", code=3)
+    if as_json:
+        print(json.dumps({"workers": [w.model_dump(mode="json") for w in workers],
+                          "queues": queues}))
+        return
+    table = Table("worker", "model", "device", "n_ctx", "slots", "spec", "job", "heartbeat")
+    now = time.time()
+    for w in workers:
+        table.add_row(w.name, w.model_name, w.device, str(w.n_ctx), str(w.slots),
+                      ",".join(w.spec_methods), w.current_job or "-",
+                      f"{now - w.heartbeat_at:.1f}s ago")
+    console = Console()
+    console.print(table)
+    for model, depths in queues.items():
+        console.print(f"{model}: " + ", ".join(f"{q} {n} queued" for q, n in depths.items()))

@@ -1,0 +1,83 @@
+"""The service's command line: submit, fleet, cancel and batch against a real worker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from coordinator.client import Coordinator
+from shared.protocol import JobStatus
+
+from .workers import CTX, MODEL_NAME, SPECFLEET, Fleet
+
+
+def _cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    env = fleet.env(0.0, {"SPECFLEET_LOG_LEVEL": "warning"})
+    return subprocess.run([SPECFLEET, *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_submit_json_equals_generate_in_process(fleet: Fleet, dense_model: Path) -> None:
+    fleet.start("w1")
+    args = ("--prompt-tokens", "5,6,7", "--max-tokens", "24")
+    submitted = _cli(fleet, "submit", "--model", MODEL_NAME, *args, "--json")
+    generated = _cli(fleet, "generate", "--model", str(dense_model), "--ctx", str(CTX),
+                     "--threads", "1", *args, "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    result = json.loads(submitted.stdout)
+    assert {"job_id", "tokens", "text", "telemetry", "worker", "attempts"} <= set(result)
+    assert result["tokens"] == json.loads(generated.stdout)["tokens"]
+    assert result["worker"] == "w1" and result["attempts"] == 1
+
+    streamed = _cli(fleet, "submit", "--model", MODEL_NAME, *args, "--stream")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == result["text"] + "\n"
+
+
+def test_submit_errors_are_one_line_and_non_zero(fleet: Fleet) -> None:
+    fleet.start("w1")
+    unknown = _cli(fleet, "submit", "--model", "nope", "--prompt", "x", "--max-tokens", "4")
+    too_long = _cli(fleet, "submit", "--model", MODEL_NAME, "--prompt-tokens", "1,2",
+                    "--max-tokens", str(CTX))
+    for proc, needle in ((unknown, "unknown model 'nope'"), (too_long, "exceeds")):
+        assert proc.returncode == 2
+        assert proc.stderr.startswith("specfleet: error:") and needle in proc.stderr
+
+
+def test_fleet_and_cancel(fleet: Fleet, coordinator: Coordinator) -> None:
+    fleet.start("w1", step_delay=0.05)
+    listed = json.loads(_cli(fleet, "fleet", "--json").stdout)
+    assert [w["name"] for w in listed["workers"]] == ["w1"]
+    assert listed["workers"][0]["n_ctx"] == CTX
+    handle = coordinator.submit({"model": MODEL_NAME, "prompt_tokens": [1, 2],
+                                 "max_tokens": 300, "speculative": {"method": "none"}})
+    next(iter(handle.stream(timeout=30)))  # it has started
+    cancelled = _cli(fleet, "cancel", handle.job_id)
+    assert cancelled.returncode == 0 and handle.job_id in cancelled.stdout
+    assert handle.result(timeout=30).status is JobStatus.CANCELLED
+
+
+def test_batch_reports_bad_lines_and_keeps_going(fleet: Fleet, tmp_path: Path) -> None:
+    fleet.start("w1")
+    lines = [
+        {"custom_id": "a", "body": {"prompt_tokens": [1, 2], "max_tokens": 8}},
+        "{not json",
+        {"custom_id": "b", "body": {"prompt_tokens": [3], "max_tokens": 0}},
+        {"custom_id": "c", "body": {"prompt": "hello", "max_tokens": 8}},
+        {"custom_id": "d", "body": {}},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines)
+                      + "\n")
+    out, errors = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    proc = _cli(fleet, "batch", str(source), "--model", MODEL_NAME, "--out", str(out),
+                "--errors", str(errors))
+    assert proc.returncode == 1  # some lines were bad
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    failures = [json.loads(x) for x in errors.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["a", "c"]
+    assert all(len(r["response"]["tokens"]) == 8 for r in results)
+    assert sorted(f["line"] for f in failures) == [2, 3, 5]
+    assert all(f["error"]["message"].startswith(f"line {f['line']}:") for f in failures)
+    assert "2 completed" in proc.stderr and "3 invalid" in proc.stderr
