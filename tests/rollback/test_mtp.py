@@ -1,0 +1,62 @@
+"""Compact rollback under the real MTP drafter: exact output, replays only on deep rejections.
+
+The MTP head decides the schedule here, so a recording wrapper notes every verify's draft
+length and accepted count, and the expected replays are derived from those outcomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from shared.protocol import CheckpointMode, SpecMethod
+from worker.engine.proposers.base import Draft, Proposer, VerifyOutcome
+
+from .conftest import LONG_TOKENS, PROMPT, engine_for
+from .oracle import Planned
+
+
+class Recording:
+    """Delegates to a proposer and keeps what each verify of its drafts established."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.verifies: list[Planned] = []
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.verifies.clear()
+        self.inner.start(prompt)
+
+    def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
+        return self.inner.propose(history, width, p_min)
+
+    def observe(self, outcome: VerifyOutcome) -> None:
+        self.verifies.append(Planned(len(outcome.draft), outcome.n_accepted))
+        self.inner.observe(outcome)
+
+
+@pytest.mark.parametrize(("draft_max", "depth", "mode"), [
+    (3, 1, CheckpointMode.DEVICE),
+    (5, 1, CheckpointMode.DEVICE),
+    (5, 2, CheckpointMode.HOST),
+    (7, 1, CheckpointMode.HOST),
+    (7, 3, CheckpointMode.DEVICE),
+], ids=lambda v: getattr(v, "value", v))
+def test_mtp_drafter_with_compact_rollback_is_exact(
+        hybrid_model: Path, hybrid_reference: list[int], draft_max: int, depth: int,
+        mode: CheckpointMode) -> None:
+    with engine_for(hybrid_model, draft_max, depth, mode, method=SpecMethod.MTP) as engine:
+        assert engine.mtp is not None
+        recording = Recording(engine.mtp)
+        result = engine.generate(PROMPT, LONG_TOKENS, proposer=recording)
+
+    assert result.tokens == hybrid_reference[:LONG_TOKENS]
+    deep = [v for v in recording.verifies if v.rejected > depth]
+    assert deep, "the MTP head never missed deeper than D: the replay path went untested"
+    assert result.telemetry.replay_events == len(deep)
+    assert result.telemetry.replay_tokens == sum(v.accept + 1 for v in deep)
+    assert result.telemetry.checkpoint_mode == mode.value
+    assert 0 < result.telemetry.acceptance < 1
