@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, Telemetry
+from shared.settings import get_settings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback import RollbackError
 from worker.llm import LlamaError
@@ -39,7 +40,15 @@ def _summary(t: Telemetry) -> str:
             f"({100 * t.acceptance:.1f}%), {t.tokens_per_verify:.2f} tokens per verify decode "
             f"({t.target_decodes} decodes for {t.generated_tokens} tokens); "
             f"{t.tokens_per_second:.1f} tok/s decode, "
-            f"{t.effective_tokens_per_second:.1f} tok/s effective")
+            f"{t.effective_tokens_per_second:.1f} tok/s effective{_replays(t)}")
+
+
+def _replays(t: Telemetry) -> str:
+    """Compact rollback's share (seed 003's "replays = events / tokens"), when it ran."""
+    if not t.checkpoint_mode:
+        return ""
+    return (f"; replays {t.replay_events} events / {t.replay_tokens} tokens, "
+            f"{t.checkpoint_saves} {t.checkpoint_mode} checkpoints")
 
 
 @app.command()
@@ -79,7 +88,8 @@ def generate(
     if temperature > 0 and settings.enabled:
         fail("speculative decoding is greedy-only: use --temperature 0, or --spec none to sample")
     config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, spec=settings,
-                          checkpoint=checkpoint)
+                          checkpoint=checkpoint,
+                          fail_device_checkpoint=get_settings().fail_device_checkpoint)
     try:
         with SpeculativeEngine(config) as engine:
             tokens = engine.tokenize(prompt) if prompt is not None else _parse_tokens(prompt_tokens)
