@@ -13,7 +13,7 @@ from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
 from shared.settings import get_settings
-from worker.fitter.errors import FitError
+from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
 from worker.service.runner import WorkerOptions, serve
 
 
@@ -25,12 +25,18 @@ def worker(
     = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N (pinned before llama.cpp loads)")]
     = "cpu",
-    budget_mib: Annotated[int | None, typer.Option(min=1, help="memory budget for the fitter")]
+    budget_mib: Annotated[float | None, typer.Option(help="memory to fit into, MiB "
+                                                     "(default: the device's free memory)")]
     = None,
+    fit_target_mib: Annotated[float, typer.Option(help="margin the fitter leaves free, MiB")]
+    = DEFAULT_FIT_TARGET_MIB,
+    ctx_min: Annotated[int, typer.Option(min=1, help="refuse to start with less context")]
+    = DEFAULT_CTX_MIN,
     redis: Annotated[str | None, typer.Option(help="Redis URL (default: REDIS_URL)")] = None,
     name: Annotated[str | None, typer.Option(help="worker name (default: host-device-pid)")]
     = None,
-    ctx: Annotated[int, typer.Option(min=2, help="context size in tokens")] = 4096,
+    ctx: Annotated[int | None, typer.Option(min=2, help="fixed context size in tokens "
+                                            "(skips the fitter)")] = None,
     spec: Annotated[SpecMethod, typer.Option(help="drafting method capacity")] = SpecMethod.AUTO,
     draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
     rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
@@ -38,7 +44,11 @@ def worker(
     = CheckpointMode.DEVICE,
     threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
 ) -> None:
-    """Run a resident-model worker: fit, load once, register, take jobs, heartbeat."""
+    """Run a resident-model worker: fit, load once, register, take jobs, heartbeat.
+
+    Without ``--ctx`` the fitter measures the model and picks the largest context that fits
+    the device (or ``--budget-mib``), then reserves checkpoint memory before taking work.
+    """
     settings = get_settings()
     if redis is not None:
         settings = settings.model_copy(update={"redis_url": redis})
@@ -52,8 +62,9 @@ def worker(
         fail(describe_validation_error(exc))
     options = WorkerOptions(
         model_path=str(model), model_name=model_name or model.name.removesuffix(".gguf"),
-        device=device, name=name, n_ctx=ctx, budget_mib=budget_mib, threads=threads,
-        spec=spec_settings, checkpoint=checkpoint)
+        device=device, name=name, n_ctx=ctx, budget_mib=budget_mib,
+        fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, spec=spec_settings,
+        checkpoint=checkpoint)
     try:
         serve(options, settings)
     except (FitError, RedisError, RuntimeError, ValueError) as exc:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from coordinator.client import Coordinator
+from coordinator.validation import SubmitError
 from shared.protocol import FinalEvent, JobStatus, ProgressEvent, SpecSettings, TokenEvent
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 
@@ -76,3 +79,16 @@ def test_heartbeat_keeps_a_long_job_alive(fleet: Fleet, coordinator: Coordinator
     assert result.attempts == 1
     assert result.telemetry is not None
     assert result.telemetry.wall_seconds > 2 * coordinator.settings.worker_ttl_seconds
+
+
+def test_worker_fits_its_context_and_publishes_the_report(fleet: Fleet,
+                                                         coordinator: Coordinator) -> None:
+    fleet.start("w1", args=("--budget-mib", "64", "--fit-target-mib", "8", "--ctx-min", "256"))
+    (info,) = coordinator.fleet()
+    assert info.fit is not None
+    assert info.n_ctx == info.fit.n_ctx and info.n_ctx % 256 == 0
+    assert info.fit.budget_bytes == 56 * 1024 * 1024
+    assert info.fit.total_bytes <= info.fit.budget_bytes
+    too_long = {"model": MODEL_NAME, "prompt_tokens": [1] * 8, "max_tokens": info.n_ctx}
+    with pytest.raises(SubmitError, match="exceeds the largest context"):
+        coordinator.submit(too_long)

@@ -37,10 +37,13 @@ class Fleet:
                 "CUDA_VISIBLE_DEVICES": "", **extra}
 
     def start(self, name: str, *, step_delay: float = 0.0, wait: bool = True,
-              extra_env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> int:
-        """Start ``specfleet worker`` named ``name``; returns its pid once it is registered."""
+              extra_env: dict[str, str] | None = None, args: tuple[str, ...] = ("--ctx", str(CTX)),
+              ) -> int:
+        """Start ``specfleet worker`` named ``name``; returns its pid once it is registered.
+
+        ``args`` default to a fixed context; pass fitter options instead to fit one."""
         cmd = [SPECFLEET, "worker", "--model", str(self.model), "--model-name", MODEL_NAME,
-               "--name", name, "--ctx", str(CTX), "--threads", "1", *args]
+               "--name", name, "--threads", "1", *args]
         log = (self.logs / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(cmd, env=self.env(step_delay, extra_env or {}),
                                             stdout=log, stderr=subprocess.STDOUT)

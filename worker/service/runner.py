@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
 
@@ -31,6 +31,8 @@ from rq.worker import SimpleWorker, WorkerStatus
 from shared.logs import get_logger
 from shared.protocol import CheckpointMode, FitReport, SpecSettings, WorkerInfo
 from shared.settings import Settings
+from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
 from worker.fitter.devices import DeviceRef, parse_device
 from worker.service.jobs import JOB_FUNCTION, WorkerRuntime, bind_runtime
 from worker.service.recovery import RecoveryMonitor, requeue_front
@@ -47,8 +49,10 @@ class WorkerOptions:
     model_name: str
     device: str = "cpu"
     name: str | None = None
-    n_ctx: int = 4096
-    budget_mib: int | None = None
+    n_ctx: int | None = None  # None: fit the context to the device's memory
+    budget_mib: float | None = None
+    fit_target_mib: float = DEFAULT_FIT_TARGET_MIB
+    ctx_min: int = DEFAULT_CTX_MIN
     threads: int = 2
     spec: SpecSettings = field(default_factory=SpecSettings)
     checkpoint: CheckpointMode = CheckpointMode.DEVICE
@@ -132,16 +136,28 @@ def _reexec_if_pinned_too_late(device: DeviceRef) -> None:
         os.execv(sys.argv[0], sys.argv)
 
 
-def _load_engine(options: WorkerOptions, n_gpu_layers: int, settings: Settings):  # noqa: ANN202
-    """Fit (for now: the ``--ctx`` the operator gave) and load the engine once."""
-    from worker.engine.engine import EngineConfig, SpeculativeEngine
-
-    config = EngineConfig(model_path=options.model_path, n_ctx=options.n_ctx,
-                          n_threads=options.threads, n_gpu_layers=n_gpu_layers,
-                          spec=options.spec, checkpoint=options.checkpoint,
-                          fail_device_checkpoint=settings.fail_device_checkpoint)
-    fit: FitReport | None = None
-    return SpeculativeEngine(config), fit
+def _load_engine(options: WorkerOptions, n_gpu_layers: int,
+                 settings: Settings) -> tuple[SpeculativeEngine, FitReport | None]:
+    """Fit the context to the device (unless ``--ctx`` fixed it), load the engine once,
+    and reserve its checkpoint memory before any request can take the headroom."""
+    if options.n_ctx is not None:
+        config = EngineConfig(model_path=options.model_path, n_ctx=options.n_ctx,
+                              n_threads=options.threads, n_gpu_layers=n_gpu_layers,
+                              spec=options.spec, checkpoint=options.checkpoint,
+                              fail_device_checkpoint=settings.fail_device_checkpoint)
+        return SpeculativeEngine(config), None
+    fit = fit_worker(options.model_path, device=options.device, budget_mib=options.budget_mib,
+                     fit_target_mib=options.fit_target_mib, slots=1, spec=options.spec,
+                     ctx_min=options.ctx_min, n_threads=options.threads,
+                     checkpoint=options.checkpoint)
+    engine = SpeculativeEngine(replace(fit.config,
+                                       fail_device_checkpoint=settings.fail_device_checkpoint))
+    try:
+        reserve_checkpoints(engine, fit)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, fit.report
 
 
 def serve(options: WorkerOptions, settings: Settings) -> None:
