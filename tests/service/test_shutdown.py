@@ -1,0 +1,63 @@
+"""SIGTERM: a worker finishes its job (or, on a second signal, requeues it) and deregisters."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+from coordinator.client import Coordinator
+from shared.protocol import AnyEvent, JobStatus, ProgressEvent, TokenEvent
+
+from .workers import MODEL_NAME, Fleet
+
+REQUEST = {"model": MODEL_NAME, "prompt_tokens": [9, 8, 7], "max_tokens": 60,
+           "speculative": {"method": "none"}}
+
+
+def _wait_exit(fleet: Fleet, name: str, timeout: float = 30) -> int:
+    proc = fleet.procs[name]
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, f"{name} did not exit"
+        time.sleep(0.05)
+    return proc.returncode
+
+
+def _started_running(events: Iterator[AnyEvent]) -> None:
+    """Consume events until the first tokens are out: the job is mid-generation."""
+    for event in events:
+        if isinstance(event, TokenEvent):
+            return
+
+
+def test_sigterm_finishes_the_current_job_then_deregisters(fleet: Fleet,
+                                                           coordinator: Coordinator) -> None:
+    fleet.start("w1", step_delay=0.03)
+    handle = coordinator.submit(REQUEST)
+    _started_running(handle.stream(timeout=30))
+    fleet.kill("w1", signal.SIGTERM)
+    result = handle.result(timeout=30)
+    assert result.status is JobStatus.FINISHED and len(result.tokens) == 60
+    assert result.attempts == 1
+    assert _wait_exit(fleet, "w1") == 0
+    assert coordinator.registry.registered_names() == []
+    assert "worker.deregistered" in fleet.log("w1")
+
+
+def test_second_sigterm_requeues_the_job_for_another_worker(fleet: Fleet,
+                                                            coordinator: Coordinator) -> None:
+    fleet.start("w1", step_delay=0.05)
+    handle = coordinator.submit(REQUEST)
+    _started_running(handle.stream(timeout=30))
+    fleet.kill("w1", signal.SIGTERM)
+    time.sleep(0.2)
+    fleet.kill("w1", signal.SIGTERM)
+    assert _wait_exit(fleet, "w1") == 0
+    fleet.start("w2")
+    result = handle.result(timeout=30)
+    events = list(coordinator.handle(handle.job_id).stream(timeout=5))
+    assert result.status is JobStatus.FINISHED and len(result.tokens) == 60
+    assert result.worker == "w2" and result.attempts == 2
+    assert any(isinstance(e, ProgressEvent) and e.stage == "interrupted" for e in events)
+    assert "job.requeued" in fleet.log("w1")
