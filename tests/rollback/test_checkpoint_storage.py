@@ -6,13 +6,13 @@ the state), so these tests run the same failure path a broken device checkpoint 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from structlog.testing import capture_logs
 
 from shared.protocol import CheckpointMode
 from worker.engine.rollback.compact import CompactRollback
+from worker.fitter.buffers import MIB, parse_buffers
 from worker.llm import capture_llama_log
 
 from .conftest import MATRIX_TOKENS, PROMPT, engine_for
@@ -21,8 +21,6 @@ from .oracle import OracleProposer
 DRAFT_MAX, DEPTH = 5, 1
 #: Generated tokens after which the drill breaks device saves.
 BREAK_AFTER = 30
-#: llama.cpp's line when it allocates the context-owned device checkpoint buffer.
-ALLOCATED = re.compile(r"allocated '[^']+' buffer ([\d.]+) MiB")
 
 
 def fallbacks(logs: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -77,11 +75,10 @@ def test_reserve_allocates_the_device_checkpoint_before_any_request(
         with capture_llama_log() as serving:
             result = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle)
 
-    [allocation] = [line for line in at_start if ALLOCATED.search(line)]
-    allocated_mib = float(ALLOCATED.search(allocation).group(1))
+    allocated = parse_buffers(at_start).total("checkpoint")
     assert reserved > 0
-    assert abs(allocated_mib * 2**20 - reserved) <= 0.0005 * 2**20  # the log prints 0.001 MiB
-    assert not [line for line in serving if ALLOCATED.search(line)], "runtime allocated again"
+    assert abs(allocated - reserved) <= 0.0005 * MIB  # the log prints 0.001 MiB
+    assert parse_buffers(serving).total("checkpoint") == 0, "runtime allocated again"
     assert result.tokens == expected
     assert result.telemetry.checkpoint_mode == "device"
     assert result.telemetry.checkpoint_saves > 0 and result.telemetry.replay_events > 0

@@ -7,29 +7,27 @@ move as the draft maximum N grows; at D = N it must grow with N (one snapshot pe
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from shared.protocol import CheckpointMode, SpecMethod
+from worker.fitter.buffers import parse_buffers
 from worker.llm import capture_llama_log
 
 from .conftest import MATRIX_TOKENS, PROMPT, engine_for
 from .oracle import OracleProposer
 
-RS_BUFFER = re.compile(r"RS buffer size =\s+([\d.]+) MiB")
 
-
-def recurrent_mib(model: Path, draft_max: int, depth: int) -> float:
-    """Recurrent-state MiB llama.cpp allocates for the engine's target context."""
+def recurrent_bytes(model: Path, draft_max: int, depth: int) -> int:
+    """Recurrent-state bytes llama.cpp allocates for the engine's target context (an n-gram
+    engine builds no other context), at the log's 0.01 MiB resolution."""
     with capture_llama_log() as lines, engine_for(model, draft_max, depth):
         pass
-    # The MTP-free engine builds one context; sum in case the buffer is split over devices.
-    return sum(float(m.group(1)) for line in lines if (m := RS_BUFFER.search(line)))
+    return parse_buffers(lines).total("recurrent")
 
 
 def test_compact_depth_keeps_recurrent_memory_flat_as_drafts_grow(hybrid_model: Path) -> None:
-    compact = [recurrent_mib(hybrid_model, n, 1) for n in (3, 5, 7)]
-    full = [recurrent_mib(hybrid_model, n, n) for n in (3, 5, 7)]
+    compact = [recurrent_bytes(hybrid_model, n, 1) for n in (3, 5, 7)]
+    full = [recurrent_bytes(hybrid_model, n, n) for n in (3, 5, 7)]
 
     assert compact[0] > 0
     assert compact == [compact[0]] * 3
