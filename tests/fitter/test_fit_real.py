@@ -1,0 +1,58 @@
+"""The fitted context really loads, fills, and matches llama.cpp's own reports.
+
+For each model and budget: the fit leaves the budget unexceeded while one more step of 256
+tokens would exceed it; the engine built from the fit allocates what the fit predicted
+(within 2% of the buffer sizes llama.cpp logs while allocating: model, KV, recurrent,
+output, compute and checkpoint buffers; the output buffer's later growth, which llama.cpp
+does not log, is left out of both sides); and a prompt filling the whole context is
+processed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.protocol import FinishReason, SpecMethod, SpecSettings
+from worker.fitter import fit_worker
+
+MIB = 1024 * 1024
+
+CASES = [
+    # model, budget MiB, speculation
+    ("dense", 2.5, SpecSettings(method=SpecMethod.NGRAM)),
+    ("dense", 3.5, SpecSettings(method=SpecMethod.NGRAM)),
+    ("hybrid", 3.0, SpecSettings(method=SpecMethod.NGRAM, draft_max=3)),
+    ("hybrid", 3.0, SpecSettings(method=SpecMethod.MTP, draft_max=5, rollback_depth=1)),
+    ("hybrid", 3.5, SpecSettings(method=SpecMethod.MTP, draft_max=5, rollback_depth=1)),
+    # Gemma budgets keep the fitted context small: filling it is a prefill on 2 cores.
+    ("gemma", 292.0, SpecSettings(method=SpecMethod.NGRAM, draft_max=8)),
+    ("gemma", 295.0, SpecSettings(method=SpecMethod.NGRAM, draft_max=8)),
+]
+
+
+@pytest.mark.parametrize(("which", "budget_mib", "spec"), CASES,
+                         ids=[f"{c[0]}-{c[1]}MiB-{c[2].method}" for c in CASES])
+def test_fitted_context_loads_fills_and_matches_llama_cpp(
+        request: pytest.FixtureRequest, allocate, which: str, budget_mib: float,
+        spec: SpecSettings) -> None:
+    path = (request.getfixturevalue("gemma_q4_path") if which == "gemma"
+            else str(getattr(request.getfixturevalue("tiny_models"), which)))
+    fit = fit_worker(path, budget_mib=budget_mib, fit_target_mib=0, spec=spec, ctx_min=256)
+    report = fit.report
+    budget = round(budget_mib * MIB)
+
+    assert report.n_ctx % 256 == 0 and 256 <= report.n_ctx < report.n_ctx_train
+    assert report.total_bytes == sum(report.components.values()) <= budget
+    assert report.details["next_step_total_bytes"] > budget
+
+    built = allocate(fit)
+    predicted_at_load = report.total_bytes - report.details["runtime_growth_bytes"]
+    assert abs(predicted_at_load - built.reported_bytes) <= 0.02 * built.reported_bytes, (
+        report.components, built.buffers.sizes)
+
+    engine = built.engine
+    vocab = engine.model.n_vocab
+    prompt = [(7 * i + 3) % vocab for i in range(fit.n_ctx - 1)]
+    result = engine.generate(prompt, max_tokens=1, spec=spec)
+    assert result.telemetry.prompt_tokens == fit.n_ctx - 1
+    assert len(result.tokens) == 1 or result.finish_reason is FinishReason.EOS
