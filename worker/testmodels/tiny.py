@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from worker.testmodels.recipe import Dims, Recipe
+from worker.testmodels.recipe import SCRATCH, Dims, Recipe, Strengths
 
 CONTEXT_LENGTH = 4096
 RMS_EPS = 1e-6
@@ -53,9 +53,9 @@ def build_tiny_models(directory: Path, seed: int = 0) -> TinyModels:
     )
 
 
-def write_dense_llama(path: Path, seed: int = 0) -> Path:
-    """Write a 2-layer F32 ``llama`` model (about 300 KB); same seed, same bytes."""
-    recipe = Recipe(seed)
+def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = Strengths()) -> Path:
+    """Write a 2-layer F32 ``llama`` model (about 430 KB); same seed, same bytes."""
+    recipe = Recipe(seed, strengths=strengths)
     d = recipe.dims
     writer = _writer(path, "llama", d, n_blocks=DENSE_LAYERS)
     writer.add_rope_dimension_count(d.head_dim)  # must equal the head size ("invalid n_rot")
@@ -66,12 +66,14 @@ def write_dense_llama(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def write_qwen35_hybrid(path: Path, seed: int = 0, mtp: bool = True) -> Path:
+def write_qwen35_hybrid(
+    path: Path, seed: int = 0, mtp: bool = True, strengths: Strengths = Strengths()
+) -> Path:
     """Write a 4-layer F32 ``qwen35`` hybrid, plus one NextN (MTP) layer when ``mtp``.
 
     With ``mtp=False`` the trunk is byte-for-byte the same weights, only the head is missing.
     """
-    recipe = Recipe(seed)
+    recipe = Recipe(seed, strengths=strengths)
     d = recipe.dims
     writer = _writer(path, "qwen35", d, n_blocks=HYBRID_LAYERS + int(mtp))
     arch = "qwen35"
@@ -92,7 +94,7 @@ def write_qwen35_hybrid(path: Path, seed: int = 0, mtp: bool = True) -> Path:
         is_attention = (il + 1) % 2 == 0
         mixer = _gated_attention(recipe, il) if is_attention else _delta_net(recipe, il)
         _add_tensors(writer, mixer)
-        _add_tensors(writer, _qwen35_ffn(recipe, il))
+        _add_tensors(writer, _qwen35_ffn(recipe, il, switch=il == HYBRID_LAYERS - 1))
     if mtp:
         _add_tensors(writer, _nextn_block(recipe, HYBRID_LAYERS))
     _finish(writer)
@@ -140,42 +142,53 @@ def _skeleton(r: Recipe) -> Tensors:
 
 
 def _dense_block(r: Recipe, il: int) -> Tensors:
-    d, s, p = r.dims, r.strengths, f"blk.{il}"
+    d, p = r.dims, f"blk.{il}"
     yield f"{p}.attn_norm.weight", r.ones(d.n_embd)
-    yield f"{p}.attn_q.weight", r.matrix(f"{p}.q", d.n_head * d.head_dim, d.n_embd, 2.0)
-    yield from _kvo(r, p, s.attention)
+    yield f"{p}.attn_q.weight", r.matrix(f"{p}.q", d.n_head * d.head_dim, d.n_embd,
+                                         r.strengths.sharpness)
+    yield from _kvo(r, p)
     yield f"{p}.ffn_norm.weight", r.ones(d.n_embd)
-    yield from _ffn(r, p, s.ffn)
+    yield from _ffn(r, p, switch=il == DENSE_LAYERS - 1)
 
 
-def _kvo(r: Recipe, p: str, gain: float) -> Tensors:
+def _kvo(r: Recipe, p: str) -> Tensors:
     d = r.dims
-    yield f"{p}.attn_k.weight", r.matrix(f"{p}.k", d.n_head_kv * d.head_dim, d.n_embd, 2.0)
+    yield f"{p}.attn_k.weight", r.matrix(f"{p}.k", d.n_head_kv * d.head_dim, d.n_embd,
+                                         r.strengths.sharpness)
     yield f"{p}.attn_v.weight", r.matrix(f"{p}.v", d.n_head_kv * d.head_dim, d.n_embd)
-    yield f"{p}.attn_output.weight", r.matrix(f"{p}.o", d.n_embd, d.n_head * d.head_dim, gain)
+    yield f"{p}.attn_output.weight", r.to_scratch(f"{p}.o", d.n_head * d.head_dim)
 
 
-def _ffn(r: Recipe, p: str, gain: float) -> Tensors:
+def _ffn(r: Recipe, p: str, switch: bool) -> Tensors:
+    """The last trunk block's feed-forward is the recipe's switch; others write context."""
     d = r.dims
-    yield f"{p}.ffn_gate.weight", r.matrix(f"{p}.gate", d.n_ff, d.n_embd, 2.0)
-    yield f"{p}.ffn_up.weight", r.matrix(f"{p}.up", d.n_ff, d.n_embd)
-    yield f"{p}.ffn_down.weight", r.matrix(f"{p}.down", d.n_embd, d.n_ff, gain)
+    if switch:
+        gate, up, down = r.switch(f"{p}.switch")
+    else:
+        gate = r.matrix(f"{p}.gate", d.n_ff, d.n_embd, 2.0)
+        up = r.matrix(f"{p}.up", d.n_ff, d.n_embd)
+        down = r.to_scratch(f"{p}.down", d.n_ff)
+    yield f"{p}.ffn_gate.weight", gate
+    yield f"{p}.ffn_up.weight", up
+    yield f"{p}.ffn_down.weight", down
 
 
-def _qwen35_ffn(r: Recipe, il: int, gain: float | None = None) -> Tensors:
+def _qwen35_ffn(r: Recipe, il: int, switch: bool) -> Tensors:
     p = f"blk.{il}"
     yield f"{p}.attn_norm.weight", r.ones(r.dims.n_embd)
     yield f"{p}.post_attention_norm.weight", r.ones(r.dims.n_embd)
-    yield from _ffn(r, p, r.strengths.ffn if gain is None else gain)
+    yield from _ffn(r, p, switch)
 
 
-def _gated_attention(r: Recipe, il: int, gain: float | None = None) -> Tensors:
+def _gated_attention(r: Recipe, il: int) -> Tensors:
     """Qwen3.5 attention: ``attn_q`` holds query and output gate together."""
     d, p = r.dims, f"blk.{il}"
-    yield f"{p}.attn_q.weight", r.matrix(f"{p}.q", 2 * d.n_head * d.head_dim, d.n_embd, 2.0)
-    yield f"{p}.attn_q_norm.weight", r.ones(d.head_dim)
+    yield f"{p}.attn_q.weight", r.matrix(f"{p}.q", 2 * d.n_head * d.head_dim, d.n_embd,
+                                         r.strengths.sharpness)
+    # q and k are RMS-normalised per head here: their norm weights set the sharpness.
+    yield f"{p}.attn_q_norm.weight", r.ones(d.head_dim) * r.strengths.sharpness
     yield f"{p}.attn_k_norm.weight", r.ones(d.head_dim)
-    yield from _kvo(r, p, r.strengths.attention if gain is None else gain)
+    yield from _kvo(r, p)
 
 
 def _delta_net(r: Recipe, il: int) -> Tensors:
@@ -191,19 +204,22 @@ def _delta_net(r: Recipe, il: int) -> Tensors:
     yield f"{p}.ssm_beta.weight", r.matrix(f"{p}.beta", SSM_HEADS, d.n_embd)
     yield f"{p}.ssm_alpha.weight", r.matrix(f"{p}.alpha", SSM_HEADS, d.n_embd)
     yield f"{p}.ssm_norm.weight", r.ones(SSM_STATE)
-    yield f"{p}.ssm_out.weight", r.matrix(f"{p}.out", d.n_embd, value_dim, r.strengths.delta_net)
+    yield f"{p}.ssm_out.weight", r.to_scratch(f"{p}.out", value_dim)
 
 
 def _nextn_block(r: Recipe, il: int) -> Tensors:
-    """The MTP layer: mostly passes the token embedding through, so it predicts ``perm``."""
-    d, s, p = r.dims, r.strengths, f"blk.{il}"
+    """The MTP layer: passes the token embedding through and has no switch: it predicts perm.
+
+    Its input is concat(enorm(token embedding), hnorm(target hidden state)); the hidden state
+    only reaches scratch, where it shapes the block's attention but not its prediction.
+    """
+    d, p = r.dims, f"blk.{il}"
     eh_proj = np.concatenate(
-        [np.eye(d.n_embd, dtype=np.float32),
-         r.matrix(f"{p}.eh_hidden", d.n_embd, d.n_embd, s.mtp_hidden)],
-        axis=1,
-    )  # input is concat(enorm(token embedding), hnorm(target hidden state))
+        [np.eye(d.n_embd, dtype=np.float32), r.to_scratch(f"{p}.eh_hidden", d.n_embd)], axis=1
+    )
+    eh_proj[SCRATCH, : d.n_embd] = 0.0
     yield f"{p}.nextn.eh_proj.weight", eh_proj
     yield f"{p}.nextn.enorm.weight", r.ones(d.n_embd)
     yield f"{p}.nextn.hnorm.weight", r.ones(d.n_embd)
-    yield from _gated_attention(r, il, s.mtp_block)
-    yield from _qwen35_ffn(r, il, s.mtp_block)
+    yield from _gated_attention(r, il)
+    yield from _qwen35_ffn(r, il, switch=False)
