@@ -18,6 +18,8 @@ import numpy as np
 
 from worker.testmodels.recipe import SCRATCH, Dims, Recipe, Strengths
 
+DEFAULT_STRENGTHS = Strengths()
+
 CONTEXT_LENGTH = 4096
 RMS_EPS = 1e-6
 ROPE_BASE = 10000.0
@@ -53,7 +55,7 @@ def build_tiny_models(directory: Path, seed: int = 0) -> TinyModels:
     )
 
 
-def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = Strengths()) -> Path:
+def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = DEFAULT_STRENGTHS) -> Path:
     """Write a 2-layer F32 ``llama`` model (about 430 KB); same seed, same bytes."""
     recipe = Recipe(seed, strengths=strengths)
     d = recipe.dims
@@ -67,7 +69,7 @@ def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = Strength
 
 
 def write_qwen35_hybrid(
-    path: Path, seed: int = 0, mtp: bool = True, strengths: Strengths = Strengths()
+    path: Path, seed: int = 0, mtp: bool = True, strengths: Strengths = DEFAULT_STRENGTHS
 ) -> Path:
     """Write a 4-layer F32 ``qwen35`` hybrid, plus one NextN (MTP) layer when ``mtp``.
 
