@@ -1,0 +1,28 @@
+"""The fitter measures the very contexts the engine creates: a drift here voids every fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.fitter.specs import engine_specs
+from worker.testmodels import TinyModels
+
+
+@pytest.mark.parametrize(("which", "spec"), [
+    ("dense", SpecSettings(method=SpecMethod.NGRAM, draft_max=6)),
+    ("hybrid", SpecSettings(method=SpecMethod.NGRAM, draft_max=3)),
+    ("hybrid", SpecSettings(method=SpecMethod.MTP, draft_max=5, rollback_depth=2)),
+    ("hybrid", SpecSettings(method=SpecMethod.NONE)),
+])
+def test_specs_equal_the_engines_contexts(tiny_models: TinyModels, which: str,
+                                          spec: SpecSettings) -> None:
+    config = EngineConfig(model_path=str(getattr(tiny_models, which)), n_ctx=512, spec=spec)
+    with SpeculativeEngine(config) as engine:
+        specs = engine_specs(config, engine.model)
+        assert specs.target == engine.target.spec
+        assert specs.n_rs_seq == engine.target.n_rs_seq
+        draft = engine.mtp._draft.spec if engine.mtp is not None else None  # noqa: SLF001
+        assert specs.draft == draft
+        assert specs.at(1024).target == specs.target.with_(n_ctx=1024, n_batch=1024)
