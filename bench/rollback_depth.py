@@ -46,7 +46,8 @@ CONFIGS = {
     "compact_D1_host": (1, CheckpointMode.HOST),
 }
 METRICS = ("tokens_per_second", "decode_tokens_per_second", "acceptance",
-           "mean_accepted_length", "replay_events", "replay_tokens", "checkpoint_saves")
+           "mean_accepted_length", "target_decodes", "replay_events", "replay_tokens",
+           "checkpoint_saves")
 
 
 def open_engine(model: Path, depth: int, mode: CheckpointMode,
@@ -70,7 +71,8 @@ def run(engine: SpeculativeEngine, tokens: int) -> dict[str, float]:
     t = engine.generate(PROMPT, tokens).telemetry
     return {"tokens_per_second": t.effective_tokens_per_second,
             "decode_tokens_per_second": t.tokens_per_second, "acceptance": t.acceptance,
-            "mean_accepted_length": t.mean_accepted_length, "replay_events": t.replay_events,
+            "mean_accepted_length": t.mean_accepted_length, "target_decodes": t.target_decodes,
+            "replay_events": t.replay_events,
             "replay_tokens": t.replay_tokens, "checkpoint_saves": t.checkpoint_saves}
 
 

@@ -26,6 +26,7 @@ import llama_cpp
 from shared.logs import get_logger
 from shared.protocol import CheckpointMode
 from worker.engine.rollback.base import RollbackError
+from worker.engine.rollback.kv_trim import trim_tail
 from worker.llm import Batch, Context
 
 _FLAGS = {
@@ -52,18 +53,17 @@ class Checkpoint:
 
 
 class CheckpointStore:
-    """Saves and restores one sequence's recurrent state before deep rejections.
+    """Saves and restores the recurrent state of sequence 0 (the engine serves one sequence).
 
     ``fail_device`` is the fault-injection switch (``EngineConfig.fail_device_checkpoint``,
     ``SPECFLEET_FAIL_DEVICE_CHECKPOINT=1``): while set, every device save fails for real.
     It is a plain attribute so a drill can flip it on a running engine.
     """
 
-    def __init__(self, mode: CheckpointMode = CheckpointMode.DEVICE, fail_device: bool = False,
-                 seq: int = 0) -> None:
+    def __init__(self, mode: CheckpointMode = CheckpointMode.DEVICE,
+                 fail_device: bool = False) -> None:
         self.mode = CheckpointMode(mode)
         self.fail_device = fail_device
-        self.seq = seq
         self.saves = 0
         self.fallbacks = 0
         self._buffers: dict[CheckpointMode, ctypes.Array] = {}
@@ -80,7 +80,7 @@ class CheckpointStore:
         host: our buffer). An empty sequence has no recurrent rows to save, so one probe token
         is decoded first and removed afterwards.
         """
-        probe = ctx.pos_max(self.seq) < 0
+        probe = ctx.pos_max() < 0
         if probe:
             batch = Batch(1)
             try:
@@ -88,11 +88,11 @@ class CheckpointStore:
             finally:
                 batch.close()
         try:
-            host_size = ctx.state_size(_FLAGS[CheckpointMode.HOST], self.seq)
+            host_size = ctx.state_size(_FLAGS[CheckpointMode.HOST])
             if self.mode is CheckpointMode.DEVICE:
                 try:
                     self._save_in(ctx, CheckpointMode.DEVICE)
-                    return host_size - ctx.state_size(_FLAGS[CheckpointMode.DEVICE], self.seq)
+                    return host_size - ctx.state_size(_FLAGS[CheckpointMode.DEVICE])
                 except _SaveFailed as failure:
                     self._fall_back(str(failure), phase="reserve")
             self._buffer(CheckpointMode.HOST, host_size)
@@ -100,7 +100,7 @@ class CheckpointStore:
         finally:
             self._last = None
             if probe:
-                ctx.seq_rm(0, -1, self.seq)
+                trim_tail(ctx, 0)
 
     # -- per verify --------------------------------------------------------------------------
     def save(self, ctx: Context) -> Checkpoint:
@@ -123,7 +123,7 @@ class CheckpointStore:
         ckpt = self._last
         if ckpt is None:
             raise RollbackError("no checkpoint to restore: the verify was not prepared for it")
-        read = ctx.state_restore(self._buffers[ckpt.mode], ckpt.size, _FLAGS[ckpt.mode], self.seq)
+        read = ctx.state_restore(self._buffers[ckpt.mode], ckpt.size, _FLAGS[ckpt.mode])
         if read != ckpt.size:
             raise RollbackError(
                 f"{ckpt.mode.value} checkpoint restore read {read} of {ckpt.size} bytes"
@@ -138,10 +138,10 @@ class CheckpointStore:
         flags = _FLAGS[mode]
         injected = mode is CheckpointMode.DEVICE and self.fail_device
         try:
-            need = ctx.state_size(flags, self.seq)
+            need = ctx.state_size(flags)
             if need > 0:
                 buf = _NO_ROOM if injected else self._buffer(mode, need)
-                written = ctx.state_save(buf, flags, self.seq)
+                written = ctx.state_save(buf, flags)
         except Exception as exc:  # a save that raises is a failed save, not a crash
             raise _SaveFailed(f"{type(exc).__name__}: {exc}") from exc
         if need <= 0:
