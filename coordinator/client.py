@@ -130,7 +130,7 @@ class Coordinator:
         """Validate and queue one request; ``SubmitError`` says why it was refused."""
         req = parse_request(request)
         workers = self.registry.live_workers(req.model)
-        check_admission(req, workers, self.known_models(), self.settings.require_live_worker)
+        check_admission(req, workers, self.known_models, self.settings.require_live_worker)
         job_id = uuid.uuid4().hex
         queue = self._queue(self.keys.queue(req.model, req.priority))
         queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json"), job_id=job_id,

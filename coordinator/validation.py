@@ -9,6 +9,7 @@ tokenizing and fails the job with a ``context`` error before generating anything
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -40,10 +41,12 @@ def prompt_token_bounds(request: GenerationRequest) -> tuple[int, int]:
 
 
 def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
-                    known_models: set[str], require_live_worker: bool) -> None:
-    """Raise ``SubmitError`` when the request cannot be served by the fleet."""
-    if not workers and request.model not in known_models:
-        known = ", ".join(sorted(known_models)) or "none"
+                    known_models: Callable[[], set[str]], require_live_worker: bool) -> None:
+    """Raise ``SubmitError`` when the request cannot be served by the fleet.
+
+    ``known_models`` is only asked when no live worker serves the request's model."""
+    if not workers and request.model not in (models := known_models()):
+        known = ", ".join(sorted(models)) or "none"
         raise SubmitError(f"unknown model '{request.model}' (models served: {known})")
     if not workers:
         if require_live_worker:

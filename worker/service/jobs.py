@@ -87,8 +87,10 @@ def run_generation(request: Any) -> dict[str, Any]:
     rt = _runtime
     job = get_current_job()
     job_id = job.id if job is not None else "local"
-    attempt = int(rt.connection.incr(rt.keys.attempts(job_id)))
-    rt.connection.expire(rt.keys.attempts(job_id), rt.settings.stream_ttl_seconds)
+    pipe = rt.connection.pipeline(transaction=False)
+    pipe.incr(rt.keys.attempts(job_id))
+    pipe.expire(rt.keys.attempts(job_id), rt.settings.stream_ttl_seconds)
+    attempt = int(pipe.execute()[0])
     writer = EventWriter(rt.connection, rt.keys, job_id, attempt,
                          maxlen=rt.settings.stream_maxlen,
                          ttl_seconds=rt.settings.stream_ttl_seconds)
