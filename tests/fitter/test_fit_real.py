@@ -30,8 +30,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("which", "budget_mib", "spec"), CASES,
-                         ids=[f"{c[0]}-{c[1]}MiB-{c[2].method}" for c in CASES])
+@pytest.mark.parametrize(("which", "budget_mib", "spec"), [
+    pytest.param(*case, id=f"{case[0]}-{case[1]}MiB-{case[2].method}",
+                 marks=[pytest.mark.gemma] if case[0] == "gemma" else [])
+    for case in CASES
+])
 def test_fitted_context_loads_fills_and_matches_llama_cpp(
         request: pytest.FixtureRequest, allocate, which: str, budget_mib: float,
         spec: SpecSettings) -> None:
