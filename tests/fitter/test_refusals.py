@@ -45,6 +45,12 @@ def test_bad_input_is_refused_at_the_edge(tiny_models: TinyModels, kwargs: dict[
         fit_worker(str(tiny_models.dense), budget_mib=64, **kwargs)  # type: ignore[arg-type]
 
 
+def test_mtp_on_a_model_without_a_head(tiny_models: TinyModels) -> None:
+    with pytest.raises(FitError, match="has no MTP"):
+        fit_worker(str(tiny_models.headless), budget_mib=64,
+                   spec=SpecSettings(method=SpecMethod.MTP))
+
+
 def test_missing_model_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(FitError, match="model file not found"):
         fit_worker(str(tmp_path / "nope.gguf"), budget_mib=64)

@@ -76,7 +76,11 @@ class _Sizer:
         self.device = device
         self.slots = slots
         self.model, _ = load_model(model_spec(config, no_alloc=True))
-        self.specs: EngineSpecs = engine_specs(config, self.model, slots)
+        try:
+            self.specs: EngineSpecs = engine_specs(config, self.model, slots)
+        except ValueError as exc:  # e.g. MTP asked of a model without a head
+            self.model.close()
+            raise FitError(str(exc)) from exc
         self._seen: dict[int, Breakdown] = {}
 
     def close(self) -> None:
@@ -91,12 +95,12 @@ class _Sizer:
         """Weights and exact state sizes. The state needs a real load (memory-mapped, on the
         CPU), and so do a CPU worker's weights; a GPU's weights come from the no_alloc load."""
         on_gpu = self.device != "cpu"
+        gpu_weights = weights_bytes(self.model, None, self.device) if on_gpu else 0
         if on_gpu and not self.model.is_recurrent:
-            return weights_bytes(self.model, None, self.device), None
+            return gpu_weights, None
         real, buffers = load_model(replace(model_spec(self.config), n_gpu_layers=0))
         try:
-            weights = weights_bytes(*((self.model, None) if on_gpu else (real, buffers)),
-                                    self.device)
+            weights = gpu_weights or weights_bytes(real, buffers, self.device)
             state = measure_state(real, self.specs.target) if real.is_recurrent else None
         finally:
             real.close()
@@ -228,7 +232,7 @@ def _search(sizer: _Sizer, ctx_min: int, memory: DeviceMemory, margin: int) -> i
 
 def _report(sizer: _Sizer, n_ctx: int, memory: DeviceMemory, margin: int) -> FitReport:
     fitted = sizer.at(n_ctx)
-    kv_extra = sizer.target(n_ctx + _KV_PROBE_SPAN).kv - sizer.target(n_ctx).kv
+    kv_extra = sizer.target(n_ctx + _KV_PROBE_SPAN).kv - fitted.components["kv"]
     details: dict[str, object] = {
         "memory_source": memory.source,
         "n_rs_seq": sizer.specs.n_rs_seq,
@@ -239,7 +243,7 @@ def _report(sizer: _Sizer, n_ctx: int, memory: DeviceMemory, margin: int) -> Fit
         "recurrent_reported_bytes": fitted.recurrent_reported,
         "next_step_total_bytes": (sizer.at(n_ctx + CTX_STEP).total
                                   if n_ctx < sizer.n_ctx_cap else None),
-        **_state_details(sizer, n_ctx),
+        **_state_details(sizer, n_ctx, fitted),
     }
     return FitReport(
         model_path=sizer.config.model_path, n_ctx=n_ctx, n_ctx_train=sizer.model.n_ctx_train,
@@ -253,16 +257,15 @@ def _report(sizer: _Sizer, n_ctx: int, memory: DeviceMemory, margin: int) -> Fit
     )
 
 
-def _state_details(sizer: _Sizer, n_ctx: int) -> dict[str, object]:
+def _state_details(sizer: _Sizer, n_ctx: int, fitted: Breakdown) -> dict[str, object]:
     """Recurrent figures: exact group and checkpoint sizes, and seed 003's plane delta
     (target at n_rs_seq = D + 1 minus at D), kept only as a diagnostic."""
     if sizer.state is None:
         return {}
-    d = sizer.specs.n_rs_seq
+    one_more = sizer.target(n_ctx, sizer.specs.n_rs_seq + 1)
     return {
         "snapshot_group_bytes": sizer.state.group,
         "checkpoint_device_bytes_per_slot": sizer.state.group,
         "checkpoint_host_bytes_per_slot": sizer.state.host_checkpoint,
-        "rs_plane_delta_bytes": sizer.target(n_ctx, d + 1).recurrent
-        - sizer.target(n_ctx, d).recurrent,
+        "rs_plane_delta_bytes": one_more.recurrent - fitted.recurrent_reported,
     }
