@@ -116,7 +116,7 @@ class SpecfleetWorker(SimpleWorker):
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         """Second signal: interrupt the running generation (it is requeued), then exit."""
         if self.get_state() != WorkerStatus.BUSY:
-            super().request_force_stop(signum, frame)
+            return super().request_force_stop(signum, frame)
         log.warning("worker.interrupting", worker=self.name, job_id=self.current_job_id)
         self.runtime.interrupt.set()
 
@@ -133,7 +133,7 @@ def _reexec_if_pinned_too_late(device: DeviceRef) -> None:
     wanted = str(device.index) if device.is_cuda else ""
     if "llama_cpp" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != wanted:
         os.environ["CUDA_VISIBLE_DEVICES"] = wanted
-        os.execv(sys.argv[0], sys.argv)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 def _load_engine(options: WorkerOptions, n_gpu_layers: int,
