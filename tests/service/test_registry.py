@@ -19,13 +19,13 @@ def _info(name: str) -> WorkerInfo:
 
 
 def test_registration_expires_without_heartbeats_and_is_claimed_once(settings: Settings) -> None:
-    registry = FleetRegistry(Redis.from_url(settings.redis_url), settings.keys, ttl_seconds=0.3)
+    registry = FleetRegistry(Redis.from_url(settings.redis_url), settings.keys, ttl_seconds=1.0)
     registry.register(_info("a"))
     registry.register(_info("b"))
     assert {w.name for w in registry.live_workers()} == {"a", "b"}
-    time.sleep(0.2)
+    time.sleep(0.5)
     assert registry.heartbeat(_info("a")) is True
-    time.sleep(0.2)
+    time.sleep(0.7)
     assert [w.name for w in registry.live_workers("m")] == ["a"]  # b's TTL ran out
     assert sorted(registry.registered_names()) == ["a", "b"]  # ... but b awaits recovery
     assert registry.claim_lost("b") is True
