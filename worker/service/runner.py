@@ -133,7 +133,9 @@ def _reexec_if_pinned_too_late(device: DeviceRef) -> None:
     wanted = str(device.index) if device.is_cuda else ""
     if "llama_cpp" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != wanted:
         os.environ["CUDA_VISIBLE_DEVICES"] = wanted
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+        # orig_argv keeps "-m coordinator.cli": re-running argv[0] as a script would put
+        # coordinator/cli/ first on sys.path and shadow the ``worker`` package.
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def _load_engine(options: WorkerOptions, n_gpu_layers: int,
