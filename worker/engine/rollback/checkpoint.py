@@ -29,6 +29,8 @@ from worker.engine.rollback.base import RollbackError
 from worker.engine.rollback.kv_trim import trim_tail
 from worker.llm import Batch, Context
 
+log = get_logger("rollback")
+
 _FLAGS = {
     CheckpointMode.DEVICE: llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
     | llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE,
@@ -166,4 +168,4 @@ class CheckpointStore:
     def _fall_back(self, reason: str, phase: str) -> None:
         self.mode = CheckpointMode.HOST
         self.fallbacks += 1
-        get_logger("rollback").warning("checkpoint.fallback", reason=reason, phase=phase, to="host")
+        log.warning("checkpoint.fallback", reason=reason, phase=phase, to="host")

@@ -23,6 +23,8 @@ from worker.engine.rollback.checkpoint import CheckpointStore
 from worker.engine.rollback.kv_trim import trim_tail
 from worker.llm import Batch, Context, LlamaError
 
+log = get_logger("rollback")
+
 
 class CompactRollback:
     """Bounded-depth recurrent rollback with checkpoint restore and replay (seed 003)."""
@@ -66,7 +68,7 @@ class CompactRollback:
             raise RollbackError(f"replay of {len(kept)} tokens failed: {exc}") from exc
         self.replay_events += 1
         self.replay_tokens += len(kept)
-        get_logger("rollback").info("rollback.replay", depth=depth, tokens=len(kept), pos=pos0)
+        log.info("rollback.replay", depth=depth, tokens=len(kept), pos=pos0)
 
     def telemetry(self) -> dict[str, object]:
         return {
