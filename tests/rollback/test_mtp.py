@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.protocol import CheckpointMode, SpecMethod
+from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
 from worker.engine.proposers.base import Draft, Proposer, VerifyOutcome
 
 from .conftest import LONG_TOKENS, PROMPT, engine_for
@@ -38,25 +38,34 @@ class Recording:
         self.inner.observe(outcome)
 
 
-@pytest.mark.parametrize(("draft_max", "depth", "mode"), [
-    (3, 1, CheckpointMode.DEVICE),
-    (5, 1, CheckpointMode.DEVICE),
-    (5, 2, CheckpointMode.HOST),
-    (7, 1, CheckpointMode.HOST),
-    (7, 3, CheckpointMode.DEVICE),
-], ids=lambda v: getattr(v, "value", v))
+@pytest.mark.parametrize(("draft_max", "depth", "mode", "varied"), [
+    (3, 1, CheckpointMode.DEVICE, False),
+    (5, 1, CheckpointMode.DEVICE, False),
+    (5, 2, CheckpointMode.HOST, False),
+    (7, 1, CheckpointMode.HOST, False),
+    (7, 3, CheckpointMode.DEVICE, False),
+    (7, 2, CheckpointMode.DEVICE, True),
+], ids=lambda v: getattr(v, "value", str(v)))
 def test_mtp_drafter_with_compact_rollback_is_exact(
         hybrid_model: Path, hybrid_reference: list[int], draft_max: int, depth: int,
-        mode: CheckpointMode) -> None:
+        mode: CheckpointMode, varied: bool) -> None:
+    """``varied``: adaptive width and a p-min floor, so drafts both within and beyond D occur
+    (a checkpoint is taken only for the latter)."""
+    spec = SpecSettings(method=SpecMethod.MTP, draft_max=draft_max, rollback_depth=depth,
+                        adaptive=varied, p_min=0.5 if varied else 0.0)
     with engine_for(hybrid_model, draft_max, depth, mode, method=SpecMethod.MTP) as engine:
         assert engine.mtp is not None
         recording = Recording(engine.mtp)
-        result = engine.generate(PROMPT, LONG_TOKENS, proposer=recording)
+        result = engine.generate(PROMPT, LONG_TOKENS, spec, proposer=recording)
 
     assert result.tokens == hybrid_reference[:LONG_TOKENS]
-    deep = [v for v in recording.verifies if v.rejected > depth]
+    verifies = recording.verifies
+    deep = [v for v in verifies if v.rejected > depth]
     assert deep, "the MTP head never missed deeper than D: the replay path went untested"
     assert result.telemetry.replay_events == len(deep)
     assert result.telemetry.replay_tokens == sum(v.accept + 1 for v in deep)
+    assert result.telemetry.checkpoint_saves == sum(v.width > depth for v in verifies)
     assert result.telemetry.checkpoint_mode == mode.value
     assert 0 < result.telemetry.acceptance < 1
+    if varied:
+        assert any(0 < v.width <= depth for v in verifies), "no draft within D"
