@@ -40,7 +40,8 @@ def test_device_save_failure_mid_generation_moves_to_host_for_good(
         def break_device(tokens: list[int], text: str) -> None:
             produced.extend(tokens)
             if len(produced) >= BREAK_AFTER and not at_break:
-                at_break.update(mode=store.mode, saves=store.saves)
+                at_break.update(mode=store.mode, saves=store.saves,
+                                replays=rollback.replay_events)
                 store.fail_device = True
 
         oracle = OracleProposer(expected, engine.model.n_vocab, seed=7)
@@ -51,6 +52,7 @@ def test_device_save_failure_mid_generation_moves_to_host_for_good(
             second = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle)
 
     assert at_break["mode"] is CheckpointMode.DEVICE and at_break["saves"] > 0
+    assert first.telemetry.replay_events > at_break["replays"], "no host restore after the break"
     for result, plan in ((first, first_plan), (second, oracle.plan)):
         assert result.tokens == expected
         assert result.telemetry.checkpoint_mode == "host"
