@@ -17,7 +17,9 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
-def configure_logging(level: str = "info", fmt: str = "json", stream: IO[str] | None = None) -> None:
+def configure_logging(
+    level: str = "info", fmt: str = "json", stream: IO[str] | None = None
+) -> None:
     """Configure structlog for the process; safe to call more than once."""
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
@@ -30,7 +32,9 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: IO[str] | 
     )
     structlog.configure(
         processors=[*processors, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level.lower(), logging.INFO)),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            _LEVELS.get(level.lower(), logging.INFO)
+        ),
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )

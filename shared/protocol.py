@@ -60,7 +60,7 @@ class Priority(StrEnum):
 
 
 class SpecSettings(_Strict):
-    """Per-request speculative settings. Defaults follow the measured sweet spot (docs/benchmarks)."""
+    """Per-request speculative settings; defaults follow the measurements in docs/benchmarks."""
 
     method: SpecMethod = SpecMethod.AUTO
     draft_max: int = Field(default=8, ge=1, le=MAX_DRAFT, description="draft width ceiling N")
