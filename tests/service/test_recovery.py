@@ -19,7 +19,7 @@ from worker.service.registry import FleetRegistry
 from .workers import MODEL_NAME, Fleet
 
 REQUEST = {"model": MODEL_NAME, "prompt_tokens": [3, 1, 4, 1, 5], "max_tokens": 48}
-STEP_DELAY = 0.02  # test-only slowing, so that the kill lands mid-generation
+STEP_DELAY = 0.04  # test-only slowing, so that the kill lands mid-generation
 REPETITIONS = 10
 
 

@@ -34,7 +34,13 @@ from shared.settings import Settings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
 from worker.fitter.devices import DeviceRef, parse_device
-from worker.service.jobs import JOB_FUNCTION, WorkerRuntime, bind_runtime
+from worker.service.jobs import (
+    JOB_FUNCTION,
+    JobInterrupted,
+    RequestRejected,
+    WorkerRuntime,
+    bind_runtime,
+)
 from worker.service.recovery import RecoveryMonitor, requeue_front
 from worker.service.registry import FleetRegistry, Heartbeat
 
@@ -112,6 +118,12 @@ class SpecfleetWorker(SimpleWorker):
             self.registry.set_current_job(self.name, None)
             self.current_job_id = None
             self.runtime.lost.clear()
+
+    def handle_exception(self, job: Job, *exc_info: object) -> None:
+        """Expected outcomes (a refused request, a shutdown) are already logged as events."""
+        if isinstance(exc_info[1], RequestRejected | JobInterrupted):
+            return
+        super().handle_exception(job, *exc_info)
 
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         """Second signal: interrupt the running generation (it is requeued), then exit."""
