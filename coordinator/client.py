@@ -8,6 +8,7 @@ serializer; the returned ``JobHandle`` streams the job's events transparently ac
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -117,6 +118,19 @@ class Coordinator:
         self.keys = self.settings.keys
         self.registry = FleetRegistry(self.connection, self.keys,
                                       self.settings.worker_ttl_seconds)
+        self._fleet_seen: dict[str, tuple[float, list[WorkerInfo]]] = {}
+
+    def _serving(self, model: str) -> list[WorkerInfo]:
+        """Live workers of ``model``; a non-empty answer is reused for one heartbeat interval
+        (no staler than the registry itself), so a burst of submits costs no registry reads."""
+        now = time.monotonic()
+        seen = self._fleet_seen.get(model)
+        if seen and now - seen[0] < self.settings.heartbeat_seconds:
+            return seen[1]
+        workers = self.registry.live_workers(model)
+        if workers:
+            self._fleet_seen[model] = (now, workers)
+        return workers
 
     def _queue(self, name: str) -> Queue:
         return Queue(name, connection=self.connection, serializer=JSONSerializer,
@@ -129,7 +143,7 @@ class Coordinator:
     def submit(self, request: GenerationRequest | dict[str, Any]) -> JobHandle:
         """Validate and queue one request; ``SubmitError`` says why it was refused."""
         req = parse_request(request)
-        workers = self.registry.live_workers(req.model)
+        workers = self._serving(req.model)
         check_admission(req, workers, self.known_models, self.settings.require_live_worker)
         job_id = uuid.uuid4().hex
         queue = self._queue(self.keys.queue(req.model, req.priority))
