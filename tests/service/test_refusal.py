@@ -39,12 +39,24 @@ def test_pickled_payload_and_foreign_function_are_refused(fleet: Fleet, coordina
         JOB_FUNCTION, VALID)
     foreign = Queue(queue_name, connection=conn, serializer=JSONSerializer).enqueue(
         "os.system", f"touch {marker}")
+    json_queue = Queue(queue_name, connection=conn, serializer=JSONSerializer)
+    malformed = []
+    for data in (b'{"not": "a job"}', b'["worker.service.jobs.run_generation", null, 5, {}]',
+                 b'["worker.service.jobs.run_generation", null, [1, 2], {}]'):
+        job = json_queue.create_job(JOB_FUNCTION, args=(VALID,))
+        job.save()
+        conn.hset(job.key, "data", data)  # a payload of the wrong shape, then queued
+        json_queue.push_job_id(job.id)
+        malformed.append(job)
     _wait_failed(Job.fetch(pickled.id, connection=conn, serializer=PickleSerializer))
     _wait_failed(Job.fetch(foreign.id, connection=conn, serializer=JSONSerializer))
+    for job in malformed:
+        _wait_failed(job)
     assert not marker.exists()
     assert fleet.alive("w1")
     log = fleet.log("w1")
-    assert "job.refused" in log and "payload is not JSON" in log and "'os.system'" in log
+    assert log.count('"event": "job.refused"') == 5
+    assert "payload is not a JSON job" in log and "'os.system'" in log
     assert coordinator.submit(VALID).result(timeout=30).status is SpecJobStatus.FINISHED
 
 

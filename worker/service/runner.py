@@ -77,13 +77,13 @@ def pin_device(device: DeviceRef) -> int:
 def refusal_reason(job: Job) -> str | None:
     """Why this worker will not run ``job``, or None when it is the project's own job."""
     try:
-        func_name = job.func_name
-    except DeserializationError:
-        return "payload is not JSON (pickled or corrupt): refused"
+        func_name, args, kwargs = job.func_name, job.args, job.kwargs
+    except (DeserializationError, TypeError, ValueError):
+        return "payload is not a JSON job (pickled, corrupt or malformed): refused"
     if func_name != JOB_FUNCTION:
         return f"function {func_name!r} is not {JOB_FUNCTION!r}: refused"
-    if len(job.args) != 1 or job.kwargs:
-        return "the job must carry exactly one argument, the request"
+    if not isinstance(args, list | tuple) or len(args) != 1 or kwargs:
+        return "the job must carry exactly one argument, the request: refused"
     return None
 
 
