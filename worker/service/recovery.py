@@ -60,8 +60,8 @@ class RecoveryMonitor:
     def sweep(self) -> list[str]:
         """Recover every lost worker; returns the ids of the jobs requeued."""
         requeued = []
-        for name in self._registry.registered_names():
-            if self._registry.is_alive(name) or not self._registry.claim_lost(name):
+        for name in self._registry.lost_names():
+            if not self._registry.claim_lost(name):
                 continue
             job_id = self._registry.take_job(name)
             log.warning("worker.lost", worker=name, job_id=job_id)

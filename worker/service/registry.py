@@ -75,6 +75,14 @@ class FleetRegistry:
         return [n.decode() if isinstance(n, bytes) else n
                 for n in self._conn.zrange(self._keys.workers(), 0, -1)]
 
+    def lost_names(self) -> list[str]:
+        """Registered names whose registration has expired (one round trip for the fleet)."""
+        names = self.registered_names()
+        pipe = self._conn.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self._keys.worker(name))
+        return [name for name, alive in zip(names, pipe.execute(), strict=True) if not alive]
+
     def claim_lost(self, name: str) -> bool:
         """Atomically take responsibility for a lost worker; True for exactly one caller."""
         return bool(self._conn.zrem(self._keys.workers(), name))
