@@ -78,6 +78,7 @@ def write_f16_copy(source: Path, target: Path) -> Path:
     half-written model for the next run to trust.
     """
     started = time.monotonic()
+    log.info("gemma.f16.reading", source=str(source))  # parsing the 262k-token vocab: ~30 s
     reader = gguf.GGUFReader(source)
     arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
     partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
