@@ -25,7 +25,8 @@ RMS_EPS = 1e-6
 ROPE_BASE = 10000.0
 
 DENSE_LAYERS = 2
-HYBRID_LAYERS = 4  # delta-net at 0 and 2, attention at 1 and 3 (full_attention_interval 2)
+HYBRID_LAYERS = 4
+FULL_ATTENTION_INTERVAL = 2  # delta-net at layers 0 and 2, attention at 1 and 3
 HYBRID_ROPE_DIMS = 16
 HYBRID_ROPE_SECTIONS = (3, 3, 2, 0)
 SSM_CONV_KERNEL = 4
@@ -78,7 +79,6 @@ def write_qwen35_hybrid(
     recipe = Recipe(seed, strengths=strengths)
     d = recipe.dims
     writer = _writer(path, "qwen35", d, n_blocks=HYBRID_LAYERS + int(mtp))
-    arch = "qwen35"
     writer.add_key_length(d.head_dim)
     writer.add_value_length(d.head_dim)
     writer.add_rope_dimension_count(HYBRID_ROPE_DIMS)
@@ -88,12 +88,12 @@ def write_qwen35_hybrid(
     writer.add_ssm_group_count(SSM_GROUPS)
     writer.add_ssm_time_step_rank(SSM_HEADS)
     writer.add_ssm_inner_size(SSM_STATE * SSM_HEADS)
-    writer.add_full_attention_interval(2)
+    writer.add_full_attention_interval(FULL_ATTENTION_INTERVAL)
     if mtp:
-        writer.add_uint32(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 1)
+        writer.add_nextn_predict_layers(1)
     _add_tensors(writer, _skeleton(recipe))
     for il in range(HYBRID_LAYERS):
-        is_attention = (il + 1) % 2 == 0
+        is_attention = (il + 1) % FULL_ATTENTION_INTERVAL == 0
         mixer = _gated_attention(recipe, il) if is_attention else _delta_net(recipe, il)
         _add_tensors(writer, mixer)
         _add_tensors(writer, _qwen35_ffn(recipe, il, switch=il == HYBRID_LAYERS - 1))
