@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from coordinator.cli import options as opt
 from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, Telemetry
@@ -22,16 +23,6 @@ from shared.settings import get_settings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback import RollbackError
 from worker.llm import LlamaError
-
-
-def _parse_tokens(raw: str) -> list[int]:
-    try:
-        tokens = [int(t) for t in raw.split(",") if t.strip()]
-    except ValueError:
-        fail(f"--prompt-tokens must be comma-separated integers, got {raw!r}")
-    if not tokens:
-        fail("--prompt-tokens is empty")
-    return tokens
 
 
 def _summary(t: Telemetry) -> str:
@@ -54,20 +45,19 @@ def _replays(t: Telemetry) -> str:
 @app.command()
 def generate(
     model: Annotated[Path, typer.Option(help="GGUF model file")],
-    max_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate at most")],
-    prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
-    prompt_tokens: Annotated[str | None, typer.Option(help="prompt token ids: 1,2,3")] = None,
-    spec: Annotated[SpecMethod, typer.Option(help="drafting method")] = SpecMethod.AUTO,
-    draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
-    draft_min: Annotated[int, typer.Option(help="shorter drafts are dropped")] = 0,
-    p_min: Annotated[float, typer.Option(help="stop drafting below this confidence")] = 0.0,
-    adaptive: Annotated[bool, typer.Option(help="adapt the draft width (seed 003 rule)")] = False,
-    rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
+    max_tokens: opt.MaxTokens,
+    prompt: opt.Prompt = None,
+    prompt_tokens: opt.PromptTokens = None,
+    spec: opt.Spec = SpecMethod.AUTO,
+    draft_max: opt.DraftMax = 8,
+    draft_min: opt.DraftMin = 0,
+    p_min: opt.PMin = 0.0,
+    adaptive: opt.Adaptive = False,
+    rollback_depth: opt.RollbackDepth = None,
     checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
     = CheckpointMode.DEVICE,
-    temperature: Annotated[float, typer.Option(help="sampling temperature (needs --spec none)")]
-    = 0.0,
-    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    temperature: opt.Temperature = 0.0,
+    seed: opt.Seed = 0,
     threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
     ctx: Annotated[int, typer.Option(min=2, help="context size in tokens")] = 4096,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
@@ -87,12 +77,13 @@ def generate(
         fail(f"{where + ': ' if where else ''}{err['msg']}")
     if temperature > 0 and settings.enabled:
         fail("speculative decoding is greedy-only: use --temperature 0, or --spec none to sample")
+    ids = opt.parse_tokens(prompt_tokens) if prompt_tokens is not None else None
     config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, spec=settings,
                           checkpoint=checkpoint,
                           fail_device_checkpoint=get_settings().fail_device_checkpoint)
     try:
         with SpeculativeEngine(config) as engine:
-            tokens = engine.tokenize(prompt) if prompt is not None else _parse_tokens(prompt_tokens)
+            tokens = ids if ids is not None else engine.tokenize(prompt or "")
             result = engine.generate(tokens, max_tokens, settings, temperature=temperature,
                                      seed=seed)
     except (ValueError, LlamaError, RollbackError, NotImplementedError) as exc:

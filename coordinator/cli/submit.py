@@ -10,7 +10,7 @@ import typer
 from redis import RedisError
 
 from coordinator.cli.app import app, fail
-from coordinator.cli.generate import _parse_tokens
+from coordinator.cli.options import parse_tokens as _parse_tokens
 from coordinator.client import Coordinator, JobResult
 from coordinator.validation import SubmitError
 from shared.logs import configure_logging
