@@ -57,6 +57,8 @@ def test_kill_9_mid_generation_ten_times_loses_nothing(fleet: Fleet,
         assert restarted.ts - killed_at < 10
         assert any(isinstance(e, ProgressEvent) and e.stage == "requeued" for e in rest)
         assert handle.result(timeout=5).attempts == 2
+        # A reader replaying both attempts sees the text once, as if nothing had happened.
+        assert "".join(coordinator.handle(handle.job_id).text_stream(timeout=5)) == final.text
     assert coordinator.queue_depths(MODEL_NAME) == {q: 0 for q in
                                                      coordinator.keys.queues(MODEL_NAME)}
 
