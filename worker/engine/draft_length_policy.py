@@ -46,19 +46,21 @@ class AdaptiveWidth:
 
     A draft shorter than the ceiling was cut short (p-min, no n-gram continuation, token or
     context limit, a failed draft decode) and says nothing about the ceiling, so it neither
-    counts nor breaks a streak.
+    counts nor breaks a streak. "The ceiling" is as the verify shape trims it
+    (:mod:`worker.engine.verify_shape`): with ``shape[16] = 15``, a 15-token draft reached it.
     """
 
-    def __init__(self, draft_max: int) -> None:
+    def __init__(self, draft_max: int, shape: list[int] | None = None) -> None:
         self.draft_max = draft_max
         self.ceiling = draft_max
+        self._shape = shape or list(range(draft_max + 1))
         self._streak = 0
 
     def width(self) -> int:
         return self.ceiling
 
     def update(self, drafted: int, accepted: int) -> None:
-        if drafted < self.ceiling:
+        if drafted < self._shape[self.ceiling]:
             return
         if accepted == drafted:
             self.ceiling = min(self.ceiling + 1, self.draft_max)
@@ -72,8 +74,8 @@ class AdaptiveWidth:
             self._streak = 0
 
 
-def make_policy(draft_max: int, adaptive: bool) -> DraftLengthPolicy:
+def make_policy(draft_max: int, adaptive: bool, shape: list[int]) -> DraftLengthPolicy:
     """The width policy for one generation (``draft_max`` 0 = plain decoding)."""
     if adaptive and draft_max > 0:
-        return AdaptiveWidth(draft_max)
+        return AdaptiveWidth(draft_max, shape)
     return FixedWidth(draft_max)

@@ -28,6 +28,7 @@ from worker.engine.sampling import make_picker
 from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
 from worker.engine.verify import Verifier
+from worker.engine.verify_shape import best_lengths, measure_costs
 from worker.llm import Context, ContextSpec, Model, ModelSpec
 
 log = get_logger("engine")
@@ -48,6 +49,9 @@ class EngineConfig:
     spec: SpecSettings = field(default_factory=SpecSettings)
     checkpoint: CheckpointMode = CheckpointMode.DEVICE
     fail_device_checkpoint: bool = False
+    #: Time the target's verify decodes at load (1..N+1 rows) and verify only draft lengths
+    #: that pay for themselves (see verify_shape.py). Costs a few seconds at start on CPU.
+    calibrate_verify: bool = False
 
 
 @dataclass
@@ -91,10 +95,15 @@ class SpeculativeEngine:
             self.close()
             raise
         self.verifier = Verifier(self.target, self.rollback, config.n_ctx)
+        self.shape = (best_lengths(measure_costs(self.target, self.verifier.batch,
+                                                 self.draft_max + 1))
+                      if config.calibrate_verify and self.draft_max
+                      else list(range(self.draft_max + 1)))
         self._lifetime = SpecCounters(spec_method=str(self.method), draft_max=self.draft_max)
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
                  draft_max=self.draft_max, n_ctx=config.n_ctx,
-                 n_rs_seq=self.target.n_rs_seq, rollback=type(self.rollback).__name__)
+                 n_rs_seq=self.target.n_rs_seq, rollback=type(self.rollback).__name__,
+                 verify_shape=self.shape)
 
     # -- tokens ----------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -127,7 +136,8 @@ class SpeculativeEngine:
         counters = SpecCounters(spec_method=str(method), draft_max=draft_max,
                                 prompt_tokens=len(prompt_tokens))
         proposer = proposer or make_proposer(method, spec, self.mtp)
-        policy = make_policy(draft_max, spec.adaptive)
+        policy = make_policy(draft_max, spec.adaptive, self.shape)
+        shape = self.shape
         pick = make_picker(temperature, seed)
         rollback_before = self.rollback.telemetry()
         stream = TextStream(self.model, stop)
@@ -147,12 +157,12 @@ class SpeculativeEngine:
                     finish = FinishReason.CANCELLED
                     break
                 pos0 = len(history) - 1
-                width = min(policy.width(), max_tokens - len(generated) - 1, n_ctx - pos0 - 1)
+                width = shape[min(policy.width(), max_tokens - len(generated) - 1,
+                                  n_ctx - pos0 - 1)]
                 td = perf_counter()
                 draft = proposer.propose(history, width, spec.p_min).tokens
                 counters.draft_seconds += perf_counter() - td
-                if len(draft) < spec.draft_min:
-                    draft = []
+                draft = draft[: shape[len(draft)]] if len(draft) >= spec.draft_min else []
                 outcome = self.verifier.step(history[-1], draft, pos0, pick, proposer, counters)
                 policy.update(len(draft), outcome.n_accepted)
                 committed: list[int] = []

@@ -1,0 +1,51 @@
+"""Which draft lengths are worth verifying, from the target's own measured cost per batch width.
+
+A verify of ``n`` drafts is a decode of ``n + 1`` rows with logits on every row, and its cost
+is not linear in the rows: on CPU builds the matmul kernels process columns in tiles, so an
+odd row count can cost more than the next even one (Gemma 270M Q4_K_M, one thread: 4 rows
+2.7x a single row, 5 rows 4.1x, 16 rows 6.3x, 17 rows 7.9x). Verifying 15 drafts instead of 16
+then buys more tokens per second even when all 16 would have been accepted. On a GPU the
+curve is nearly flat and the shape comes out as the identity.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+from worker.llm import Batch, Context
+
+#: Timing repetitions per row count; the minimum is kept (load spikes only ever add time).
+REPS = 2
+
+
+def measure_costs(target: Context, batch: Batch, max_rows: int, reps: int = REPS) -> list[float]:
+    """``costs[k]``: seconds of a ``k``-row decode with logits on every row (``costs[0] = 0``).
+
+    Decodes dummy tokens at the start of an empty context and clears it again afterwards.
+    """
+    costs = [0.0] + [float("inf")] * max_rows
+    for _ in range(reps):
+        for rows in range(1, max_rows + 1):
+            target.clear()
+            t0 = perf_counter()
+            target.decode(batch.set([0] * rows, 0, True))
+            costs[rows] = min(costs[rows], perf_counter() - t0)
+    target.clear()
+    return costs
+
+
+def best_lengths(costs: list[float]) -> list[int]:
+    """``shape[n]``: how many of ``n`` drafted tokens to verify, for ``n = 0 .. len(costs) - 2``.
+
+    The length ``m <= n`` with the most tokens per second if every draft were accepted,
+    ``(m + 1) / costs[m + 1]`` (longer wins ties). Assuming full acceptance favours long
+    drafts, so the shape only trims where a shorter verify is cheaper outright per token.
+    """
+    shape: list[int] = []
+    best, best_rate = 0, 0.0
+    for n in range(len(costs) - 1):
+        rate = (n + 1) / costs[n + 1]
+        if rate >= best_rate:
+            best, best_rate = n, rate
+        shape.append(best)
+    return shape
