@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 
-from coordinator.client import Coordinator
-from shared.protocol import AnyEvent, JobStatus, ProgressEvent, TokenEvent
+from coordinator.client import Coordinator, JobHandle
+from shared.protocol import JobStatus, ProgressEvent, TokenEvent
 
 from .workers import MODEL_NAME, Fleet
 
@@ -24,19 +23,21 @@ def _wait_exit(fleet: Fleet, name: str, timeout: float = 30) -> int:
     return proc.returncode
 
 
-def _started_running(events: Iterator[AnyEvent]) -> None:
-    """Consume events until the first tokens are out: the job is mid-generation."""
-    for event in events:
+def _sigterm_mid_generation(fleet: Fleet, coordinator: Coordinator,
+                            step_delay: float) -> JobHandle:
+    """Start w1, submit, and send SIGTERM once the first tokens are out."""
+    fleet.start("w1", step_delay=step_delay)
+    handle = coordinator.submit(REQUEST)
+    for event in handle.stream(timeout=30):
         if isinstance(event, TokenEvent):
-            return
+            break
+    fleet.kill("w1", signal.SIGTERM)
+    return handle
 
 
 def test_sigterm_finishes_the_current_job_then_deregisters(fleet: Fleet,
                                                            coordinator: Coordinator) -> None:
-    fleet.start("w1", step_delay=0.03)
-    handle = coordinator.submit(REQUEST)
-    _started_running(handle.stream(timeout=30))
-    fleet.kill("w1", signal.SIGTERM)
+    handle = _sigterm_mid_generation(fleet, coordinator, step_delay=0.03)
     result = handle.result(timeout=30)
     assert result.status is JobStatus.FINISHED and len(result.tokens) == 60
     assert result.attempts == 1
@@ -47,10 +48,7 @@ def test_sigterm_finishes_the_current_job_then_deregisters(fleet: Fleet,
 
 def test_second_sigterm_requeues_the_job_for_another_worker(fleet: Fleet,
                                                             coordinator: Coordinator) -> None:
-    fleet.start("w1", step_delay=0.05)
-    handle = coordinator.submit(REQUEST)
-    _started_running(handle.stream(timeout=30))
-    fleet.kill("w1", signal.SIGTERM)
+    handle = _sigterm_mid_generation(fleet, coordinator, step_delay=0.05)
     time.sleep(0.2)
     fleet.kill("w1", signal.SIGTERM)
     assert _wait_exit(fleet, "w1") == 0
