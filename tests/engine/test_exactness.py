@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine import engine as engine_module
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.proposers.base import Draft, VerifyOutcome
 
@@ -91,16 +90,14 @@ class WrongProposer:
         """Stateless."""
 
 
-def test_adaptive_width_narrows_drafts_that_keep_failing(
-        dense_ngram: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adaptive_width_narrows_drafts_that_keep_failing(dense_ngram: Subject) -> None:
     """Seed 003's rule through the engine: every draft is rejected at position 0, so the
     ceiling falls from 7 to 1 after 12 drafts (two poor drafts per step) and stays there."""
-    monkeypatch.setattr(engine_module, "make_proposer",
-                        lambda *args: WrongProposer(dense_ngram.reference))
+    wrong = WrongProposer(dense_ngram.reference)
     spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=7)
-    fixed = dense_ngram.engine.generate(PROMPT, TOKENS, spec)
-    adaptive = dense_ngram.engine.generate(PROMPT, TOKENS,
-                                           spec.model_copy(update={"adaptive": True}))
+    fixed = dense_ngram.engine.generate(PROMPT, TOKENS, spec, proposer=wrong)
+    adaptive = dense_ngram.engine.generate(
+        PROMPT, TOKENS, spec.model_copy(update={"adaptive": True}), proposer=wrong)
     assert fixed.tokens == adaptive.tokens == dense_ngram.reference
     assert fixed.telemetry.accepted == adaptive.telemetry.accepted == 0
     # One token per step; the token budget caps the width over the last steps.
