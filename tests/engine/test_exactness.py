@@ -20,45 +20,30 @@ from worker.engine.proposers.base import Draft, VerifyOutcome
 from .conftest import N_MAX, PROMPT, TOKENS, Subject, assert_consistent, first_difference
 
 WIDTHS = range(1, 8)
+#: (engine fixture, drafting method, extra settings). The soft-output hybrid is the one whose
+#: MTP head is unsure often enough for p-min to cut drafts; n-gram on the hybrid is a request
+#: narrowing an MTP engine to n-gram.
+CASES = {
+    "mtp-hybrid": ("hybrid_mtp", SpecMethod.MTP, {}),
+    "mtp-hybrid-pmin": ("soft_hybrid_mtp", SpecMethod.MTP, {"p_min": 0.6}),
+    "ngram-dense": ("dense_ngram", SpecMethod.NGRAM, {}),
+    "ngram-hybrid": ("hybrid_mtp", SpecMethod.NGRAM, {}),
+}
 
 
-def _check(subject: Subject, spec: SpecSettings) -> None:
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("case", CASES)
+def test_speculation_equals_plain_greedy(request: pytest.FixtureRequest, case: str, width: int,
+                                         adaptive: bool) -> None:
+    fixture, method, extra = CASES[case]
+    subject: Subject = request.getfixturevalue(fixture)
+    spec = SpecSettings(method=method, draft_max=width, adaptive=adaptive, **extra)
     result = subject.engine.generate(PROMPT, TOKENS, spec)
     assert first_difference(result.tokens, subject.reference) is None
     assert 0.0 < result.telemetry.acceptance < 1.0
-    assert result.telemetry.spec_method == spec.method
+    assert result.telemetry.spec_method == method
     assert_consistent(result)
-
-
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-@pytest.mark.parametrize("width", WIDTHS)
-def test_mtp_on_hybrid_equals_plain_greedy(hybrid_mtp: Subject, width: int,
-                                           adaptive: bool) -> None:
-    _check(hybrid_mtp, SpecSettings(method=SpecMethod.MTP, draft_max=width, adaptive=adaptive))
-
-
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-@pytest.mark.parametrize("width", WIDTHS)
-def test_mtp_with_p_min_equals_plain_greedy(soft_hybrid_mtp: Subject, width: int,
-                                            adaptive: bool) -> None:
-    """On the soft-output hybrid the head is unsure often enough for p-min to cut drafts."""
-    spec = SpecSettings(method=SpecMethod.MTP, draft_max=width, adaptive=adaptive, p_min=0.6)
-    _check(soft_hybrid_mtp, spec)
-
-
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-@pytest.mark.parametrize("width", WIDTHS)
-def test_ngram_on_dense_equals_plain_greedy(dense_ngram: Subject, width: int,
-                                            adaptive: bool) -> None:
-    _check(dense_ngram, SpecSettings(method=SpecMethod.NGRAM, draft_max=width, adaptive=adaptive))
-
-
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
-@pytest.mark.parametrize("width", WIDTHS)
-def test_ngram_on_hybrid_equals_plain_greedy(hybrid_mtp: Subject, width: int,
-                                             adaptive: bool) -> None:
-    """N-gram drafting on an MTP engine: a request may narrow MTP to n-gram."""
-    _check(hybrid_mtp, SpecSettings(method=SpecMethod.NGRAM, draft_max=width, adaptive=adaptive))
 
 
 def test_p_min_cuts_drafts_without_changing_output(soft_hybrid_mtp: Subject) -> None:
