@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -85,3 +86,35 @@ def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings)
     assert sorted(sum(results, [])) == [job.id]
     assert queue.get_job_ids() == [job.id]
     assert registry.registered_names() == []
+
+
+def test_a_stalled_worker_is_replaced_and_stands_down(fleet: Fleet,
+                                                      coordinator: Coordinator) -> None:
+    """SIGSTOP past the TTL: the job re-runs elsewhere; the stalled worker, once resumed,
+    learns it was declared lost, stops its stale attempt without a final event, serves on."""
+    request = {**REQUEST, "max_tokens": 60, "speculative": {"method": "none"}}
+    fleet.start("w1", step_delay=0.05)
+    handle = coordinator.submit(request)
+    events = handle.stream(timeout=60)
+    for event in events:
+        if isinstance(event, TokenEvent):
+            break
+    fleet.kill("w1", signal.SIGSTOP)
+    fleet.start("w2", step_delay=0.05)
+    for event in events:
+        if isinstance(event, ProgressEvent) and event.stage == "started":
+            assert event.attempt == 2 and event.worker == "w2"
+            break
+    fleet.kill("w1", signal.SIGCONT)
+    rest = list(events)
+
+    finals = [e for e in rest if isinstance(e, FinalEvent)]
+    assert [(f.attempt, f.worker, f.status) for f in finals] == [(2, "w2", JobStatus.FINISHED)]
+    replay = list(coordinator.handle(handle.job_id).stream(timeout=5))
+    assert [e for e in replay if isinstance(e, FinalEvent)] == finals
+    fleet.wait_registered("w1")  # back in the fleet
+    assert "worker.declared_lost" in fleet.log("w1")
+    fleet.kill("w2", signal.SIGTERM)
+    fleet.procs["w2"].wait(timeout=30)
+    after = coordinator.submit({**REQUEST, "max_tokens": 4}).result(timeout=30)
+    assert after.status is JobStatus.FINISHED and after.worker == "w1"

@@ -45,7 +45,8 @@ class RequestRejected(Exception):
 
 
 class JobInterrupted(Exception):
-    """The worker is shutting down; the runner requeues the job at the front."""
+    """The worker stopped the generation: on shutdown the runner requeues the job at the
+    front; when the worker had been declared lost, its re-run is already queued elsewhere."""
 
 
 @dataclass
@@ -60,7 +61,8 @@ class WorkerRuntime:
     n_ctx: int
     interrupt: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
-    interrupted_job: str | None = None
+    #: (job id, "shutdown" | "lost") of a generation stopped for this worker's own reasons.
+    interrupted: tuple[str, str] | None = None
 
     @property
     def keys(self) -> Keys:
@@ -159,7 +161,7 @@ def _generate(rt: WorkerRuntime, writer: EventWriter, job_id: str, req: Generati
         reason = "shutdown" if rt.interrupt.is_set() else "lost"
         writer.progress("interrupted", worker=rt.worker_name)
         log.warning("job.interrupted", reason=reason)
-        rt.interrupted_job = job_id if rt.interrupt.is_set() else None
+        rt.interrupted = (job_id, reason)
         raise JobInterrupted(reason)
     writer.emit("telemetry", telemetry=result.telemetry)
     cancelled = result.finish_reason is FinishReason.CANCELLED

@@ -106,18 +106,30 @@ class SpecfleetWorker(SimpleWorker):
             self.handle_job_failure(job, queue, exc_string=reason)
             return
         self.current_job_id = job.id
+        self.runtime.lost.clear()
         self.registry.set_current_job(self.name, job.id)
         try:
             super().execute_job(job, queue)
         finally:
-            if self.runtime.interrupted_job == job.id:
+            interrupted, self.runtime.interrupted = self.runtime.interrupted, None
+            if interrupted == (job.id, "shutdown"):
                 requeue_front(self.connection, job.id)
                 log.warning("job.requeued", job_id=job.id, worker=self.name,
                             model=self.runtime.model_name, reason="shutdown")
-                self.runtime.interrupted_job = None
             self.registry.set_current_job(self.name, None)
             self.current_job_id = None
-            self.runtime.lost.clear()
+
+    def handle_job_failure(self, job: Job, queue: Queue, started_job_registry: object = None,
+                           exc_string: str = "") -> None:
+        """An interrupted generation is not a failed job (it runs again, here or elsewhere):
+        only end this worker's execution of it, leaving the job's state to its next run."""
+        interrupted = self.runtime.interrupted
+        if interrupted is not None and interrupted[0] == job.id:
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipeline=pipe)
+                pipe.execute()
+            return
+        super().handle_job_failure(job, queue, started_job_registry, exc_string)
 
     def handle_exception(self, job: Job, *exc_info: object) -> None:
         """Expected outcomes (a refused request, a shutdown) are already logged as events."""
