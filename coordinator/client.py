@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 from redis import Redis
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
@@ -161,12 +162,14 @@ class Coordinator:
         return JobHandle(self, job_id)
 
     def cancel(self, job_id: str) -> bool:
-        """Cancel a job; True when it was still waiting and was withdrawn from its queue."""
-        request_cancel(self.connection, self.keys, job_id, self.settings.stream_ttl_seconds)
+        """Cancel a job; True when it was still waiting and was withdrawn from its queue.
+
+        Raises ``LookupError`` for a job Redis does not know (never submitted, or expired)."""
         try:
             job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
-        except Exception:  # no such job (or expired): the flag is all we can leave
-            return False
+        except NoSuchJobError:
+            raise LookupError(f"no such job: {job_id}") from None
+        request_cancel(self.connection, self.keys, job_id, self.settings.stream_ttl_seconds)
         if not self._queue(job.origin).remove(job_id):
             return False  # running (it sees the flag within one step) or already done
         job.cancel()

@@ -56,6 +56,8 @@ def test_fleet_and_cancel(fleet: Fleet, coordinator: Coordinator) -> None:
     cancelled = _cli(fleet, "cancel", handle.job_id)
     assert cancelled.returncode == 0 and handle.job_id in cancelled.stdout
     assert handle.result(timeout=30).status is JobStatus.CANCELLED
+    unknown = _cli(fleet, "cancel", "no-such-job")
+    assert unknown.returncode == 1 and "no such job: no-such-job" in unknown.stderr
 
 
 def test_batch_reports_bad_lines_and_keeps_going(fleet: Fleet, tmp_path: Path) -> None:

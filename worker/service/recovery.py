@@ -64,10 +64,20 @@ class RecoveryMonitor:
             if not self._registry.claim_lost(name):
                 continue
             job_id = self._registry.take_job(name)
-            log.warning("worker.lost", worker=name, job_id=job_id)
+            log.warning("worker.lost", worker=name, job_id=job_id, model=self._model_of(job_id))
             if job_id and self.requeue(job_id, lost_worker=name):
                 requeued.append(job_id)
         return requeued
+
+    def _model_of(self, job_id: str | None) -> str | None:
+        """The model a job was submitted for (from its rq meta), for the logs."""
+        if job_id is None:
+            return None
+        try:
+            job = Job.fetch(job_id, connection=self._conn, serializer=JSONSerializer)
+        except NoSuchJobError:
+            return None
+        return (job.meta or {}).get("model")
 
     def recover_leftover(self, name: str) -> str | None:
         """At start-up: requeue a job that a previous process with our name left running."""
