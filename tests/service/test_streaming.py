@@ -18,7 +18,7 @@ LONG = {"model": MODEL_NAME, "prompt_tokens": [2, 7, 1, 8], "max_tokens": 400,
 def test_cancel_mid_generation_stops_within_one_step(fleet: Fleet,
                                                       coordinator: Coordinator) -> None:
     # One token per event and per step (no speculation): each token event is one step.
-    fleet.start("w1", step_delay=0.05, extra_env={"SPECFLEET_TOKEN_CHUNK": "1"})
+    fleet.start("w1", step_delay=0.2, extra_env={"SPECFLEET_TOKEN_CHUNK": "1"})
     handle = coordinator.submit(LONG)
     events = handle.stream(timeout=60)
     for event in events:

@@ -28,7 +28,7 @@ from shared.protocol import (
     describe_validation_error,
 )
 from shared.settings import Settings
-from worker.service.cancel import is_cancelled
+from worker.service.cancel import CancelWatch
 from worker.service.events import EventWriter, TokenChunker
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class WorkerRuntime:
     worker_name: str
     model_name: str
     n_ctx: int
+    cancels: CancelWatch
     interrupt: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
     #: (job id, "shutdown" | "lost") of a generation stopped for this worker's own reasons.
@@ -142,12 +143,12 @@ def _generate(rt: WorkerRuntime, writer: EventWriter, job_id: str, req: Generati
               prompt: list[int]) -> dict[str, Any]:
     chunker = TokenChunker(writer, rt.settings.token_chunk, rt.settings.token_flush_seconds)
     delay = rt.settings.step_delay_seconds
+    rt.cancels.begin(job_id)
 
     def should_stop() -> bool:
         if delay:
             time.sleep(delay)
-        return (rt.interrupt.is_set() or rt.lost.is_set()
-                or is_cancelled(rt.connection, rt.keys, job_id))
+        return rt.interrupt.is_set() or rt.lost.is_set() or rt.cancels.cancelled()
 
     try:
         result = rt.engine.generate(

@@ -34,6 +34,7 @@ from shared.settings import Settings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
 from worker.fitter.devices import DeviceRef, parse_device
+from worker.service.cancel import CancelWatch
 from worker.service.jobs import (
     JOB_FUNCTION,
     JobInterrupted,
@@ -201,7 +202,7 @@ def serve(options: WorkerOptions, settings: Settings) -> None:
     engine, fit = _load_engine(options, n_gpu_layers, settings)
     runtime = WorkerRuntime(engine=engine, connection=connection, settings=settings,
                             worker_name=name, model_name=options.model_name,
-                            n_ctx=engine.config.n_ctx)
+                            n_ctx=engine.config.n_ctx, cancels=CancelWatch(connection, keys))
     bind_runtime(runtime)
     info = WorkerInfo(
         name=name, model_name=options.model_name, model_path=options.model_path,
@@ -236,6 +237,7 @@ def serve(options: WorkerOptions, settings: Settings) -> None:
         worker.work(logging_level="WARNING")
     finally:
         heartbeat.stop()
+        runtime.cancels.close()
         registry.deregister(name)
         bind_runtime(None)
         engine.close()
