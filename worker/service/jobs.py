@@ -83,13 +83,14 @@ def run_generation(request: Any) -> dict[str, Any]:
     """Validate one request, generate on the resident engine, stream every event.
 
     Returns the final event as a dict (also rq's job result). Raises ``RequestRejected`` for
-    requests that cannot run (so rq records the job failed) and ``JobInterrupted`` on shutdown.
+    requests that cannot run (so rq records the job failed) and ``JobInterrupted`` when the
+    worker stops the generation (shutdown, or declared lost).
     """
-    if _runtime is None:
-        raise RuntimeError("no resident engine: run_generation only runs inside a specfleet worker")
-    rt = _runtime
     job = get_current_job()
-    job_id = job.id if job is not None else "local"
+    if _runtime is None or job is None:
+        raise RuntimeError("run_generation only runs as an rq job inside a specfleet worker")
+    rt = _runtime
+    job_id = job.id
     pipe = rt.connection.pipeline(transaction=False)
     pipe.incr(rt.keys.attempts(job_id))
     pipe.expire(rt.keys.attempts(job_id), rt.settings.stream_ttl_seconds)
