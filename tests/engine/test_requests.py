@@ -91,16 +91,18 @@ def test_stop_string_cuts_text_and_tokens(dense_ngram: Subject) -> None:
     # The tokens up to the one that completes the first occurrence of the stop string.
     n = next(i for i in range(1, len(reference) + 1)
              if stop in engine.detokenize(reference[:i]))
-    result = engine.generate(PROMPT, 200, NGRAM4, stop=[stop, "never-there"])
+    pieces: list[str] = []
+    result = engine.generate(PROMPT, 200, NGRAM4, stop=[stop, "never-there"],
+                             on_tokens=lambda t, s: pieces.append(s))
     assert result.finish_reason is FinishReason.STOP
     assert result.text == full[:cut]
     assert result.tokens == reference[:n]
+    assert "".join(pieces) == result.text  # held-back text is flushed, the stop string is not
 
 
 def test_streamed_pieces_add_up_to_the_result(dense_ngram: Subject) -> None:
     pieces: list[tuple[list[int], str]] = []
-    stop = dense_ngram.engine.detokenize(dense_ngram.reference)[90:93]
-    result = dense_ngram.engine.generate(PROMPT, 200, NGRAM4, stop=[stop],
+    result = dense_ngram.engine.generate(PROMPT, 200, NGRAM4,
                                          on_tokens=lambda t, s: pieces.append((t, s)))
     assert [t for chunk, _ in pieces for t in chunk] == result.tokens
     assert "".join(s for _, s in pieces) == result.text
