@@ -61,7 +61,7 @@ class OracleProposer:
             for i, token in enumerate(truth)
         ]
         self.plan.append(Planned(len(draft), min(accept, len(draft))))
-        return Draft(draft, cut_short=len(draft) < width)
+        return Draft(draft)
 
     def observe(self, outcome: VerifyOutcome) -> None:
         self.observed.append(outcome.n_accepted)

@@ -8,7 +8,7 @@ n-gram lookup, a test oracle) plugs into the same loop without ``if method == ..
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -16,13 +16,11 @@ from typing import Protocol
 class Draft:
     """Proposed continuation of ``last_token``.
 
-    ``cut_short`` is True when drafting stopped before the requested width for a reason the
-    width policy must not learn from (p-min confidence floor, no n-gram match, token budget).
+    A draft shorter than the width asked for was cut short (p-min, no n-gram continuation, a
+    failed draft decode); the width policy reads that from its length alone.
     """
 
     tokens: list[int]
-    cut_short: bool = False
-    confidences: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

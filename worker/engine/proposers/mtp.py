@@ -73,26 +73,25 @@ class MtpProposer:
         token = history[-1]
         hidden = self._pending
         tokens: list[int] = []
-        cut_short = False
+        decoded = 0
         for i in range(width):
             try:
                 self._draft.decode(self._batch.set([token], pos + i, True, hidden[None, :]))
             except LlamaError as exc:
                 log.warning("mtp.draft_failed", pos=pos + i, error=str(exc))
-                cut_short = True
                 break
+            decoded += 1
             logits = self._draft.logits(0)
             token = int(np.argmax(logits))
             if p_min > 0 and _top_probability(logits, token) < p_min:
-                cut_short = True
                 break
             tokens.append(token)
             hidden = self._draft.hidden(0)
-        if width:
+        if decoded:
             self._fed = pos + 1
             if not self._draft.seq_rm(self._fed):
                 raise LlamaError(f"could not trim the MTP draft context at position {self._fed}")
-        return Draft(tokens, cut_short=cut_short)
+        return Draft(tokens)
 
     def observe(self, outcome: VerifyOutcome) -> None:
         """Catch up on ``[last, accepted drafts]`` with the target's hidden rows of the verify."""

@@ -39,8 +39,8 @@ class NgramProposer:
             end = self._index.get(tuple(history[len(history) - n :]))
             if end is not None and n <= len(history):
                 tokens = list(history[end + 1 : end + 1 + width])
-                return Draft(tokens, cut_short=len(tokens) < width)
-        return Draft([], cut_short=width > 0)
+                return Draft(tokens)
+        return Draft([])
 
     def observe(self, outcome: VerifyOutcome) -> None:
         """Stateless beyond the history it indexes."""
