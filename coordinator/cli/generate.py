@@ -58,6 +58,8 @@ def generate(
     = CheckpointMode.DEVICE,
     temperature: opt.Temperature = 0.0,
     seed: opt.Seed = 0,
+    calibrate_verify: Annotated[bool, typer.Option(
+        help="time verify widths at load; verify only draft lengths that pay off")] = False,
     threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
     ctx: Annotated[int, typer.Option(min=2, help="context size in tokens")] = 4096,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
@@ -79,7 +81,7 @@ def generate(
         fail("speculative decoding is greedy-only: use --temperature 0, or --spec none to sample")
     ids = opt.parse_tokens(prompt_tokens) if prompt_tokens is not None else None
     config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, spec=settings,
-                          checkpoint=checkpoint,
+                          checkpoint=checkpoint, calibrate_verify=calibrate_verify,
                           fail_device_checkpoint=get_settings().fail_device_checkpoint)
     try:
         with SpeculativeEngine(config) as engine:
