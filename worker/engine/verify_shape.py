@@ -4,8 +4,9 @@ A verify of ``n`` drafts is a decode of ``n + 1`` rows with logits on every row,
 is not linear in the rows: on CPU builds the matmul kernels process columns in tiles, so an
 odd row count can cost more than the next even one (Gemma 270M Q4_K_M, one thread: 4 rows
 2.7x a single row, 5 rows 4.1x, 16 rows 6.3x, 17 rows 7.9x). Verifying 15 drafts instead of 16
-then buys more tokens per second even when all 16 would have been accepted. On a GPU the
-curve is nearly flat and the shape comes out as the identity.
+then buys more tokens per second even when all 16 would have been accepted. Where the
+curve is flat (expected on GPUs for these widths; not measured here) the shape comes out as
+the identity.
 """
 
 from __future__ import annotations
