@@ -9,16 +9,16 @@ speculation on or off, greedy or sampled, there is one loop to get right.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
 
 from shared.logs import get_logger
-from shared.protocol import CheckpointMode, FinishReason, SpecMethod, SpecSettings, Telemetry
+from shared.protocol import FinishReason, SpecMethod, SpecSettings, Telemetry
+from worker.engine.config import EngineConfig, draft_spec, model_spec, target_spec
 from worker.engine.draft_length_policy import make_policy
 from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.factory import (
     make_proposer,
-    needs_mtp_weights,
     resolve_engine_method,
     resolve_request_method,
 )
@@ -29,30 +29,9 @@ from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
 from worker.engine.verify import Verifier
 from worker.engine.verify_shape import best_lengths, measure_costs
-from worker.llm import Context, ContextSpec, Model, ModelSpec
+from worker.llm import Context, Model
 
 log = get_logger("engine")
-
-#: Physical batch of the target: prompts are prefilled in slices of this many tokens.
-TARGET_UBATCH = 512
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What the engine is built for. ``spec`` is its capacity: the draft width N the
-    contexts are sized for, the rollback depth D (None = N) and the drafting method."""
-
-    model_path: str
-    n_ctx: int = 4096
-    n_threads: int = 2
-    n_gpu_layers: int = 0
-    spec: SpecSettings = field(default_factory=SpecSettings)
-    checkpoint: CheckpointMode = CheckpointMode.DEVICE
-    fail_device_checkpoint: bool = False
-    #: Time the target's verify decodes at load (1..N+1 rows) and verify only draft lengths
-    #: that pay for themselves (see verify_shape.py). Costs a few seconds at start on CPU.
-    calibrate_verify: bool = False
-
 
 @dataclass
 class GenerationResult:
@@ -78,18 +57,15 @@ class SpeculativeEngine:
             raise ValueError(f"n_ctx must be at least 2, got {config.n_ctx}")
         self.config = config
         wanted = config.spec.method
-        self.model = Model(ModelSpec(config.model_path, load_mtp=needs_mtp_weights(wanted),
-                                     n_gpu_layers=config.n_gpu_layers))
+        self.model = Model(model_spec(config))
         try:
             self.method = resolve_engine_method(wanted, self.model)
             self.draft_max = config.spec.draft_max if self.method is not SpecMethod.NONE else 0
             self.rollback = make_rollback(self.model, self.draft_max, config.spec.rollback_depth,
                                           config.checkpoint, config.fail_device_checkpoint)
-            self.target = Context(self.model, ContextSpec(
-                n_ctx=config.n_ctx, n_batch=config.n_ctx, n_ubatch=TARGET_UBATCH,
-                n_rs_seq=self.rollback.n_rs_seq, n_outputs_max=self.draft_max + 1,
-                n_threads=config.n_threads, swa_full=False))
-            self.mtp = (MtpProposer(self.model, self.target, config.n_ctx, config.n_threads)
+            self.target = Context(self.model,
+                                  target_spec(config, self.rollback.n_rs_seq, self.draft_max))
+            self.mtp = (MtpProposer(self.model, self.target, draft_spec(config))
                         if self.method is SpecMethod.MTP else None)
         except BaseException:
             self.close()

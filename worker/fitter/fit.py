@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from shared.protocol import CheckpointMode, DeviceFit, FitReport, SpecSettings
-from worker.engine.engine import EngineConfig
+from worker.engine.config import EngineConfig, model_spec
 from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device
 from worker.fitter.errors import FitError
 from worker.fitter.measure import (
@@ -26,7 +26,7 @@ from worker.fitter.measure import (
     weights_bytes,
 )
 from worker.fitter.report import breakdown_text, log_report, mib
-from worker.fitter.specs import EngineSpecs, engine_specs, model_spec
+from worker.fitter.specs import EngineSpecs, engine_specs
 
 #: Context sizes are fitted in steps of this many tokens.
 CTX_STEP = 256

@@ -1,11 +1,9 @@
 """The contexts an engine will create, as :class:`ContextSpec` values the fitter can measure.
 
-The fitter must measure exactly what the engine later allocates. The engine builds its target
-context in ``SpeculativeEngine.__init__`` and its MTP draft context in ``MtpProposer``; this
-module mirrors those two constructors, taking every decision that can be shared from the
-engine itself (the method from ``resolve_engine_method``, ``n_rs_seq`` from the rollback
-policy ``make_rollback`` picks, the batch widths from the engine's constants). The engine
-should build its contexts from :func:`engine_specs` too, so that both share one definition.
+The fitter must measure exactly what the engine later allocates, so every decision comes from
+the engine's own code: the method from ``resolve_engine_method``, ``n_rs_seq`` from the rollback
+policy ``make_rollback`` picks, and the context specs from ``worker.engine.config``, which the
+engine builds its contexts from too.
 """
 
 from __future__ import annotations
@@ -13,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.protocol import SpecMethod
-from worker.engine.engine import TARGET_UBATCH, EngineConfig
-from worker.engine.proposers.factory import needs_mtp_weights, resolve_engine_method
-from worker.engine.proposers.mtp import DRAFT_BATCH
+from worker.engine.config import EngineConfig, draft_spec, target_spec
+from worker.engine.proposers.factory import resolve_engine_method
 from worker.engine.rollback import make_rollback
 from worker.engine.rollback.compact import CompactRollback
-from worker.llm import ContextSpec, Model, ModelSpec
+from worker.llm import ContextSpec, Model
 
 
 @dataclass(frozen=True)
@@ -44,12 +41,6 @@ class EngineSpecs:
         )
 
 
-def model_spec(config: EngineConfig, no_alloc: bool = False) -> ModelSpec:
-    """How the engine loads its model (``no_alloc``: the fitter's metadata-only twin)."""
-    return ModelSpec(config.model_path, load_mtp=needs_mtp_weights(config.spec.method),
-                     n_gpu_layers=config.n_gpu_layers, no_alloc=no_alloc)
-
-
 def engine_specs(config: EngineConfig, model: Model, slots: int = 1) -> EngineSpecs:
     """The target (and MTP draft) context specs of an engine built from ``config``.
 
@@ -59,13 +50,7 @@ def engine_specs(config: EngineConfig, model: Model, slots: int = 1) -> EngineSp
     draft_max = config.spec.draft_max if method is not SpecMethod.NONE else 0
     rollback = make_rollback(model, draft_max, config.spec.rollback_depth, config.checkpoint,
                              config.fail_device_checkpoint)
-    target = ContextSpec(
-        n_ctx=config.n_ctx, n_batch=config.n_ctx, n_ubatch=TARGET_UBATCH, n_seq_max=slots,
-        n_rs_seq=rollback.n_rs_seq, n_outputs_max=draft_max + 1, n_threads=config.n_threads,
-        swa_full=False)
-    draft = None
-    if method is SpecMethod.MTP:
-        draft = ContextSpec(n_ctx=config.n_ctx, n_batch=DRAFT_BATCH, n_ubatch=DRAFT_BATCH,
-                            n_outputs_max=1, n_threads=config.n_threads, mtp=True)
+    target = target_spec(config, rollback.n_rs_seq, draft_max, slots)
+    draft = draft_spec(config) if method is SpecMethod.MTP else None
     return EngineSpecs(method, draft_max, rollback.n_rs_seq,
                        isinstance(rollback, CompactRollback), target, draft)

@@ -15,11 +15,6 @@ from worker.engine.proposers.none import NoDraft
 from worker.llm import Model
 
 
-def needs_mtp_weights(method: SpecMethod) -> bool:
-    """Whether the model must be loaded with its NextN tensors (``load_mtp``)."""
-    return method in (SpecMethod.AUTO, SpecMethod.MTP)
-
-
 def resolve_engine_method(method: SpecMethod, model: Model) -> SpecMethod:
     """The concrete method an engine is built for; ``mtp`` on a head-less model is an error."""
     if method is SpecMethod.AUTO:

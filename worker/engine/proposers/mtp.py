@@ -18,10 +18,6 @@ from shared.logs import get_logger
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.llm import Batch, Context, ContextSpec, LlamaError, Model
 
-#: Draft-context batch width: compute buffers scale with ubatch x vocabulary (seed 000 cut
-#: it from 256 to 32); the prompt catch-up simply takes more, smaller decodes.
-DRAFT_BATCH = 32
-
 log = get_logger("engine.mtp")
 
 
@@ -34,7 +30,7 @@ class MtpProposer:
 
     name = "mtp"
 
-    def __init__(self, model: Model, target: Context, n_ctx: int, n_threads: int) -> None:
+    def __init__(self, model: Model, target: Context, spec: ContextSpec) -> None:
         if not model.has_mtp_head:
             raise MtpUnavailableError(
                 f"{model.spec.path} has no MTP (NextN) head (nextn_predict_layers = 0): "
@@ -44,11 +40,9 @@ class MtpProposer:
             raise MtpUnavailableError("the MTP drafter needs the model loaded with load_mtp=True")
         self._target = target
         target.expose_hidden(masked=False)
-        self._draft = Context(model, ContextSpec(
-            n_ctx=n_ctx, n_batch=DRAFT_BATCH, n_ubatch=DRAFT_BATCH, n_outputs_max=1,
-            n_threads=n_threads, mtp=True))
+        self._draft = Context(model, spec)
         self._draft.expose_hidden(masked=True)
-        self._batch = Batch(DRAFT_BATCH, model.n_embd)
+        self._batch = Batch(spec.n_batch, model.n_embd)
         #: Target hidden state of the position before the next token to feed.
         self._pending = np.zeros(model.n_embd, dtype=np.float32)
         #: Positions ``[0, _fed)`` of the draft KV hold entries conditioned on the target.
@@ -107,8 +101,9 @@ class MtpProposer:
         """Feed ``tokens`` (at ``pos0..``) whose target hidden rows are ``rows``: entry i gets
         the hidden state of the position before it. Entries already fed are skipped."""
         inputs = np.concatenate([self._pending[None, :], rows[:-1]])
-        for start in range(self._fed - pos0, len(tokens), DRAFT_BATCH):
-            end = min(start + DRAFT_BATCH, len(tokens))
+        step = self._batch.capacity
+        for start in range(self._fed - pos0, len(tokens), step):
+            end = min(start + step, len(tokens))
             self._draft.decode(self._batch.set(tokens[start:end], pos0 + start, False,
                                                inputs[start:end]))
         self._fed = pos0 + len(tokens)
