@@ -39,6 +39,7 @@ def test_stream_and_result_equal_in_process_generate(fleet: Fleet, coordinator: 
     assert {e.job_id for e in events} == {handle.job_id}
     assert {e.attempt for e in events} == {1}
     assert isinstance(events[0], ProgressEvent) and events[0].stage == "started"
+    assert isinstance(events[1], ProgressEvent) and (events[1].done, events[1].total) == (0, 48)
     assert isinstance(events[-1], FinalEvent)
     assert result.worker == "w1" and result.attempts == 1
     assert result.telemetry is not None and result.telemetry.generated_tokens == 48

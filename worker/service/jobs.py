@@ -104,6 +104,8 @@ def run_generation(request: Any) -> dict[str, Any]:
         log.info("job.started")
         writer.progress("started", worker=rt.worker_name)
         req, prompt = _admit(rt, writer, request)
+        # done/total for progress bars; each token event's ``index`` then advances ``done``.
+        writer.progress("generating", done=0, total=req.max_tokens, worker=rt.worker_name)
         return _generate(rt, writer, job_id, req, prompt)
     except (RequestRejected, JobInterrupted):
         raise
