@@ -48,14 +48,14 @@ PROMPTS: list[tuple[str, str, int]] = [
 
 
 def _batch() -> list[GenerationRequest]:
-    spec = SpecSettings(method="auto", draft_max=8, adaptive=True)
+    spec = SpecSettings(method="auto", draft_max=16, adaptive=True)
     return [GenerationRequest(model=MODEL_NAME, prompt=prompt, max_tokens=n, custom_id=cid,
                               speculative=spec) for cid, prompt, n in PROMPTS]
 
 
 def _start_worker(model: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "coordinator.cli", "worker", "--model", str(model),
-           "--model-name", MODEL_NAME, "--device", "cpu",
+           "--model-name", MODEL_NAME, "--device", "cpu", "--draft-max", "16",
            "--threads", str(min(4, os.cpu_count() or 2)), "--name", "demo-worker-0"]
     with log_path.open("wb") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

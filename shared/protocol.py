@@ -70,7 +70,7 @@ class SpecSettings(_Strict):
     rollback_depth: int | None = Field(
         default=None, ge=1, le=MAX_DRAFT, description="direct rollback snapshots D (None = N)"
     )
-    ngram_min: int = Field(default=1, ge=1, le=8, description="shortest n-gram looked up")
+    ngram_min: int = Field(default=2, ge=1, le=8, description="shortest n-gram looked up")
     ngram_max: int = Field(default=4, ge=1, le=16, description="longest n-gram looked up")
 
     @model_validator(mode="after")
