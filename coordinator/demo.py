@@ -98,20 +98,19 @@ def _stream(coordinator: Coordinator, requests: list[GenerationRequest],
     return results
 
 
-def _telemetry_table(results: list[JobResult]) -> Table:
+def _telemetry_table(requests: list[GenerationRequest], results: list[JobResult]) -> Table:
     table = Table(title="speculative telemetry per job")
-    for col in ("job", "status", "tokens", "drafted", "accepted", "acceptance",
-                "tok/verify", "tok/s (decode)", "tok/s (effective)", "draft s"):
+    for col in ("request", "status", "tokens", "accepted", "tok/verify", "tok/s", "eff. tok/s"):
         table.add_column(col, justify="right")
-    for r in results:
+    for req, r in zip(requests, results, strict=True):
         t = r.telemetry
         if t is None:
-            table.add_row(r.job_id[:8], str(r.status), *["-"] * 8)
+            table.add_row(req.custom_id, str(r.status), *["-"] * 5)
             continue
-        table.add_row(r.job_id[:8], str(r.status), str(t.generated_tokens), str(t.drafted),
-                      str(t.accepted), f"{t.acceptance:.1%}", f"{t.tokens_per_verify:.2f}",
-                      f"{t.tokens_per_second:.1f}", f"{t.effective_tokens_per_second:.1f}",
-                      f"{t.draft_seconds:.3f}")
+        table.add_row(req.custom_id, str(r.status), str(t.generated_tokens),
+                      f"{t.accepted}/{t.drafted} ({t.acceptance:.0%})",
+                      f"{t.tokens_per_verify:.2f}", f"{t.tokens_per_second:.1f}",
+                      f"{t.effective_tokens_per_second:.1f}")
     return table
 
 
@@ -130,7 +129,8 @@ def run(console: Console) -> int:
         proc = _start_worker(model, env, log_path)
         try:
             _wait_registered(coordinator, proc, console, log_path)
-            results = _stream(coordinator, _batch(), console)
+            requests = _batch()
+            results = _stream(coordinator, requests, console)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -140,10 +140,10 @@ def run(console: Console) -> int:
                 proc.wait()
             for key in coordinator.connection.scan_iter(f"*{prefix}*"):
                 coordinator.connection.delete(key)
-    console.print(_telemetry_table(results))
+    console.print(_telemetry_table(requests, results))
     out = workdir / "results.jsonl"
     out.write_text("".join(json.dumps({"custom_id": req.custom_id, **r.to_json()}) + "\n"
-                           for req, r in zip(_batch(), results, strict=True)))
+                           for req, r in zip(requests, results, strict=True)))
     console.print(f"batch results: {out}\nworker stopped (exit code {proc.returncode})")
     failed = [r for r in results if str(r.status) != "finished"]
     return 1 if failed or proc.returncode not in (0, -signal.SIGTERM) else 0
