@@ -26,15 +26,24 @@ _UNFINISHED = {JobStatus.QUEUED, JobStatus.STARTED}
 
 
 def requeue_front(connection: Redis, job_id: str) -> Job | None:
-    """Put a job back at the front of its queue; None when it no longer exists.
+    """Put a job back at the front of its queue; None when it no longer exists."""
+    job = _fetch(connection, job_id)
+    if job is not None:
+        _requeue_front(connection, job)
+    return job
 
-    Removes it from the started registry (its executions) and the failed registry first, so
-    rq's own cleanup can never later mark the re-run as abandoned.
-    """
+
+def _fetch(connection: Redis, job_id: str) -> Job | None:
     try:
-        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+        return Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
     except NoSuchJobError:
         return None
+
+
+def _requeue_front(connection: Redis, job: Job) -> None:
+    """Remove ``job`` from the started registry (its executions) and the failed registry,
+    so rq's own cleanup can never later mark the re-run as abandoned, then enqueue it at
+    the front of its queue."""
     queue = Queue(job.origin, connection=connection, serializer=JSONSerializer)
     with connection.pipeline() as pipe:
         queue.started_job_registry.remove_executions(job, pipeline=pipe)
@@ -43,7 +52,6 @@ def requeue_front(connection: Redis, job_id: str) -> Job | None:
     job.started_at = None
     job.ended_at = None
     queue.enqueue_job(job, at_front=True)
-    return job
 
 
 class RecoveryMonitor:
@@ -64,20 +72,12 @@ class RecoveryMonitor:
             if not self._registry.claim_lost(name):
                 continue
             job_id = self._registry.take_job(name)
-            log.warning("worker.lost", worker=name, job_id=job_id, model=self._model_of(job_id))
-            if job_id and self.requeue(job_id, lost_worker=name):
-                requeued.append(job_id)
+            job = _fetch(self._conn, job_id) if job_id else None
+            log.warning("worker.lost", worker=name, job_id=job_id,
+                        model=(job.meta or {}).get("model") if job else None)
+            if job is not None and self._requeue(job, lost_worker=name):
+                requeued.append(job.id)
         return requeued
-
-    def _model_of(self, job_id: str | None) -> str | None:
-        """The model a job was submitted for (from its rq meta), for the logs."""
-        if job_id is None:
-            return None
-        try:
-            job = Job.fetch(job_id, connection=self._conn, serializer=JSONSerializer)
-        except NoSuchJobError:
-            return None
-        return (job.meta or {}).get("model")
 
     def recover_leftover(self, name: str) -> str | None:
         """At start-up: requeue a job that a previous process with our name left running."""
@@ -88,20 +88,20 @@ class RecoveryMonitor:
 
     def requeue(self, job_id: str, lost_worker: str) -> bool:
         """Requeue one unfinished job and say so on its stream."""
-        try:
-            found = Job.fetch(job_id, connection=self._conn, serializer=JSONSerializer)
-        except NoSuchJobError:
+        job = _fetch(self._conn, job_id)
+        return job is not None and self._requeue(job, lost_worker)
+
+    def _requeue(self, job: Job, lost_worker: str) -> bool:
+        # The status was read with the job; a job still waiting in its queue needs nothing.
+        if (job.get_status(refresh=False) not in _UNFINISHED
+                or self._conn.lpos(Queue(job.origin, connection=self._conn).key, job.id)
+                is not None):
             return False
-        waiting = self._conn.lpos(Queue(found.origin, connection=self._conn).key, job_id)
-        if found.get_status() not in _UNFINISHED or waiting is not None:
-            return False
-        job = requeue_front(self._conn, job_id)
-        if job is None:
-            return False
-        attempt = int(self._conn.get(self._keys.attempts(job_id)) or 1)
-        model = (job.meta or {}).get("model")
-        EventWriter(self._conn, self._keys, job_id, attempt, maxlen=self._maxlen,
+        _requeue_front(self._conn, job)
+        attempt = int(self._conn.get(self._keys.attempts(job.id)) or 1)
+        EventWriter(self._conn, self._keys, job.id, attempt, maxlen=self._maxlen,
                     ttl_seconds=self._ttl).progress("requeued", worker=lost_worker)
-        log.warning("job.requeued", job_id=job_id, worker=lost_worker, model=model,
-                    attempt=attempt, next_attempt=attempt + 1)
+        log.warning("job.requeued", job_id=job.id, worker=lost_worker,
+                    model=(job.meta or {}).get("model"), attempt=attempt,
+                    next_attempt=attempt + 1)
         return True
