@@ -62,8 +62,7 @@ class FleetRegistry:
 
     def live_workers(self, model_name: str | None = None) -> list[WorkerInfo]:
         """Workers whose registration has not expired, optionally only those of one model."""
-        names = [n.decode() if isinstance(n, bytes) else n
-                 for n in self._conn.zrange(self._keys.workers(), 0, -1)]
+        names = self.registered_names()
         if not names:
             return []
         raw = self._conn.mget([self._keys.worker(n) for n in names])
