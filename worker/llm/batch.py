@@ -37,15 +37,21 @@ class Batch:
 
     def set(self, tokens: Sequence[int], pos0: int, logits: bool | Sequence[bool] = False,
             embd: np.ndarray | None = None) -> Batch:
-        """Fill with ``tokens`` at positions ``pos0..``; ``logits`` per row or for all rows."""
+        """Fill with ``tokens`` at positions ``pos0..``; ``logits`` per row or for all rows.
+
+        Runs for every prefill slice and every verify, so the struct's pointer fields are read
+        once: each ``raw.token`` read builds a new ctypes pointer object.
+        """
         n = len(tokens)
         if n > self.capacity:
             raise ValueError(f"batch of {n} tokens exceeds capacity {self.capacity}")
         raw = self.raw
+        token, pos, want = raw.token, raw.pos, raw.logits
+        per_row = not isinstance(logits, bool)
         for i, t in enumerate(tokens):
-            raw.token[i] = t
-            raw.pos[i] = pos0 + i
-            raw.logits[i] = logits if isinstance(logits, bool) else logits[i]
+            token[i] = t
+            pos[i] = pos0 + i
+            want[i] = logits[i] if per_row else logits  # type: ignore[index]
         if embd is not None:
             self._embd[:n] = embd
         raw.n_tokens = n
