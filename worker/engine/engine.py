@@ -67,14 +67,15 @@ class SpeculativeEngine:
                                   target_spec(config, self.rollback.n_rs_seq, self.draft_max))
             self.mtp = (MtpProposer(self.model, self.target, draft_spec(config))
                         if self.method is SpecMethod.MTP else None)
+            self.verifier = Verifier(self.target, self.rollback, config.n_ctx)
+            # Calibration decodes on the target: a failure there must free the model too.
+            self.shape = (best_lengths(measure_costs(self.target, self.verifier.batch,
+                                                     self.draft_max + 1))
+                          if config.calibrate_verify and self.draft_max
+                          else list(range(self.draft_max + 1)))
         except BaseException:
             self.close()
             raise
-        self.verifier = Verifier(self.target, self.rollback, config.n_ctx)
-        self.shape = (best_lengths(measure_costs(self.target, self.verifier.batch,
-                                                 self.draft_max + 1))
-                      if config.calibrate_verify and self.draft_max
-                      else list(range(self.draft_max + 1)))
         self._lifetime = SpecCounters(spec_method=str(self.method), draft_max=self.draft_max)
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
                  draft_max=self.draft_max, n_ctx=config.n_ctx,
