@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from coordinator.cli.app import app
+import sys
+
+import typer
+
+from coordinator.cli.app import app, error_line
 
 # Each import registers its sub-commands on ``app``.
 from coordinator.cli import generate  # noqa: E402,F401  isort: skip
@@ -13,7 +17,28 @@ from coordinator.cli import cancel  # noqa: E402,F401  isort: skip
 from coordinator.cli import batch  # noqa: E402,F401  isort: skip
 from coordinator.cli import fit  # noqa: E402,F401  isort: skip
 
+#: click's ``UsageError`` (a bad option value, a missing or unknown option), reached through
+#: typer's public ``BadParameter`` because newer typers vendor click under a private module.
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
 
 def main() -> None:
-    """Entry point of the ``specfleet`` console script."""
-    app()
+    """Entry point of the ``specfleet`` console script.
+
+    Usage errors end like every other CLI error: one line on stderr, exit status 2 (typer
+    would print a usage block and a boxed message); a bare ``specfleet`` prints the help.
+    """
+    try:
+        code = app(standalone_mode=False)
+    except _UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()  # type: ignore[attr-defined]
+        else:
+            ctx = getattr(exc, "ctx", None)
+            where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            error_line(exc.format_message() + where)  # type: ignore[attr-defined]
+        code = exc.exit_code  # type: ignore[attr-defined]
+    except typer.Abort:
+        error_line("aborted")
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)

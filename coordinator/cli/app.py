@@ -16,9 +16,14 @@ app = typer.Typer(
 )
 
 
+def error_line(message: str) -> None:
+    """Write one CLI error line on stderr (what operators and scripts expect)."""
+    sys.stderr.write(f"specfleet: error: {' '.join(message.split())}\n")
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Exit non-zero with a one-line message on stderr (what operators and scripts expect)."""
-    sys.stderr.write(f"specfleet: error: {message}\n")
+    """Exit non-zero with a one-line message on stderr."""
+    error_line(message)
     raise typer.Exit(code)
 
 

@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from coordinator.client import Coordinator
 from shared.protocol import JobStatus
 
@@ -43,6 +45,19 @@ def test_submit_errors_are_one_line_and_non_zero(fleet: Fleet) -> None:
     for proc, needle in ((unknown, "unknown model 'nope'"), (too_long, "exceeds")):
         assert proc.returncode == 2
         assert proc.stderr.startswith("specfleet: error:") and needle in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["submit", "--model", "m", "--prompt", "x", "--max-tokens", "many"], "'--max-tokens'"),
+    (["submit", "--prompt", "x", "--max-tokens", "4"], "'--model'"),
+    (["fleet", "--bogus"], "--bogus"),
+    (["nosuch"], "nosuch"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args: list[str], needle: str) -> None:
+    proc = subprocess.run([SPECFLEET, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specfleet: error:") and needle in lines[0]
 
 
 def test_fleet_and_cancel(fleet: Fleet, coordinator: Coordinator) -> None:
