@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 from redis import RedisError
 
+from coordinator.cli import options as opt
 from coordinator.cli.app import app, fail
-from coordinator.cli.options import parse_tokens as _parse_tokens
 from coordinator.client import Coordinator, JobResult
 from coordinator.validation import SubmitError
 from shared.logs import configure_logging
@@ -32,18 +32,17 @@ def print_result(result: JobResult, as_json: bool, streamed: bool) -> None:
 @app.command()
 def submit(
     model: Annotated[str, typer.Option(help="served model name")],
-    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")],
-    prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
-    prompt_tokens: Annotated[str | None, typer.Option(help="prompt token ids: 1,2,3")] = None,
-    spec: Annotated[SpecMethod, typer.Option(help="drafting method")] = SpecMethod.AUTO,
-    draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
-    draft_min: Annotated[int, typer.Option(help="shorter drafts are dropped")] = 0,
-    p_min: Annotated[float, typer.Option(help="stop drafting below this confidence")] = 0.0,
-    adaptive: Annotated[bool, typer.Option(help="adapt the draft width (seed 003 rule)")] = False,
-    rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
-    temperature: Annotated[float, typer.Option(help="sampling temperature (needs --spec none)")]
-    = 0.0,
-    seed: Annotated[int, typer.Option(help="sampling seed")] = 0,
+    max_tokens: opt.MaxTokens,
+    prompt: opt.Prompt = None,
+    prompt_tokens: opt.PromptTokens = None,
+    spec: opt.Spec = SpecMethod.AUTO,
+    draft_max: opt.DraftMax = 8,
+    draft_min: opt.DraftMin = 0,
+    p_min: opt.PMin = 0.0,
+    adaptive: opt.Adaptive = False,
+    rollback_depth: opt.RollbackDepth = None,
+    temperature: opt.Temperature = 0.0,
+    seed: opt.Seed = 0,
     stop: Annotated[list[str] | None, typer.Option(help="stop sequence (repeatable)")] = None,
     priority: Annotated[Priority, typer.Option(help="queue priority")] = Priority.NORMAL,
     stream: Annotated[bool, typer.Option(help="print text as it is generated")] = False,
@@ -64,7 +63,7 @@ def submit(
     if prompt is not None:
         request["prompt"] = prompt
     else:
-        request["prompt_tokens"] = _parse_tokens(prompt_tokens or "")
+        request["prompt_tokens"] = opt.parse_tokens(prompt_tokens or "")
     try:
         handle = Coordinator(settings).submit(request)
         if stream:
