@@ -24,6 +24,14 @@ def _add_lists(into: list[int], other: list[int]) -> None:
         into[i] += v
 
 
+def _count_positions(into: list[int], n: int) -> None:
+    """Count one at each of the first ``n`` positions (per verify: no throwaway lists)."""
+    if len(into) < n:
+        into.extend([0] * (n - len(into)))
+    for i in range(n):
+        into[i] += 1
+
+
 @dataclass
 class SpecCounters:
     """Raw counts and seconds; every rate is derived only when rendering."""
@@ -55,8 +63,8 @@ class SpecCounters:
         self.drafts += 1
         self.drafted += drafted
         self.accepted += accepted
-        _add_lists(self.drafted_per_position, [1] * drafted)
-        _add_lists(self.accepted_per_position, [1] * accepted)
+        _count_positions(self.drafted_per_position, drafted)
+        _count_positions(self.accepted_per_position, accepted)
 
     def set_rollback(self, before: Mapping[str, object], after: Mapping[str, object]) -> None:
         """Rollback counters live as long as the engine; keep this generation's share."""
