@@ -36,7 +36,8 @@ class Verifier:
         """
         t0 = perf_counter()
         self.rollback.prepare(self.target, len(draft))
-        self.target.decode(self.batch.set([last, *draft], pos0, True))
+        tokens = [last, *draft]
+        self.target.decode(self.batch.set(tokens, pos0, True))
         n_accepted = 0
         token = pick(self.target, 0)
         while n_accepted < len(draft) and token == draft[n_accepted]:
@@ -47,7 +48,7 @@ class Verifier:
         proposer.observe(outcome)
         t2 = perf_counter()
         if n_accepted < len(draft):
-            self.rollback.rewind(self.target, [last, *draft], pos0, n_accepted)
+            self.rollback.rewind(self.target, tokens, pos0, n_accepted)
         t3 = perf_counter()
         counters.decode_seconds += (t1 - t0) + (t3 - t2)
         counters.draft_seconds += t2 - t1
