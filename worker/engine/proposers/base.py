@@ -28,8 +28,8 @@ class VerifyOutcome:
     """What one verify decode of ``[last_token, *draft]`` at ``pos0`` established.
 
     ``n_accepted`` drafts matched the target's argmax; ``bonus`` is the target's token at the
-    first unverified row. ``rows`` is the target output row per batch entry (row i holds the
-    logits/hidden state of batch entry i).
+    first unverified row. Output row i of the verify holds the logits and hidden state of
+    batch entry i (``[last_token, *draft][i]``).
     """
 
     pos0: int
