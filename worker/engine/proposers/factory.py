@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.proposers.base import Proposer
-from worker.engine.proposers.mtp import MtpProposer, MtpUnavailableError
+from worker.engine.proposers.mtp import MtpProposer, require_mtp_head
 from worker.engine.proposers.ngram import NgramProposer
 from worker.engine.proposers.none import NoDraft
 from worker.llm import Model
@@ -19,11 +19,8 @@ def resolve_engine_method(method: SpecMethod, model: Model) -> SpecMethod:
     """The concrete method an engine is built for; ``mtp`` on a head-less model is an error."""
     if method is SpecMethod.AUTO:
         return SpecMethod.MTP if model.has_mtp_head else SpecMethod.NGRAM
-    if method is SpecMethod.MTP and not model.has_mtp_head:
-        raise MtpUnavailableError(
-            f"{model.spec.path} has no MTP (NextN) head (nextn_predict_layers = 0): "
-            "use spec method 'ngram' or 'auto'"
-        )
+    if method is SpecMethod.MTP:
+        require_mtp_head(model)
     return method
 
 

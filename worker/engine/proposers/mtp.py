@@ -25,17 +25,22 @@ class MtpUnavailableError(ValueError):
     """The model cannot draft for itself (no NextN head, or not loaded with it)."""
 
 
+def require_mtp_head(model: Model) -> None:
+    """Refuse MTP on a GGUF without a NextN head, naming the methods that do work for it."""
+    if not model.has_mtp_head:
+        raise MtpUnavailableError(
+            f"{model.spec.path} has no MTP (NextN) head (nextn_predict_layers = 0): "
+            "use spec method 'ngram' or 'auto'"
+        )
+
+
 class MtpProposer:
     """Drafts with the NextN head; owns the draft context for the engine's lifetime."""
 
     name = "mtp"
 
     def __init__(self, model: Model, target: Context, spec: ContextSpec) -> None:
-        if not model.has_mtp_head:
-            raise MtpUnavailableError(
-                f"{model.spec.path} has no MTP (NextN) head (nextn_predict_layers = 0): "
-                "use spec method 'ngram' or 'auto'"
-            )
+        require_mtp_head(model)
         if not model.spec.load_mtp:
             raise MtpUnavailableError("the MTP drafter needs the model loaded with load_mtp=True")
         self._target = target
