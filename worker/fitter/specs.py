@@ -8,7 +8,7 @@ engine builds its contexts from too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shared.protocol import SpecMethod
 from worker.engine.config import EngineConfig, draft_spec, target_spec
@@ -31,14 +31,18 @@ class EngineSpecs:
     checkpoints: bool
     target: ContextSpec
     draft: ContextSpec | None
+    #: What the specs were derived from: :meth:`at` derives them again for another size.
+    config: EngineConfig
+    slots: int
 
     def at(self, n_ctx: int) -> EngineSpecs:
-        """The same engine with another context size (the draft context follows the target)."""
-        return EngineSpecs(
-            self.method, self.draft_max, self.n_rs_seq, self.checkpoints,
-            self.target.with_(n_ctx=n_ctx, n_batch=n_ctx),
-            self.draft.with_(n_ctx=n_ctx) if self.draft is not None else None,
-        )
+        """The same engine with another context size, through the engine's own spec functions,
+        so how a field follows ``n_ctx`` (the target's batch does, the draft's does not) is
+        decided in one place."""
+        config = replace(self.config, n_ctx=n_ctx)
+        return replace(self, config=config,
+                       target=target_spec(config, self.n_rs_seq, self.draft_max, self.slots),
+                       draft=draft_spec(config) if self.draft is not None else None)
 
 
 def engine_specs(config: EngineConfig, model: Model, slots: int = 1) -> EngineSpecs:
@@ -53,4 +57,4 @@ def engine_specs(config: EngineConfig, model: Model, slots: int = 1) -> EngineSp
     target = target_spec(config, rollback.n_rs_seq, draft_max, slots)
     draft = draft_spec(config) if method is SpecMethod.MTP else None
     return EngineSpecs(method, draft_max, rollback.n_rs_seq,
-                       isinstance(rollback, CompactRollback), target, draft)
+                       isinstance(rollback, CompactRollback), target, draft, config, slots)
