@@ -83,11 +83,6 @@ class Model:
         """Bytes of all weight tensors, as llama.cpp counts them."""
         return int(llama_cpp.llama_model_size(self.ptr))
 
-    def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
-        return buf.value.decode() if n >= 0 else None
-
     # -- tokens ----------------------------------------------------------------------------
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
