@@ -55,7 +55,16 @@ def run_batch(coordinator: Coordinator, lines: Iterable[str], out: IO[str],
     """
     summary = BatchSummary(batch_id=uuid.uuid4().hex)
     hash_key = coordinator.keys.batch(summary.batch_id)
-    coordinator.connection.hset(hash_key, mapping={"status": "validating"})
+    ttl = coordinator.settings.result_ttl_seconds
+
+    def save(**fields: Any) -> None:
+        """Update the batch hash; it expires even when the run dies half-way (a timeout)."""
+        pipe = coordinator.connection.pipeline(transaction=False)
+        pipe.hset(hash_key, mapping=fields)
+        pipe.expire(hash_key, ttl)
+        pipe.execute()
+
+    save(status="validating")
     error_out = errors or out
     submitted: list[tuple[int, str, JobHandle]] = []
     for number, raw in enumerate(lines, start=1):
@@ -73,9 +82,8 @@ def run_batch(coordinator: Coordinator, lines: Iterable[str], out: IO[str],
             summary.errors.append(message)
             _write(error_out, {"custom_id": custom_id, "line": number, "job_id": None,
                                "response": None, "error": {"message": message}})
-    coordinator.connection.hset(hash_key, mapping={
-        "status": "in_progress", "total": summary.total, "invalid": summary.invalid,
-        "job_ids": json.dumps([h.job_id for _, _, h in submitted])})
+    save(status="in_progress", total=summary.total, invalid=summary.invalid,
+         job_ids=json.dumps([h.job_id for _, _, h in submitted]))
     for done, (number, custom_id, handle) in enumerate(submitted, start=1):
         result = handle.result(timeout)
         ok = result.status is JobStatus.FINISHED
@@ -89,12 +97,10 @@ def run_batch(coordinator: Coordinator, lines: Iterable[str], out: IO[str],
             message = f"line {number}: job {result.status}: {result.error or result.finish_reason}"
             summary.errors.append(message)
             _write(error_out, {**record, "response": None, "error": {"message": message}})
-        coordinator.connection.hset(hash_key, mapping={"completed": summary.completed,
-                                                       "failed": summary.failed})
+        save(completed=summary.completed, failed=summary.failed)
         if progress:
             progress(done, len(submitted))
-    coordinator.connection.hset(hash_key, "status", "completed")
-    coordinator.connection.expire(hash_key, coordinator.settings.result_ttl_seconds)
+    save(status="completed")
     return summary
 
 
