@@ -113,11 +113,8 @@ def measure_state(model: Model, spec: ContextSpec) -> StateSizes:
     small = spec.with_(n_ctx=_PROBE_CTX, n_batch=_PROBE_CTX, n_seq_max=1, n_rs_seq=0)
     try:
         with Context(model, small) as ctx:
-            batch = Batch(1)
-            try:
+            with Batch(1) as batch:
                 ctx.decode(batch.set([0], 0))
-            finally:
-                batch.close()
             host = ctx.state_size(_PARTIAL)
             header = ctx.state_size(_PARTIAL | _ON_DEVICE)
     except LlamaError as exc:

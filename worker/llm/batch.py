@@ -64,5 +64,11 @@ class Batch:
             llama_cpp.llama_batch_free(self.raw)
             self.raw = None
 
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __del__(self) -> None:
         self.close()

@@ -84,11 +84,8 @@ class CheckpointStore:
         """
         probe = ctx.pos_max() < 0
         if probe:
-            batch = Batch(1)
-            try:
+            with Batch(1) as batch:
                 ctx.decode(batch.set([0], 0))
-            finally:
-                batch.close()
         try:
             host_size = ctx.state_size(_FLAGS[CheckpointMode.HOST])
             if self.mode is CheckpointMode.DEVICE:
