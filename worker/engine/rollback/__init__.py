@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from shared.protocol import CheckpointMode
 from worker.engine.rollback.base import Rollback, RollbackError
+from worker.engine.rollback.compact import CompactRollback
 from worker.engine.rollback.kv_trim import KvTrimRollback
 from worker.engine.rollback.snapshots import SnapshotRollback
 from worker.llm import Model
@@ -23,7 +24,4 @@ def make_rollback(model: Model, draft_max: int, rollback_depth: int | None,
         return KvTrimRollback()
     if rollback_depth is None or rollback_depth >= draft_max:
         return SnapshotRollback(draft_max)
-    # Imported here so the D = N paths do not depend on the compact implementation.
-    from worker.engine.rollback.compact import CompactRollback
-
     return CompactRollback(rollback_depth, draft_max, checkpoint_mode, fail_device_checkpoint)
