@@ -181,7 +181,7 @@ class SpeculativeEngine:
         return self._lifetime.to_telemetry()
 
     def close(self) -> None:
-        for part in ("verifier", "mtp", "target", "model"):
+        for part in ("verifier", "rollback", "mtp", "target", "model"):
             obj = getattr(self, part, None)
             if obj is not None:
                 obj.close()

@@ -54,6 +54,7 @@ def engine_specs(config: EngineConfig, model: Model, slots: int = 1) -> EngineSp
     draft_max = config.spec.draft_max if method is not SpecMethod.NONE else 0
     rollback = make_rollback(model, draft_max, config.spec.rollback_depth, config.checkpoint,
                              config.fail_device_checkpoint)
+    rollback.close()  # asked only for n_rs_seq and its kind; it never serves a context
     target = target_spec(config, rollback.n_rs_seq, draft_max, slots)
     draft = draft_spec(config) if method is SpecMethod.MTP else None
     return EngineSpecs(method, draft_max, rollback.n_rs_seq,

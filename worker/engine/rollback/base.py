@@ -39,3 +39,7 @@ class Rollback(Protocol):
         """Counters for :class:`shared.protocol.Telemetry` (replay_events, replay_tokens,
         checkpoint_mode, checkpoint_saves, host_fallbacks, rollback_depth)."""
         ...
+
+    def close(self) -> None:
+        """Free what the policy allocated from llama.cpp (the engine calls it on close)."""
+        ...

@@ -79,3 +79,7 @@ class CompactRollback:
             "host_fallbacks": self.store.fallbacks,
             "rollback_depth": self.n_rs_seq,
         }
+
+    def close(self) -> None:
+        """Free the replay batch (llama.cpp memory) with the engine, not at garbage collection."""
+        self._replay.close()

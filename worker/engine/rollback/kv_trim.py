@@ -35,3 +35,6 @@ class KvTrimRollback:
 
     def telemetry(self) -> dict[str, object]:
         return {"rollback_depth": None}
+
+    def close(self) -> None:
+        """Nothing allocated."""
