@@ -6,6 +6,10 @@ import sys
 from typing import NoReturn
 
 import typer
+from pydantic import ValidationError
+
+from shared.protocol import describe_validation_error
+from shared.settings import Settings, get_settings
 
 app = typer.Typer(
     name="specfleet",
@@ -25,6 +29,15 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """Exit non-zero with a one-line message on stderr."""
     error_line(message)
     raise typer.Exit(code)
+
+
+def environment_settings() -> Settings:
+    """The process's settings (``SPECFLEET_*``, ``REDIS_URL``), or a one-line error naming
+    every bad variable."""
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        fail(f"invalid SPECFLEET_* environment: {describe_validation_error(exc)}")
 
 
 @app.callback()

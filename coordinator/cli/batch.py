@@ -12,10 +12,9 @@ from redis import RedisError
 from rich.progress import Progress
 
 from coordinator.batch import run_batch
-from coordinator.cli.app import app, fail
+from coordinator.cli.app import app, environment_settings, fail
 from coordinator.client import Coordinator
 from shared.logs import configure_logging
-from shared.settings import get_settings
 
 
 @app.command()
@@ -30,7 +29,7 @@ def batch(
     = None,
 ) -> None:
     """Submit every line of a batch file and write the results as JSONL."""
-    settings = get_settings()
+    settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
     if not input_path.is_file():
         fail(f"input file not found: {input_path}")

@@ -7,16 +7,15 @@ from typing import Annotated
 import typer
 from redis import RedisError
 
-from coordinator.cli.app import app, fail
+from coordinator.cli.app import app, environment_settings, fail
 from coordinator.client import Coordinator
 from shared.logs import configure_logging
-from shared.settings import get_settings
 
 
 @app.command()
 def cancel(job_id: Annotated[str, typer.Argument(help="id printed by submit")]) -> None:
     """Cancel one job."""
-    settings = get_settings()
+    settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
     try:
         withdrawn = Coordinator(settings).cancel(job_id)

@@ -11,10 +11,9 @@ from redis import RedisError
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.cli.app import app, fail
+from coordinator.cli.app import app, environment_settings, fail
 from coordinator.client import Coordinator
 from shared.logs import configure_logging
-from shared.settings import get_settings
 
 
 @app.command()
@@ -22,7 +21,7 @@ def fleet(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """List live workers (model, device, fitted context, current job) and queue depths."""
-    settings = get_settings()
+    settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
     try:
         coordinator = Coordinator(settings)

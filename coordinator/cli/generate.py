@@ -16,10 +16,9 @@ import typer
 from pydantic import ValidationError
 
 from coordinator.cli import options as opt
-from coordinator.cli.app import app, fail
+from coordinator.cli.app import app, environment_settings, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, Telemetry
-from shared.settings import get_settings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback import RollbackError
 from worker.llm import LlamaError
@@ -82,7 +81,7 @@ def generate(
     ids = opt.parse_tokens(prompt_tokens) if prompt_tokens is not None else None
     config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, spec=settings,
                           checkpoint=checkpoint, calibrate_verify=calibrate_verify,
-                          fail_device_checkpoint=get_settings().fail_device_checkpoint)
+                          fail_device_checkpoint=environment_settings().fail_device_checkpoint)
     try:
         with SpeculativeEngine(config) as engine:
             tokens = ids if ids is not None else engine.tokenize(prompt or "")

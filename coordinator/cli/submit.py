@@ -10,12 +10,11 @@ import typer
 from redis import RedisError
 
 from coordinator.cli import options as opt
-from coordinator.cli.app import app, fail
+from coordinator.cli.app import app, environment_settings, fail
 from coordinator.client import Coordinator, JobResult
 from coordinator.validation import SubmitError
 from shared.logs import configure_logging
 from shared.protocol import JobStatus, Priority, SpecMethod
-from shared.settings import get_settings
 
 
 def print_result(result: JobResult, as_json: bool, streamed: bool) -> None:
@@ -50,7 +49,7 @@ def submit(
     timeout: Annotated[float | None, typer.Option(help="seconds to wait for the result")] = None,
 ) -> None:
     """Submit one generation to the fleet and wait for its result."""
-    settings = get_settings()
+    settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
     if (prompt is None) == (prompt_tokens is None):
         fail("give exactly one of --prompt or --prompt-tokens")

@@ -9,10 +9,9 @@ import typer
 from pydantic import ValidationError
 from redis import RedisError
 
-from coordinator.cli.app import app, fail
+from coordinator.cli.app import app, environment_settings, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
-from shared.settings import get_settings
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
 from worker.service.runner import WorkerOptions, serve
 
@@ -49,7 +48,7 @@ def worker(
     Without ``--ctx`` the fitter measures the model and picks the largest context that fits
     the device (or ``--budget-mib``), then reserves checkpoint memory before taking work.
     """
-    settings = get_settings()
+    settings = environment_settings()
     if redis is not None:
         settings = settings.model_copy(update={"redis_url": redis})
     configure_logging(settings.log_level, settings.log_format)

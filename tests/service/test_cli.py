@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -58,6 +59,16 @@ def test_usage_errors_are_one_line_and_exit_2(args: list[str], needle: str) -> N
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("specfleet: error:") and needle in lines[0]
+
+
+def test_a_bad_environment_is_a_one_line_error() -> None:
+    env = {**os.environ, "SPECFLEET_HEARTBEAT_SECONDS": "often"}
+    proc = subprocess.run([SPECFLEET, "fleet"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "specfleet: error: invalid SPECFLEET_* environment: heartbeat_seconds: "
+        "Input should be a valid number, unable to parse string as a number"]
 
 
 def test_fleet_and_cancel(fleet: Fleet, coordinator: Coordinator) -> None:
