@@ -34,9 +34,12 @@ def batch(
     if not input_path.is_file():
         fail(f"input file not found: {input_path}")
     with ExitStack() as stack:
-        lines = stack.enter_context(input_path.open(encoding="utf-8"))
-        out_file = stack.enter_context(out.open("w", encoding="utf-8"))
-        err_file = stack.enter_context(errors.open("w", encoding="utf-8")) if errors else None
+        try:
+            lines = stack.enter_context(input_path.open(encoding="utf-8"))
+            out_file = stack.enter_context(out.open("w", encoding="utf-8"))
+            err_file = stack.enter_context(errors.open("w", encoding="utf-8")) if errors else None
+        except OSError as exc:
+            fail(f"{exc.filename}: {exc.strerror}")
         progress = None
         if sys.stderr.isatty():
             bar = stack.enter_context(Progress(transient=True))

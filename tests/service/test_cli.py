@@ -71,6 +71,17 @@ def test_a_bad_environment_is_a_one_line_error() -> None:
         "Input should be a valid number, unable to parse string as a number"]
 
 
+def test_batch_output_that_cannot_be_written_is_a_one_line_error(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text("{}\n")
+    out = tmp_path / "missing-dir" / "out.jsonl"
+    proc = subprocess.run([SPECFLEET, "batch", str(source), "--model", "m", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"specfleet: error: {out}: No such file or directory"]
+
+
 def test_fleet_and_cancel(fleet: Fleet, coordinator: Coordinator) -> None:
     fleet.start("w1", step_delay=0.05)
     listed = json.loads(_cli(fleet, "fleet", "--json").stdout)
