@@ -39,6 +39,13 @@ def test_budget_overrides_the_device() -> None:
         device_memory(parse_device("cpu"), budget_mib=0)
 
 
+def test_a_fractional_budget_is_whole_bytes() -> None:
+    """--budget-mib is a float; the FitReport's byte fields reject fractional bytes."""
+    mem = device_memory(parse_device("cpu"), budget_mib=2.3)
+    assert mem.free_bytes == mem.total_bytes == round(2.3 * MIB)
+    assert isinstance(mem.free_bytes, int)
+
+
 def test_host_memory_comes_from_the_host() -> None:
     mem = host_memory()
     assert mem.source == "host" and 0 < mem.free_bytes <= mem.total_bytes

@@ -88,10 +88,15 @@ def cuda_memory(index: int) -> DeviceMemory:
         pynvml.nvmlShutdown()
 
 
-def device_memory(device: DeviceRef, budget_mib: int | None = None) -> DeviceMemory:
-    """The memory the fit may use on ``device``; ``budget_mib`` overrides what is measured."""
+def device_memory(device: DeviceRef, budget_mib: float | None = None) -> DeviceMemory:
+    """The memory the fit may use on ``device``; ``budget_mib`` overrides what is measured.
+
+    The CLI takes fractional MiB, and the report's byte fields are integers: a budget is
+    rounded to whole bytes here, where it becomes bytes.
+    """
     if budget_mib is not None:
         if budget_mib <= 0:
             raise FitError(f"--budget-mib must be positive, got {budget_mib}")
-        return DeviceMemory(device.name, budget_mib * MIB, budget_mib * MIB, "budget")
+        budget = round(budget_mib * MIB)
+        return DeviceMemory(device.name, budget, budget, "budget")
     return cuda_memory(device.index) if device.is_cuda else host_memory()
