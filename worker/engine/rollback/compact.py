@@ -47,6 +47,9 @@ class CompactRollback:
         return self.store.reserve(target)
 
     def prepare(self, target: Context, n_draft: int) -> None:
+        """Checkpoint the state before a verify only when its draft is longer than D: any
+        rejection of a shorter one is shallow enough for the snapshots. Otherwise the old
+        checkpoint is forgotten, so it can never be restored into a later verify."""
         if n_draft > self.n_rs_seq:
             self.store.save(target)
         else:
