@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -58,4 +59,8 @@ def test_second_sigterm_requeues_the_job_for_another_worker(fleet: Fleet,
     assert result.status is JobStatus.FINISHED and len(result.tokens) == 60
     assert result.worker == "w2" and result.attempts == 2
     assert any(isinstance(e, ProgressEvent) and e.stage == "interrupted" for e in events)
-    assert "job.requeued" in fleet.log("w1")
+    [requeued] = [json.loads(line) for line in fleet.log("w1").splitlines()
+                  if '"job.requeued"' in line]
+    assert requeued["job_id"] == handle.job_id and requeued["worker"] == "w1"
+    assert requeued["attempt"] == 1 and requeued["next_attempt"] == 2
+    assert requeued["reason"] == "shutdown" and requeued["model"]

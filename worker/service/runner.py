@@ -115,8 +115,10 @@ class SpecfleetWorker(SimpleWorker):
             interrupted, self.runtime.interrupted = self.runtime.interrupted, None
             if interrupted == (job.id, "shutdown"):
                 requeue_front(self.connection, job.id)
+                attempt = int(self.connection.get(self.runtime.keys.attempts(job.id)) or 1)
                 log.warning("job.requeued", job_id=job.id, worker=self.name,
-                            model=self.runtime.model_name, reason="shutdown")
+                            model=self.runtime.model_name, attempt=attempt,
+                            next_attempt=attempt + 1, reason="shutdown")
             self.registry.set_current_job(self.name, None)
             self.current_job_id = None
 
