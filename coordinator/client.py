@@ -18,6 +18,7 @@ import structlog
 from redis import Redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.job import JobStatus as RqStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
@@ -42,6 +43,9 @@ from worker.service.registry import FleetRegistry
 
 log = get_logger("coordinator")
 
+#: rq states from which a job never runs again: cancelling them would only leave a flag.
+_ENDED = frozenset({RqStatus.FINISHED, RqStatus.FAILED, RqStatus.CANCELED, RqStatus.STOPPED})
+
 __all__ = ["Coordinator", "JobHandle", "JobResult", "SubmitError"]
 
 
@@ -58,6 +62,15 @@ class JobResult:
     attempts: int
     finish_reason: str | None = None
     error: str | None = None
+
+    @classmethod
+    def from_final(cls, final: FinalEvent) -> JobResult:
+        """The result a job's final event describes (its attempt number is the attempts)."""
+        return cls(job_id=final.job_id, status=final.status, tokens=final.tokens,
+                   text=final.text, telemetry=final.telemetry, worker=final.worker,
+                   attempts=final.attempt,
+                   finish_reason=str(final.finish_reason) if final.finish_reason else None,
+                   error=final.error)
 
     def to_json(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "status": str(self.status), "tokens": self.tokens,
@@ -99,11 +112,7 @@ class JobHandle:
             if isinstance(event, FinalEvent):
                 final = event
         assert final is not None  # follow() only ends on a final event
-        return JobResult(job_id=self.job_id, status=final.status, tokens=final.tokens,
-                         text=final.text, telemetry=final.telemetry, worker=final.worker,
-                         attempts=final.attempt,
-                         finish_reason=str(final.finish_reason) if final.finish_reason else None,
-                         error=final.error)
+        return JobResult.from_final(final)
 
     def cancel(self) -> None:
         """Stop the job: a queued job is withdrawn, a running one stops within one step."""
@@ -164,11 +173,15 @@ class Coordinator:
     def cancel(self, job_id: str) -> bool:
         """Cancel a job; True when it was still waiting and was withdrawn from its queue.
 
-        Raises ``LookupError`` for a job Redis does not know (never submitted, or expired)."""
+        Raises ``LookupError`` for a job Redis does not know (never submitted, or expired)
+        and ``ValueError`` for one that has already ended."""
         try:
             job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
         except NoSuchJobError:
             raise LookupError(f"no such job: {job_id}") from None
+        status = job.get_status(refresh=False)
+        if status in _ENDED:
+            raise ValueError(f"job {job_id} has already ended ({status.value})")
         request_cancel(self.connection, self.keys, job_id, self.settings.stream_ttl_seconds)
         if not self._queue(job.origin).remove(job_id):
             return False  # running (it sees the flag within one step) or already done

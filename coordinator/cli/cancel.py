@@ -19,7 +19,7 @@ def cancel(job_id: Annotated[str, typer.Argument(help="id printed by submit")]) 
     configure_logging(settings.log_level, settings.log_format)
     try:
         withdrawn = Coordinator(settings).cancel(job_id)
-    except LookupError as exc:
+    except (LookupError, ValueError) as exc:
         fail(str(exc), code=1)
     except RedisError as exc:
         fail(f"Redis at {settings.redis_url}: {exc}", code=3)
