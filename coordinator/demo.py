@@ -23,7 +23,7 @@ from rich.table import Table
 
 from coordinator.client import Coordinator, JobResult
 from coordinator.redis_local import RedisUnavailable, local_redis
-from shared.protocol import GenerationRequest, SpecSettings, TokenEvent
+from shared.protocol import FinalEvent, GenerationRequest, SpecSettings, TokenEvent
 from shared.settings import Settings
 from worker.testmodels.gemma import gemma_q4_path
 
@@ -88,8 +88,9 @@ def _stream(coordinator: Coordinator, requests: list[GenerationRequest],
         for event in handle.stream(timeout=600):
             if isinstance(event, TokenEvent):
                 console.out(event.text, end="", highlight=False)
+            elif isinstance(event, FinalEvent):
+                result = JobResult.from_final(event)
         console.out("")
-        result = handle.result(timeout=60)
         if (t := result.telemetry) is not None:
             console.print(f"[dim]{t.spec_method}: {t.accepted}/{t.drafted} drafts accepted "
                           f"({t.acceptance:.1%}), {t.tokens_per_verify:.2f} tokens per verify "
