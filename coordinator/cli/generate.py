@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail
 from shared.logs import configure_logging
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, Telemetry
+from shared.protocol import CheckpointMode, SpecMethod, Telemetry
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback import RollbackError
 from worker.llm import LlamaError
@@ -48,9 +47,9 @@ def generate(
     prompt: opt.Prompt = None,
     prompt_tokens: opt.PromptTokens = None,
     spec: opt.Spec = SpecMethod.AUTO,
-    draft_max: opt.DraftMax = 8,
-    draft_min: opt.DraftMin = 0,
-    p_min: opt.PMin = 0.0,
+    draft_max: opt.DraftMax = opt.DEFAULT_SPEC.draft_max,
+    draft_min: opt.DraftMin = opt.DEFAULT_SPEC.draft_min,
+    p_min: opt.PMin = opt.DEFAULT_SPEC.p_min,
     adaptive: opt.Adaptive = False,
     rollback_depth: opt.RollbackDepth = None,
     checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
@@ -65,28 +64,19 @@ def generate(
 ) -> None:
     """Generate from one prompt with the speculative engine, in this process."""
     configure_logging(level="warning")
-    if (prompt is None) == (prompt_tokens is None):
-        fail("give exactly one of --prompt or --prompt-tokens")
-    if prompt == "":
-        fail("--prompt is empty")
-    try:
-        settings = SpecSettings(method=spec, draft_max=draft_max, draft_min=draft_min,
-                                p_min=p_min, adaptive=adaptive, rollback_depth=rollback_depth)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        fail(f"{where + ': ' if where else ''}{err['msg']}")
-    if temperature > 0 and settings.enabled:
-        fail("speculative decoding is greedy-only: use --temperature 0, or --spec none to sample")
-    ids = opt.parse_tokens(prompt_tokens) if prompt_tokens is not None else None
-    config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, spec=settings,
+    req = opt.build_request(prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                            spec=spec, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
+                            adaptive=adaptive, rollback_depth=rollback_depth,
+                            temperature=temperature, seed=seed)
+    config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads,
+                          spec=req.speculative,
                           checkpoint=checkpoint, calibrate_verify=calibrate_verify,
                           fail_device_checkpoint=environment_settings().fail_device_checkpoint)
     try:
         with SpeculativeEngine(config) as engine:
-            tokens = ids if ids is not None else engine.tokenize(prompt or "")
-            result = engine.generate(tokens, max_tokens, settings, temperature=temperature,
-                                     seed=seed)
+            tokens = req.prompt_tokens or engine.tokenize(req.prompt or "")
+            result = engine.generate(tokens, req.max_tokens, req.speculative,
+                                     temperature=req.temperature, seed=req.seed)
     except (ValueError, LlamaError, RollbackError, NotImplementedError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     if as_json:

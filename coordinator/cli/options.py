@@ -1,17 +1,30 @@
 """Command-line options shared by the sub-commands that describe one generation.
 
 ``generate`` (in-process) and ``submit`` (through the fleet) take the same prompt and
-speculation options; declaring them once keeps their names, defaults and help identical.
+speculation options; declaring them once keeps their names, defaults and help identical, and
+:func:`build_request` turns them into one validated :class:`GenerationRequest`, so both
+commands enforce exactly the wire protocol's rules (one prompt, greedy-only speculation, ...).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 from coordinator.cli.app import fail
-from shared.protocol import SpecMethod
+from shared.protocol import (
+    GenerationRequest,
+    Priority,
+    SpecMethod,
+    SpecSettings,
+    describe_validation_error,
+)
+
+#: The protocol's defaults, which the options show and fall back to.
+DEFAULT_SPEC = SpecSettings()
 
 MaxTokens = Annotated[int, typer.Option(min=1, help="tokens to generate at most")]
 Prompt = Annotated[str | None, typer.Option(help="prompt text")]
@@ -35,3 +48,22 @@ def parse_tokens(raw: str) -> list[int]:
     if not tokens:
         fail("--prompt-tokens is empty")
     return tokens
+
+
+def build_request(*, prompt: str | None, prompt_tokens: str | None, max_tokens: int,
+                  spec: SpecMethod, draft_max: int, draft_min: int, p_min: float,
+                  adaptive: bool, rollback_depth: int | None, temperature: float, seed: int,
+                  model: str = "default", stop: Sequence[str] = (),
+                  priority: Priority = Priority.NORMAL) -> GenerationRequest:
+    """The options as a request, or a one-line error naming every bad field."""
+    try:
+        return GenerationRequest(
+            model=model, prompt=prompt,
+            prompt_tokens=parse_tokens(prompt_tokens) if prompt_tokens is not None else None,
+            max_tokens=max_tokens, temperature=temperature, seed=seed, stop=list(stop),
+            priority=priority,
+            speculative=SpecSettings(method=spec, draft_max=draft_max, draft_min=draft_min,
+                                     p_min=p_min, adaptive=adaptive,
+                                     rollback_depth=rollback_depth))
+    except ValidationError as exc:
+        fail(describe_validation_error(exc))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from redis import RedisError
@@ -35,9 +35,9 @@ def submit(
     prompt: opt.Prompt = None,
     prompt_tokens: opt.PromptTokens = None,
     spec: opt.Spec = SpecMethod.AUTO,
-    draft_max: opt.DraftMax = 8,
-    draft_min: opt.DraftMin = 0,
-    p_min: opt.PMin = 0.0,
+    draft_max: opt.DraftMax = opt.DEFAULT_SPEC.draft_max,
+    draft_min: opt.DraftMin = opt.DEFAULT_SPEC.draft_min,
+    p_min: opt.PMin = opt.DEFAULT_SPEC.p_min,
     adaptive: opt.Adaptive = False,
     rollback_depth: opt.RollbackDepth = None,
     temperature: opt.Temperature = 0.0,
@@ -51,18 +51,11 @@ def submit(
     """Submit one generation to the fleet and wait for its result."""
     settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
-    if (prompt is None) == (prompt_tokens is None):
-        fail("give exactly one of --prompt or --prompt-tokens")
-    request: dict[str, Any] = {
-        "model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-        "stop": stop or [], "priority": priority.value,
-        "speculative": {"method": spec.value, "draft_max": draft_max, "draft_min": draft_min,
-                        "p_min": p_min, "adaptive": adaptive, "rollback_depth": rollback_depth},
-    }
-    if prompt is not None:
-        request["prompt"] = prompt
-    else:
-        request["prompt_tokens"] = opt.parse_tokens(prompt_tokens or "")
+    request = opt.build_request(prompt=prompt, prompt_tokens=prompt_tokens,
+                                max_tokens=max_tokens, spec=spec, draft_max=draft_max,
+                                draft_min=draft_min, p_min=p_min, adaptive=adaptive,
+                                rollback_depth=rollback_depth, temperature=temperature,
+                                seed=seed, model=model, stop=stop or (), priority=priority)
     try:
         handle = Coordinator(settings).submit(request)
         if stream:
