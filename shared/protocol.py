@@ -317,5 +317,7 @@ def describe_validation_error(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors(include_url=False):
         where = ".".join(str(p) for p in err.get("loc", ())) or "request"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+        # Our own rules raise ValueError; show their sentence without pydantic's prefix.
+        cause = err.get("ctx", {}).get("error") if err.get("type") == "value_error" else None
+        parts.append(f"{where}: {cause or err.get('msg', 'invalid')}")
     return "; ".join(parts)

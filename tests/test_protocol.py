@@ -17,6 +17,7 @@ from shared.protocol import (
     SpecSettings,
     Telemetry,
     TokenEvent,
+    describe_validation_error,
     parse_event,
 )
 
@@ -88,3 +89,15 @@ def test_keys_are_namespaced_per_prefix() -> None:
     a, b = Keys("a"), Keys("b")
     assert a.events("j") != b.events("j")
     assert a.queues("m") == ["a:m:high", "a:m"]
+
+
+def test_validation_errors_read_as_one_line_naming_each_field() -> None:
+    with pytest.raises(ValidationError) as bad_fields:
+        GenerationRequest.model_validate({"prompt": "a", "max_tokens": 0, "seed": -1})
+    line = describe_validation_error(bad_fields.value)
+    assert "\n" not in line
+    assert line.startswith("max_tokens: ") and "; seed: " in line
+    with pytest.raises(ValidationError) as rule:
+        GenerationRequest.model_validate({"prompt": "a", "temperature": 0.5})
+    assert describe_validation_error(rule.value).startswith("request: speculative decoding is "
+                                                            "greedy-only")
