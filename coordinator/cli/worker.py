@@ -13,7 +13,8 @@ from coordinator.cli.app import app, environment_settings, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
-from worker.service.runner import WorkerOptions, serve
+from worker.service.runner import serve
+from worker.service.startup import WorkerOptions
 
 
 @app.command()

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
-from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
 
@@ -29,11 +27,9 @@ from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
 from shared.logs import get_logger
-from shared.protocol import CheckpointMode, FitReport, SpecSettings, WorkerInfo
+from shared.protocol import WorkerInfo
 from shared.settings import Settings
-from worker.engine.engine import EngineConfig, SpeculativeEngine
-from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
-from worker.fitter.devices import DeviceRef, parse_device
+from worker.fitter.devices import parse_device
 from worker.service.cancel import CancelWatch
 from worker.service.jobs import (
     JOB_FUNCTION,
@@ -44,35 +40,14 @@ from worker.service.jobs import (
 )
 from worker.service.recovery import RecoveryMonitor, requeue_front
 from worker.service.registry import FleetRegistry, Heartbeat
+from worker.service.startup import (
+    WorkerOptions,
+    load_engine,
+    pin_device,
+    reexec_if_pinned_too_late,
+)
 
 log = get_logger("worker")
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """What ``specfleet worker`` was asked to serve, and how."""
-
-    model_path: str
-    model_name: str
-    device: str = "cpu"
-    name: str | None = None
-    n_ctx: int | None = None  # None: fit the context to the device's memory
-    budget_mib: float | None = None
-    fit_target_mib: float = DEFAULT_FIT_TARGET_MIB
-    ctx_min: int = DEFAULT_CTX_MIN
-    threads: int = 2
-    spec: SpecSettings = field(default_factory=SpecSettings)
-    checkpoint: CheckpointMode = CheckpointMode.DEVICE
-
-
-def pin_device(device: DeviceRef) -> int:
-    """Make ``device`` the only one llama.cpp can see; returns the GPU layer count to use.
-
-    Must run before llama.cpp initialises its backends (``serve`` re-executes the process
-    when llama.cpp was already imported with another device visible).
-    """
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index) if device.is_cuda else ""
-    return -1 if device.is_cuda else 0
 
 
 def refusal_reason(job: Job) -> str | None:
@@ -155,44 +130,10 @@ def _package_version() -> str:
         return "unknown"
 
 
-def _reexec_if_pinned_too_late(device: DeviceRef) -> None:
-    """llama.cpp reads CUDA_VISIBLE_DEVICES when it loads: restart the process if too late."""
-    wanted = str(device.index) if device.is_cuda else ""
-    if "llama_cpp" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != wanted:
-        os.environ["CUDA_VISIBLE_DEVICES"] = wanted
-        # orig_argv keeps "-m coordinator.cli": re-running argv[0] as a script would put
-        # coordinator/cli/ first on sys.path and shadow the ``worker`` package.
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
-
-def _load_engine(options: WorkerOptions, n_gpu_layers: int,
-                 settings: Settings) -> tuple[SpeculativeEngine, FitReport | None]:
-    """Fit the context to the device (unless ``--ctx`` fixed it), load the engine once,
-    and reserve its checkpoint memory before any request can take the headroom."""
-    if options.n_ctx is not None:
-        config = EngineConfig(model_path=options.model_path, n_ctx=options.n_ctx,
-                              n_threads=options.threads, n_gpu_layers=n_gpu_layers,
-                              spec=options.spec, checkpoint=options.checkpoint,
-                              fail_device_checkpoint=settings.fail_device_checkpoint)
-        return SpeculativeEngine(config), None
-    fit = fit_worker(options.model_path, device=options.device, budget_mib=options.budget_mib,
-                     fit_target_mib=options.fit_target_mib, slots=1, spec=options.spec,
-                     ctx_min=options.ctx_min, n_threads=options.threads,
-                     checkpoint=options.checkpoint)
-    engine = SpeculativeEngine(replace(fit.config,
-                                       fail_device_checkpoint=settings.fail_device_checkpoint))
-    try:
-        reserve_checkpoints(engine, fit)
-    except BaseException:
-        engine.close()
-        raise
-    return engine, fit.report
-
-
 def serve(options: WorkerOptions, settings: Settings) -> None:
     """Run a worker until SIGTERM: pin, load, register, recover, work, deregister."""
     device = parse_device(options.device)
-    _reexec_if_pinned_too_late(device)
+    reexec_if_pinned_too_late(device)
     n_gpu_layers = pin_device(device)
     connection = Redis.from_url(settings.redis_url)
     connection.ping()
@@ -201,7 +142,7 @@ def serve(options: WorkerOptions, settings: Settings) -> None:
     registry = FleetRegistry(connection, keys, settings.worker_ttl_seconds)
     if registry.is_alive(name):
         raise RuntimeError(f"a live worker is already registered as {name!r}")
-    engine, fit = _load_engine(options, n_gpu_layers, settings)
+    engine, fit = load_engine(options, n_gpu_layers, settings)
     runtime = WorkerRuntime(engine=engine, connection=connection, settings=settings,
                             worker_name=name, model_name=options.model_name,
                             n_ctx=engine.config.n_ctx, cancels=CancelWatch(connection, keys))

@@ -1,0 +1,36 @@
+"""The one place a specfleet process opens a Redis connection.
+
+Every client (worker, coordinator, CLI, stream reader) is built here so that all of them ride
+through a short Redis outage the same way: redis-py retries a failed command with exponential
+backoff, health-checks idle connections before reuse, and bounds every socket wait. A longer
+outage surfaces as a ``redis.ConnectionError`` that the caller's own loop (see
+:func:`shared.outage.ride_out`) waits out until its deadline.
+"""
+
+from __future__ import annotations
+
+from redis import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+#: Retries redis-py makes inside one command before the caller sees the error (~3 s in all).
+COMMAND_RETRIES = 6
+#: Seconds a socket waits for a reply; blocking reads pass their own, longer, timeout.
+SOCKET_TIMEOUT = 10.0
+#: Seconds a connection may sit idle before it is PINGed on reuse (a restarted Redis).
+HEALTH_CHECK_SECONDS = 5
+
+
+def connect(url: str) -> Redis:
+    """A client for ``url`` that retries with backoff and health-checks its connections."""
+    return Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), COMMAND_RETRIES),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
+        socket_timeout=SOCKET_TIMEOUT,
+        socket_connect_timeout=SOCKET_TIMEOUT,
+        socket_keepalive=True,
+        health_check_interval=HEALTH_CHECK_SECONDS,
+    )

@@ -1,0 +1,82 @@
+"""Worker start-up before any job: pin the device, fit the context, load and reserve.
+
+Kept apart from the serving loop (``runner.py``) because it is the part that decides what a
+worker *can* do (its capacity); the loop only decides what it does next. Start-up order
+matters: the device is pinned (``CUDA_VISIBLE_DEVICES``) before llama.cpp loads, and checkpoint
+memory is reserved before any request can take the headroom.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, replace
+
+from shared.protocol import CheckpointMode, FitReport, SpecSettings
+from shared.settings import Settings
+from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
+from worker.fitter.devices import DeviceRef
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What ``specfleet worker`` was asked to serve, and how."""
+
+    model_path: str
+    model_name: str
+    device: str = "cpu"
+    name: str | None = None
+    n_ctx: int | None = None  # None: fit the context to the device's memory
+    budget_mib: float | None = None
+    fit_target_mib: float = DEFAULT_FIT_TARGET_MIB
+    ctx_min: int = DEFAULT_CTX_MIN
+    threads: int = 2
+    spec: SpecSettings = field(default_factory=SpecSettings)
+    checkpoint: CheckpointMode = CheckpointMode.DEVICE
+
+
+def pin_device(device: DeviceRef) -> int:
+    """Make ``device`` the only one llama.cpp can see; returns the GPU layer count to use.
+
+    Must run before llama.cpp initialises its backends (``serve`` re-executes the process
+    when llama.cpp was already imported with another device visible).
+    """
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index) if device.is_cuda else ""
+    return -1 if device.is_cuda else 0
+
+
+def reexec_if_pinned_too_late(device: DeviceRef) -> None:
+    """llama.cpp reads CUDA_VISIBLE_DEVICES when it loads: restart the process if too late."""
+    wanted = str(device.index) if device.is_cuda else ""
+    if "llama_cpp" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != wanted:
+        os.environ["CUDA_VISIBLE_DEVICES"] = wanted
+        # orig_argv keeps "-m coordinator.cli": re-running argv[0] as a script would put
+        # coordinator/cli/ first on sys.path and shadow the ``worker`` package.
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def load_engine(options: WorkerOptions, n_gpu_layers: int,
+                 settings: Settings) -> tuple[SpeculativeEngine, FitReport | None]:
+    """Fit the context to the device (unless ``--ctx`` fixed it), load the engine once,
+    and reserve its checkpoint memory before any request can take the headroom."""
+    if options.n_ctx is not None:
+        config = EngineConfig(model_path=options.model_path, n_ctx=options.n_ctx,
+                              n_threads=options.threads, n_gpu_layers=n_gpu_layers,
+                              spec=options.spec, checkpoint=options.checkpoint,
+                              fail_device_checkpoint=settings.fail_device_checkpoint)
+        return SpeculativeEngine(config), None
+    fit = fit_worker(options.model_path, device=options.device, budget_mib=options.budget_mib,
+                     fit_target_mib=options.fit_target_mib, slots=1, spec=options.spec,
+                     ctx_min=options.ctx_min, n_threads=options.threads,
+                     checkpoint=options.checkpoint)
+    engine = SpeculativeEngine(replace(fit.config,
+                                       fail_device_checkpoint=settings.fail_device_checkpoint))
+    try:
+        reserve_checkpoints(engine, fit)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, fit.report
+
+
