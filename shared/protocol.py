@@ -135,21 +135,26 @@ class Telemetry(BaseModel):
     Field names are part of the public contract (CLI ``--json``, events, logs, dashboards).
     ``tokens_per_second`` counts decode time only; ``effective_tokens_per_second`` is wall time
     including drafting, which is the one to believe (seed 000, "Reading the numbers").
+    docs/telemetry.md says exactly what each field counts (``mean_accepted_length`` leaves the
+    bonus token out; ``mean_acceptance_length`` is vLLM's, which counts it).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     spec_method: str = "none"
     draft_max: int = 0
+    drafts: int = 0
     drafted: int = 0
     accepted: int = 0
     acceptance: float = 0.0
     accepted_per_position: list[int] = Field(default_factory=list)
     drafted_per_position: list[int] = Field(default_factory=list)
     mean_accepted_length: float = 0.0
+    mean_acceptance_length: float = 0.0
     target_decodes: int = 0
     tokens_per_verify: float = 0.0
     draft_seconds: float = 0.0
+    draft_seconds_per_token: float = 0.0
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     wall_seconds: float = 0.0
@@ -162,7 +167,9 @@ class Telemetry(BaseModel):
     checkpoint_mode: str | None = None
     checkpoint_saves: int = 0
     host_fallbacks: int = 0
+    host_fallback_reason: str | None = None
     rollback_depth: int | None = None
+    checkpoint_reservation_bytes: int | None = None
 
 
 class FinishReason(StrEnum):
@@ -296,6 +303,9 @@ class WorkerInfo(BaseModel):
     current_job: str | None = None
     spec_methods: list[str] = Field(default_factory=list)
     fit: FitReport | None = None
+    metrics_port: int | None = Field(default=None, description="Prometheus port (None: off)")
+    telemetry: Telemetry | None = Field(
+        default=None, description="the engine's lifetime telemetry, refreshed every heartbeat")
 
 
 class BatchLine(_Strict):
