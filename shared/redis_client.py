@@ -15,6 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from shared.sentinel import is_sentinel_url, sentinel_client
+
 #: Retries redis-py makes inside one command before the caller sees the error (~3 s in all).
 COMMAND_RETRIES = 6
 #: Seconds a socket waits for a reply; blocking reads pass their own, longer, timeout.
@@ -24,9 +26,13 @@ HEALTH_CHECK_SECONDS = 5
 
 
 def connect(url: str) -> Redis:
-    """A client for ``url`` that retries with backoff and health-checks its connections."""
-    return Redis.from_url(
-        url,
+    """A client for ``url`` that retries with backoff and health-checks its connections.
+
+    ``url`` is a ``redis://`` / ``rediss://`` / ``unix://`` URL, or a ``redis+sentinel://``
+    one (:mod:`shared.sentinel`): then the client follows the primary its sentinels name, and
+    the same retries carry a command over a failover.
+    """
+    options = dict(
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), COMMAND_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
         socket_timeout=SOCKET_TIMEOUT,
@@ -34,3 +40,6 @@ def connect(url: str) -> Redis:
         socket_keepalive=True,
         health_check_interval=HEALTH_CHECK_SECONDS,
     )
+    if is_sentinel_url(url):
+        return sentinel_client(url, **options)
+    return Redis.from_url(url, **options)
