@@ -15,11 +15,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
     TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import CoreSchema
 
 #: Hard cap on tokens one request may generate; larger budgets are a batch's job.
 MAX_TOKENS_CAP = 8192
@@ -33,12 +35,30 @@ MAX_STOP_CHARS = 128
 
 
 class _Strict(BaseModel):
-    """Base for wire models: unknown fields are errors, so a typo never silently does nothing."""
+    """Base for wire models: unknown fields are errors, so a typo never silently does nothing,
+    and no value is coerced (``true``, ``"10"`` or ``2.0`` is not an int): a client that
+    sends the wrong type learns it at the edge instead of running a different request."""
 
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    model_config = ConfigDict(extra="forbid", frozen=False, strict=True)
 
 
-class SpecMethod(StrEnum):
+class _WireEnum(StrEnum):
+    """An enum that strict wire models still read from its string value.
+
+    Strict mode would take only enum instances from a dict (rq hands the worker the request
+    as a dict decoded from JSON), so ``"ngram"`` would be refused; the value itself is the
+    only lax input, and anything else (``1``, ``true``, ``"bogus"``) is still an error.
+    """
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any,
+                                     handler: GetCoreSchemaHandler) -> CoreSchema:
+        schema = handler(source)
+        schema["strict"] = False  # type: ignore[typeddict-unknown-key]
+        return schema
+
+
+class SpecMethod(_WireEnum):
     """Which drafter proposes tokens. ``auto`` = MTP when the GGUF has a NextN head, else n-gram."""
 
     NONE = "none"
@@ -47,14 +67,14 @@ class SpecMethod(StrEnum):
     AUTO = "auto"
 
 
-class CheckpointMode(StrEnum):
+class CheckpointMode(_WireEnum):
     """Where compact-rollback checkpoints live."""
 
     DEVICE = "device"
     HOST = "host"
 
 
-class Priority(StrEnum):
+class Priority(_WireEnum):
     NORMAL = "normal"
     HIGH = "high"
 
@@ -129,7 +149,7 @@ class GenerationRequest(_Strict):
         return self
 
 
-class Telemetry(BaseModel):
+class Telemetry(_Strict):
     """What speculation bought for one generation (or cumulatively for an engine).
 
     Field names are part of the public contract (CLI ``--json``, events, logs, dashboards).
@@ -138,8 +158,6 @@ class Telemetry(BaseModel):
     docs/telemetry.md says exactly what each field counts (``mean_accepted_length`` leaves the
     bonus token out; ``mean_acceptance_length`` is vLLM's, which counts it).
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     spec_method: str = "none"
     draft_max: int = 0
@@ -172,7 +190,7 @@ class Telemetry(BaseModel):
     checkpoint_reservation_bytes: int | None = None
 
 
-class FinishReason(StrEnum):
+class FinishReason(_WireEnum):
     LENGTH = "length"
     STOP = "stop"
     EOS = "eos"
@@ -180,7 +198,7 @@ class FinishReason(StrEnum):
     CONTEXT = "context"
 
 
-class JobStatus(StrEnum):
+class JobStatus(_WireEnum):
     QUEUED = "queued"
     STARTED = "started"
     FINISHED = "finished"
@@ -250,10 +268,8 @@ def parse_event(raw: str | bytes) -> AnyEvent:
     return _EVENT_ADAPTER.validate_json(raw)
 
 
-class DeviceFit(BaseModel):
+class DeviceFit(_Strict):
     """One device's share of a fit: every component measured from llama.cpp, in bytes."""
-
-    model_config = ConfigDict(extra="forbid")
 
     device: str
     total_bytes: int
@@ -265,10 +281,8 @@ class DeviceFit(BaseModel):
     )
 
 
-class FitReport(BaseModel):
+class FitReport(_Strict):
     """What a worker measured and fitted at start-up; logged as ``fit.report`` and published."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model_path: str
     n_ctx: int
@@ -284,10 +298,8 @@ class FitReport(BaseModel):
     details: dict[str, Any] = Field(default_factory=dict)
 
 
-class WorkerInfo(BaseModel):
+class WorkerInfo(_Strict):
     """A live worker as registered in the fleet registry."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str
     model_name: str

@@ -14,6 +14,7 @@ from shared.protocol import (
     GenerationRequest,
     JobStatus,
     Priority,
+    SpecMethod,
     SpecSettings,
     Telemetry,
     TokenEvent,
@@ -50,8 +51,8 @@ def test_bad_field_is_named(payload: dict, field: str) -> None:
 @pytest.mark.parametrize(
     ("payload", "fragment"),
     [
-        ({}, "exactly one of 'prompt' or 'prompt_tokens'"),
-        ({"prompt": "a", "prompt_tokens": [1]}, "exactly one of 'prompt' or 'prompt_tokens'"),
+        ({}, "exactly one of 'prompt'"),
+        ({"prompt": "a", "prompt_tokens": [1]}, "exactly one of 'prompt'"),
         ({"prompt": "a", "temperature": 0.7}, "greedy-only"),
         ({"prompt": "a", "speculative": {"draft_max": 3, "rollback_depth": 4}}, "rollback_depth"),
         ({"prompt": "a", "speculative": {"draft_max": 3, "draft_min": 4}}, "draft_min"),
@@ -101,3 +102,63 @@ def test_validation_errors_read_as_one_line_naming_each_field() -> None:
         GenerationRequest.model_validate({"prompt": "a", "temperature": 0.5})
     assert describe_validation_error(rule.value).startswith("request: speculative decoding is "
                                                             "greedy-only")
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10.0}, "max_tokens"),
+        ({"prompt_tokens": ["1", 2.0]}, "prompt_tokens.0"),
+        ({"prompt_tokens": [1, 2.0]}, "prompt_tokens.1"),
+        ({"prompt": "hi", "seed": False}, "seed"),
+        ({"prompt": "hi", "temperature": True}, "temperature"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "hi", "speculative": {"draft_max": "4"}}, "speculative.draft_max"),
+        ({"prompt": "hi", "speculative": {"adaptive": 1}}, "speculative.adaptive"),
+        ({"prompt": "hi", "priority": 1}, "priority"),
+        ({"prompt": "hi", "priority": True}, "priority"),
+    ],
+)
+def test_wire_types_are_not_coerced(payload: dict, field: str) -> None:
+    """Strict on the wire: from a dict (what rq hands the worker) and from JSON alike."""
+    for validate in (GenerationRequest.model_validate,
+                     lambda p: GenerationRequest.model_validate_json(json.dumps(p))):
+        with pytest.raises(ValidationError) as info:
+            validate(payload)
+        assert field in _error_locs(info.value)
+
+
+def test_enum_values_and_whole_floats_still_parse() -> None:
+    payload = {"prompt_tokens": [1, 2], "priority": "high", "temperature": 1,
+               "speculative": {"method": "none", "p_min": 0}}
+    for req in (GenerationRequest.model_validate(payload),
+                GenerationRequest.model_validate_json(json.dumps(payload))):
+        assert req.priority is Priority.HIGH and req.speculative.method is SpecMethod.NONE
+        assert req.temperature == 1.0 and isinstance(req.temperature, float)
+
+
+def test_events_and_fit_reports_are_strict_too() -> None:
+    with pytest.raises(ValidationError):
+        parse_event(json.dumps({"type": "token", "job_id": "j", "attempt": "1", "seq": 0,
+                                "tokens": [1], "text": "a", "index": 0}))
+    with pytest.raises(ValidationError):
+        parse_event(json.dumps({"type": "final", "job_id": "j", "attempt": 1, "seq": 0,
+                                "status": "finished", "tokens": [True]}))
+    final = parse_event(json.dumps({"type": "final", "job_id": "j", "attempt": 1, "seq": 0,
+                                    "status": "finished", "finish_reason": "length"}))
+    assert isinstance(final, FinalEvent) and final.status is JobStatus.FINISHED
+
+
+def test_messages_never_carry_pydantics_prefix() -> None:
+    bad = [{"prompt": "a", "temperature": 0.5}, {"prompt": "a", "priority": "bogus"},
+           {"prompt": "a", "speculative": {"draft_max": 3, "draft_min": 4}}, {"prompt": []}]
+    for payload in bad:
+        with pytest.raises(ValidationError) as info:
+            GenerationRequest.model_validate(payload)
+        line = describe_validation_error(info.value)
+        assert "Value error" not in line and "\n" not in line
+    with pytest.raises(ValidationError) as info:
+        GenerationRequest.model_validate({"prompt": "a", "priority": "bogus"})
+    assert describe_validation_error(info.value) == "priority: Input should be 'normal' or 'high'"
