@@ -1,0 +1,253 @@
+"""A worker's Prometheus metrics, and the observer its job code reports to.
+
+The job code calls a handful of methods (:meth:`WorkerMetrics.job_started`,
+:meth:`~WorkerMetrics.tokens`, :meth:`~WorkerMetrics.job_finished`,
+:meth:`~WorkerMetrics.job_requeued`, ...) and never touches a metric itself, so what each metric
+counts is decided here only. Speculation counters are named like vLLM's and llama-server's
+(``spec_decode_num_drafts`` ...) under the ``specfleet:`` prefix, so their dashboards carry
+over; every counter is advanced from a finished generation's :class:`Telemetry` and nothing
+else, so summed over the same runs the counters equal the per-job telemetry exactly (a
+generation interrupted by a shutdown still did its work and is counted too, as the engine's
+lifetime telemetry counts it).
+
+The metrics are always collected (a few dict updates per job); they are only *served* when
+the worker runs with ``--metrics-port`` (``0`` picks a free port, published as
+``WorkerInfo.metrics_port``). docs/telemetry.md lists every metric.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+from shared.protocol import CheckpointMode, FitReport, Telemetry
+
+PREFIX = "specfleet:"
+
+#: Seconds; the low end is for CPU test models, the high end for long prompts on big ones.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+#: Every ``outcome`` label value of ``jobs``: what became of one run of a job on this worker.
+OUTCOMES = ("finished", "cancelled", "failed", "rejected", "refused", "interrupted")
+
+_BASE = ("worker", "model", "device")
+_SPEC = (*_BASE, "method")
+
+
+@dataclass
+class _JobClock:
+    """When a running job started and when its last tokens arrived (latency histograms)."""
+
+    started: float
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+
+class WorkerMetrics:
+    """The Prometheus registry of one worker process (labels: worker, model, device, method)."""
+
+    def __init__(self, worker: str, model: str, device: str, slots: int = 1) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._base = (worker, model, device)
+        self._device = device
+        self._jobs: dict[str, _JobClock] = {}
+        self._lock = threading.Lock()
+        self._server: ThreadingHTTPServer | None = None
+        self.port: int | None = None
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = _SPEC) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = _BASE) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, _SPEC, buckets=buckets, registry=self.registry)
+
+        self.drafts = counter("spec_decode_num_drafts",
+                              "Verify decodes that carried at least one drafted token")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Drafted tokens verified")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                       "Drafted tokens the target accepted (bonus not counted)")
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafted tokens by draft position (0 = first)", (*_SPEC, "position"))
+        self.draft_per_pos = counter(
+            "spec_decode_num_draft_tokens_per_pos",
+            "Drafted tokens by draft position (0 = first; position 0 counts every draft)",
+            (*_SPEC, "position"))
+        self.verifies = counter("spec_decode_num_verifies",
+                                "Target verify decodes, plain one-row steps included")
+        self.generated = counter("generated_tokens", "Tokens generated")
+        self.prompt = counter("prompt_tokens", "Prompt tokens prefilled")
+        self.replay_events = counter("replay_events",
+                                     "Compact-rollback checkpoint restores followed by a replay")
+        self.replay_tokens = counter("replay_tokens", "Tokens re-decoded by replays")
+        self.checkpoint_saves = counter("checkpoint_saves", "Rollback checkpoints saved")
+        self.host_fallbacks = counter("checkpoint_host_fallbacks",
+                                      "Device checkpoint failures that moved storage to the host",
+                                      (*_SPEC, "reason"))
+        self.draft_seconds = counter("draft_seconds", "Seconds spent drafting")
+        self.decode_seconds = counter("decode_seconds",
+                                      "Seconds in target decodes and rollback (replays included)")
+        self.wall_seconds = counter("generation_seconds",
+                                    "Wall seconds of decode loops (drafting included)")
+        self.jobs = counter("jobs", "Runs of jobs on this worker by outcome",
+                            (*_BASE, "outcome"))
+        self.requeues = counter("requeues", "Jobs this worker put back at the front of a queue",
+                                (*_BASE, "reason"))
+        self.checkpoint_mode = gauge("checkpoint_mode",
+                                     "1 for the checkpoint storage in force, 0 for the other",
+                                     (*_BASE, "mode"))
+        self.fitted_ctx = gauge("fitted_context_tokens", "Context size the worker serves")
+        self.reservation = gauge("checkpoint_reservation_bytes",
+                                 "Checkpoint memory reserved, by where it lives",
+                                 ("worker", "model", "device", "location"))
+        self.slots = gauge("slots", "Generation slots of this worker")
+        self.busy = gauge("busy_slots", "Slots running a job")
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "From the worker starting a job to its first generated token",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Between successive token deliveries of a job (one delivery can "
+                             "carry several tokens: a verify commits its accepted drafts too)",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "From the worker starting a job to its last token", E2E_BUCKETS)
+        self.slots.labels(*self._base).set(slots)
+        self.busy.labels(*self._base).set(0)
+        for outcome in OUTCOMES:
+            self.jobs.labels(*self._base, outcome)
+
+    # -- the worker's capacity ------------------------------------------------------------
+    def worker_loaded(self, n_ctx: int, fit: FitReport | None,
+                      checkpoint_mode: CheckpointMode | str | None) -> None:
+        """What start-up decided: fitted context, checkpoint storage, reservation per device."""
+        self.fitted_ctx.labels(*self._base).set(n_ctx)
+        if checkpoint_mode is not None:
+            self._set_mode(str(checkpoint_mode))
+        for device in fit.devices if fit else ():
+            reserved = device.components.get("checkpoint_reservation", 0)
+            self.reservation.labels(*self._base, device.device).set(reserved)
+
+    def _set_mode(self, mode: str) -> None:
+        for m in CheckpointMode:
+            self.checkpoint_mode.labels(*self._base, m.value).set(1 if m.value == mode else 0)
+
+    # -- the job code's calls -------------------------------------------------------------
+    def job_started(self, job_id: str) -> None:
+        with self._lock:
+            self._jobs[job_id] = _JobClock(time.monotonic())
+            self.busy.labels(*self._base).set(len(self._jobs))
+
+    def tokens(self, job_id: str, count: int) -> None:
+        """``count`` tokens of ``job_id`` were just committed (one engine delivery)."""
+        if count <= 0:
+            return
+        now = time.monotonic()
+        with self._lock:
+            clock = self._jobs.get(job_id)
+            if clock is None:
+                return
+            if clock.first_token is None:
+                clock.first_token = now
+            else:
+                clock.gaps.append(now - (clock.last_token or now))
+            clock.last_token = now
+
+    def job_finished(self, job_id: str, telemetry: Telemetry | None, outcome: str) -> None:
+        """A run of ``job_id`` ended with ``outcome`` (one of :data:`OUTCOMES`); ``telemetry``
+        is its generation's, None when nothing was generated (rejected, failed)."""
+        with self._lock:
+            clock = self._jobs.pop(job_id, None)
+            self.busy.labels(*self._base).set(len(self._jobs))
+        self.jobs.labels(*self._base, outcome).inc()
+        if telemetry is None:
+            return
+        spec = (*self._base, telemetry.spec_method)
+        self._count(spec, telemetry)
+        if clock is not None and clock.first_token is not None:
+            self.ttft.labels(*spec).observe(clock.first_token - clock.started)
+            self.e2e.labels(*spec).observe((clock.last_token or clock.first_token)
+                                           - clock.started)
+            for gap in clock.gaps:
+                self.itl.labels(*spec).observe(gap)
+
+    def _count(self, spec: tuple[str, ...], t: Telemetry) -> None:
+        self.drafts.labels(*spec).inc(t.drafts)
+        self.draft_tokens.labels(*spec).inc(t.drafted)
+        self.accepted_tokens.labels(*spec).inc(t.accepted)
+        for pos, n in enumerate(t.accepted_per_position):
+            self.accepted_per_pos.labels(*spec, str(pos)).inc(n)
+        for pos, n in enumerate(t.drafted_per_position):
+            self.draft_per_pos.labels(*spec, str(pos)).inc(n)
+        self.verifies.labels(*spec).inc(t.target_decodes)
+        self.generated.labels(*spec).inc(t.generated_tokens)
+        self.prompt.labels(*spec).inc(t.prompt_tokens)
+        self.replay_events.labels(*spec).inc(t.replay_events)
+        self.replay_tokens.labels(*spec).inc(t.replay_tokens)
+        self.checkpoint_saves.labels(*spec).inc(t.checkpoint_saves)
+        if t.host_fallbacks:
+            reason = t.host_fallback_reason or "unknown"
+            self.host_fallbacks.labels(*spec, reason).inc(t.host_fallbacks)
+        self.draft_seconds.labels(*spec).inc(t.draft_seconds)
+        self.decode_seconds.labels(*spec).inc(t.decode_seconds)
+        self.wall_seconds.labels(*spec).inc(t.wall_seconds)
+        if t.checkpoint_mode is not None:
+            self._set_mode(t.checkpoint_mode)
+            if t.checkpoint_reservation_bytes is not None:
+                here = self._device if t.checkpoint_mode == CheckpointMode.DEVICE else "host"
+                self.reservation.labels(*self._base, here).set(t.checkpoint_reservation_bytes)
+
+    def job_refused(self) -> None:
+        """A queue entry this worker will not run (foreign function, not JSON)."""
+        self.jobs.labels(*self._base, "refused").inc()
+
+    def job_requeued(self, reason: str, count: int = 1) -> None:
+        """This worker put ``count`` jobs back at the front of their queues (``shutdown``: its
+        own; ``lost``: a dead worker's, found by its recovery sweep)."""
+        if count:
+            self.requeues.labels(*self._base, reason).inc(count)
+
+    # -- serving --------------------------------------------------------------------------
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``port`` (0: a free one) from a daemon thread; returns the
+        bound port. The ``*_created`` timestamp series are left out: nothing reads them."""
+        disable_created_metrics()
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = server
+        self.port = int(server.server_port)
+        return self.port
+
+    def close(self) -> None:
+        """Stop serving (the worker is leaving)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def start_worker_metrics(worker: str, model: str, device: str, port: int | None,
+                         slots: int = 1) -> WorkerMetrics:
+    """The worker's metrics, served on ``port`` unless it is None (``--metrics-port``)."""
+    metrics = WorkerMetrics(worker, model, device, slots)
+    if port is not None:
+        metrics.serve(port)
+    return metrics
