@@ -1,4 +1,5 @@
-"""How wide the next draft may be: a fixed width, or seed 003's adaptive ceiling.
+"""How wide the next draft may be (a fixed width, or seed 003's adaptive ceiling), and how
+much of a draft with known per-token confidences is worth verifying.
 
 The loop always asks a policy and always reports back, so turning adaptation on or off is a
 choice of object, not an ``if adaptive`` in the per-token path.
@@ -6,6 +7,7 @@ choice of object, not an ``if adaptive`` in the per-token path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 #: A ceiling-reaching draft that accepts fewer than this many tokens counts towards backoff.
@@ -79,3 +81,24 @@ def make_policy(draft_max: int, adaptive: bool, shape: list[int]) -> DraftLength
     if adaptive and draft_max > 0:
         return AdaptiveWidth(draft_max, shape)
     return FixedWidth(draft_max)
+
+
+def best_draft_length(confidences: Sequence[float], row_seconds: Sequence[float]) -> int:
+    """How many of the drafted tokens to verify: the length with the most expected tokens per
+    second of verify.
+
+    ``confidences[i]`` is the probability that draft token ``i`` is accepted given that all
+    before it were; ``row_seconds[r]`` is what a verify of ``r`` rows costs (index 0 unused).
+    Verifying ``m`` drafts decodes ``m + 1`` rows and yields ``1 + sum_{i<m} P(first i+1
+    accepted)`` tokens (the bonus always comes); ``m = 0`` is a plain step. The longest
+    length with a measured cost bounds ``m``; ties go to the shorter draft, which risks less.
+    """
+    best, best_rate = 0, 1.0 / row_seconds[1]
+    expected, reach = 1.0, 1.0
+    for m, p in enumerate(confidences[: len(row_seconds) - 2], start=1):
+        reach *= p
+        expected += reach
+        rate = expected / row_seconds[m + 1]
+        if rate > best_rate:
+            best, best_rate = m, rate
+    return best

@@ -1,36 +1,59 @@
 """Which drafter runs: the engine's method at load time, then each request's within it.
 
 ``auto`` means "the best this model can do": MTP when the GGUF carries a NextN head, n-gram
-otherwise. Asking for more than the engine was built for is an error with a message, never
-a silent fallback to something else.
+otherwise. ``suffix`` and ``mtp+suffix`` need engine-wide state (measured row costs, the
+output cache), built once at load by :func:`make_suffix_shared`. Asking for more than the
+engine was built for is an error with a message, never a silent fallback to something else.
 """
 
 from __future__ import annotations
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import Proposer
+from worker.engine.proposers.combined import MtpSuffixProposer
 from worker.engine.proposers.mtp import MtpProposer, require_mtp_head
 from worker.engine.proposers.ngram import NgramProposer
 from worker.engine.proposers.none import NoDraft
-from worker.llm import Model
+from worker.engine.proposers.output_cache import OutputCache
+from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
+from worker.llm import Batch, Context, Model
+
+#: What a request may ask of an engine loaded for each method (narrowing, never widening).
+SERVES = {
+    SpecMethod.NONE: (SpecMethod.NONE,),
+    SpecMethod.NGRAM: (SpecMethod.NGRAM, SpecMethod.NONE),
+    SpecMethod.SUFFIX: (SpecMethod.SUFFIX, SpecMethod.NGRAM, SpecMethod.NONE),
+    SpecMethod.MTP: (SpecMethod.MTP, SpecMethod.NGRAM, SpecMethod.NONE),
+    SpecMethod.MTP_SUFFIX: (SpecMethod.MTP_SUFFIX, SpecMethod.MTP, SpecMethod.SUFFIX,
+                            SpecMethod.NGRAM, SpecMethod.NONE),
+}
+
+
+def uses_mtp(method: SpecMethod) -> bool:
+    """An engine loaded for ``method`` needs the MTP draft context."""
+    return method in (SpecMethod.MTP, SpecMethod.MTP_SUFFIX)
+
+
+def uses_suffix(method: SpecMethod) -> bool:
+    """An engine loaded for ``method`` needs row costs and an output cache."""
+    return method in (SpecMethod.SUFFIX, SpecMethod.MTP_SUFFIX)
 
 
 def resolve_engine_method(method: SpecMethod, model: Model) -> SpecMethod:
     """The concrete method an engine is built for; ``mtp`` on a head-less model is an error."""
     if method is SpecMethod.AUTO:
         return SpecMethod.MTP if model.has_mtp_head else SpecMethod.NGRAM
-    if method is SpecMethod.MTP:
+    if uses_mtp(method):
         require_mtp_head(model)
     return method
 
 
 def resolve_request_method(requested: SpecMethod, engine: SpecMethod) -> SpecMethod:
-    """A request may narrow the engine's method (to ``none``, or MTP to n-gram), never widen it."""
+    """A request may narrow the engine's method (:data:`SERVES`), never widen it."""
     if requested is SpecMethod.AUTO:
         return engine
-    if requested is SpecMethod.NONE or requested is engine:
-        return requested
-    if requested is SpecMethod.NGRAM and engine is SpecMethod.MTP:
+    if requested in SERVES[engine]:
         return requested
     raise ValueError(
         f"speculative method '{requested}' is not available: this engine was loaded for "
@@ -38,10 +61,24 @@ def resolve_request_method(requested: SpecMethod, engine: SpecMethod) -> SpecMet
     )
 
 
-def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: MtpProposer | None) -> Proposer:
+def make_suffix_shared(method: SpecMethod, target: Context, batch: Batch, draft_max: int,
+                       cache_bytes: int) -> SuffixShared | None:
+    """The suffix drafters' engine-wide state, when ``method`` drafts by suffix lookup: the
+    row costs are timed on the idle ``target`` (so: at load, before any generation)."""
+    if not uses_suffix(method):
+        return None
+    return SuffixShared(RowCosts.measure(target, batch, draft_max + 1), OutputCache(cache_bytes))
+
+
+def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: MtpProposer | None,
+                  suffix: SuffixShared | None = None) -> Proposer:
     """The drafter for one generation; the MTP one is the engine's resident instance."""
     if method is SpecMethod.MTP and mtp is not None:
         return mtp
     if method is SpecMethod.NGRAM:
         return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if method is SpecMethod.SUFFIX and suffix is not None:
+        return SuffixProposer(suffix)
+    if method is SpecMethod.MTP_SUFFIX and mtp is not None and suffix is not None:
+        return MtpSuffixProposer(mtp, SuffixProposer(suffix))
     return NoDraft()

@@ -1,0 +1,122 @@
+"""The worker-wide output cache: its bounds, its eviction order, its accounting against the real
+allocation, and what a later request drafts from it (the drafter itself, no model needed).
+"""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+import pytest
+
+from worker.engine.draft_cost import RowCosts
+from worker.engine.proposers.base import VerifyOutcome
+from worker.engine.proposers.output_cache import OutputCache
+from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
+from worker.engine.proposers.token_index import TokenIndex
+
+#: Verify rows that cost nothing extra: the drafter drafts whatever has any chance.
+FREE_ROWS = [0.0] + [1.0] * 17
+#: Each extra row costs 0.6 of a decode: only tokens likelier than that are worth a row.
+DEAR_ROWS = [0.0] + [1.0 + 0.6 * (r - 1) for r in range(1, 18)]
+
+
+def _tokens(n: int, seed: int, vocab: int = 262_144) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _record(cache: OutputCache, tokens: list[int]) -> int:
+    entry = cache.open()
+    cache.extend(entry, tokens)
+    return entry
+
+
+def test_byte_bound_evicts_least_recently_used_first() -> None:
+    per_output = TokenIndex(_tokens(100, 0)).nbytes()
+    cache = OutputCache(max_bytes=3 * per_output, max_entries=64)
+    a, b, c = (_record(cache, _tokens(100, s)) for s in (1, 2, 3))
+    assert len(cache) == 3 and cache.nbytes <= cache.max_bytes
+    cache.touch(a)                     # a draft came from a: b is now the oldest
+    d = _record(cache, _tokens(100, 4))
+    kept = {entry for entry, _ in cache.others(None)}
+    assert kept == {a, c, d} and cache.evictions == 1
+    assert cache.nbytes <= cache.max_bytes
+    for seed in range(5, 30):          # any amount of traffic stays within the bound
+        _record(cache, _tokens(60 + seed, seed))
+        assert cache.nbytes <= cache.max_bytes
+
+
+def test_entry_bound_and_an_output_larger_than_the_cache() -> None:
+    cache = OutputCache(max_bytes=10**9, max_entries=2)
+    first = _record(cache, [1, 2, 3])
+    _record(cache, [4, 5, 6])
+    _record(cache, [7, 8, 9])
+    assert len(cache) == 2 and first not in {e for e, _ in cache.others(None)}
+    small = OutputCache(max_bytes=TokenIndex(_tokens(10, 0)).nbytes(), max_entries=8)
+    kept = _record(small, _tokens(10, 1))
+    huge = _record(small, _tokens(50, 2))
+    assert [e for e, _ in small.others(None)] == [kept]  # the huge one is not recorded
+    small.extend(huge, [1, 2])                            # and stays out
+    assert len(small) == 1 and small.nbytes <= small.max_bytes
+    with pytest.raises(ValueError):
+        OutputCache(max_bytes=-1)
+
+
+def test_accounted_bytes_cover_the_real_allocation() -> None:
+    """The bound is only a bound if the accounting is at least what Python allocates: worst
+    case, every context unique (random tokens of a 262k vocabulary)."""
+    tokens = _tokens(20_000, 7)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = TokenIndex(tokens)
+        allocated = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert allocated <= index.nbytes()
+    assert index.nbytes() < 3 * allocated  # and not wildly pessimistic
+
+
+def _commit(proposer: SuffixProposer, history: list[int], tokens: list[int]) -> None:
+    """Tell ``proposer`` a plain step committed ``tokens`` (bonus last) after ``history``."""
+    *accepted, bonus = tokens
+    proposer.observe(VerifyOutcome(len(history) - 1, history[-1], list(accepted),
+                                   len(accepted), bonus))
+    history += tokens
+
+
+def test_a_later_request_drafts_from_an_earlier_output() -> None:
+    shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7))
+    earlier = SuffixProposer(shared)
+    history = [900, 901, 902]
+    earlier.start(history)
+    written = list(range(100, 140))
+    _commit(earlier, history, written)
+
+    later = SuffixProposer(shared)
+    prompt = [7, 8, 100, 101, 102, 103]     # quotes the start of the earlier output
+    later.start(prompt)
+    draft = later.propose(prompt, 8, 0.0).tokens
+    assert draft == list(range(104, 112))
+    # Without the cache the same request has nothing to draft from.
+    alone = SuffixProposer(SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7)))
+    alone.start(prompt)
+    assert alone.propose(prompt, 8, 0.0).tokens == []
+
+
+def test_drafts_follow_the_majority_and_stop_where_occurrences_disagree() -> None:
+    """``k: v`` records with the same keys and different values: the drafter proposes the
+    repeated key but not the value after it (rows that cost 0.6 of a decode)."""
+    shared = SuffixShared(RowCosts(DEAR_ROWS), OutputCache(max_bytes=10**7))
+    proposer = SuffixProposer(shared)
+    key, sep, end = [50, 51], 52, 53
+    records = [[*key, sep, value, end] for value in (60, 61, 62, 63)]
+    history = [token for record in records for token in record] + [*key]
+    proposer.start(history)
+    draft = proposer.propose(history, 8, 0.0).tokens
+    assert draft == [sep]   # four different values followed it: not worth a row
+    # The same history with free rows drafts on: the cut was the cost rule's.
+    free = SuffixProposer(SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7)))
+    free.start(history)
+    assert free.propose(history, 8, 0.0).tokens[:2] == [sep, 63]  # newest value on a tie

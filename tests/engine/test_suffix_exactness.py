@@ -1,0 +1,107 @@
+"""The suffix drafter only proposes: every combination equals plain greedy token by token.
+
+Suffix lookup on the dense and the hybrid model, MTP + suffix on the hybrid (and the narrower
+methods a ``mtp+suffix`` engine serves), every draft width 1..7, fixed or adaptive width, with
+the worker-wide output cache cold and warm, and a request after others whose outputs it may
+draft from but must never copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.engine import SpeculativeEngine
+
+from .conftest import (
+    N_MAX,
+    PROMPT,
+    TOKENS,
+    Subject,
+    assert_consistent,
+    first_difference,
+    open_engine,
+)
+
+WIDTHS = range(1, N_MAX + 1)
+#: Another prompt, and its plain reference is computed on the same engine.
+OTHER_PROMPT = [11, 250, 3, 99, 42, 17, 5, 8, 200]
+
+
+def _subject(model: Path, method: SpecMethod) -> Iterator[Subject]:
+    with open_engine(model, method) as engine:
+        plain = engine.generate(PROMPT, TOKENS, SpecSettings(method=SpecMethod.NONE))
+        yield Subject(engine, plain.tokens)
+
+
+@pytest.fixture(scope="module")
+def dense_suffix(dense_model: Path) -> Iterator[Subject]:
+    yield from _subject(dense_model, SpecMethod.SUFFIX)
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp_suffix(hybrid_model: Path) -> Iterator[Subject]:
+    yield from _subject(hybrid_model, SpecMethod.MTP_SUFFIX)
+
+
+#: (engine fixture, the request's method).
+CASES = {
+    "suffix-dense": ("dense_suffix", SpecMethod.SUFFIX),
+    "suffix-hybrid": ("hybrid_mtp_suffix", SpecMethod.SUFFIX),
+    "mtp+suffix-hybrid": ("hybrid_mtp_suffix", SpecMethod.MTP_SUFFIX),
+    "mtp-on-mtp+suffix-engine": ("hybrid_mtp_suffix", SpecMethod.MTP),
+}
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("case", CASES)
+def test_suffix_combinations_equal_plain_greedy(request: pytest.FixtureRequest, case: str,
+                                                width: int, adaptive: bool) -> None:
+    fixture, method = CASES[case]
+    subject: Subject = request.getfixturevalue(fixture)
+    spec = SpecSettings(method=method, draft_max=width, adaptive=adaptive)
+    result = subject.engine.generate(PROMPT, TOKENS, spec)
+    assert first_difference(result.tokens, subject.reference) is None
+    assert result.telemetry.spec_method == method
+    assert result.telemetry.drafted > 0   # it really speculated
+    assert_consistent(result)
+
+
+def _plain(engine: SpeculativeEngine, prompt: list[int]) -> list[int]:
+    return engine.generate(prompt, TOKENS, SpecSettings(method=SpecMethod.NONE)).tokens
+
+
+@pytest.mark.parametrize("fixture", ["dense_suffix", "hybrid_mtp_suffix"])
+def test_cached_outputs_speed_up_a_repeat_and_never_leak(request: pytest.FixtureRequest,
+                                                         fixture: str) -> None:
+    """A repeated request drafts its earlier output from the cache; a different request
+    after it, drafting from the same cache, still writes exactly its own plain text."""
+    subject: Subject = request.getfixturevalue(fixture)
+    engine = subject.engine
+    assert engine.suffix is not None
+    spec = SpecSettings(method=SpecMethod.SUFFIX, draft_max=N_MAX)
+    first = engine.generate(PROMPT, TOKENS, spec)
+    repeat = engine.generate(PROMPT, TOKENS, spec)
+    assert first.tokens == repeat.tokens == subject.reference
+    assert len(engine.suffix.cache) >= 2
+    other_reference = _plain(engine, OTHER_PROMPT)
+    other = engine.generate(OTHER_PROMPT, TOKENS, spec)
+    assert first_difference(other.tokens, other_reference) is None
+    assert other.tokens != subject.reference
+
+
+def test_suffix_needs_an_engine_loaded_for_it(dense_model: Path) -> None:
+    """A request may narrow, never widen: suffix on an n-gram engine names the fix."""
+    with open_engine(dense_model, SpecMethod.NGRAM) as engine:
+        assert engine.suffix is None
+        with pytest.raises(ValueError, match="restart it with --spec suffix"):
+            engine.generate(PROMPT, 4, SpecSettings(method=SpecMethod.SUFFIX))
+
+
+def test_mtp_suffix_needs_a_head(headless_model: Path) -> None:
+    with pytest.raises(ValueError, match="no MTP"):
+        open_engine(headless_model, SpecMethod.MTP_SUFFIX)

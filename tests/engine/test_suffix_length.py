@@ -1,0 +1,68 @@
+"""The draft-length decision: given per-token confidences and measured row costs, the length.
+
+Row costs are the ones that matter in practice: a GPU-like flat curve (rows nearly free),
+Gemma 270M Q4_K_M on one CPU thread (measured, docs/engine.md: a second row nearly doubles a
+decode, 4 rows cost less than 3 or 5), and a linear curve (every row costs a decode, so no
+draft can ever pay).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.engine.draft_cost import RISE, RowCosts
+from worker.engine.draft_length_policy import best_draft_length
+
+FLAT = [0.0] + [1.0] * 17
+GEMMA_CPU = [0.0, 1.0, 1.96, 3.49, 2.69, 4.10, 4.3, 4.5, 4.7, 4.01, 5.63, 5.7, 5.8, 5.9, 6.0,
+             6.1, 6.2, 6.33, 7.87][:18]
+LINEAR = [float(r) for r in range(18)]
+
+
+def test_free_rows_draft_everything_that_may_be_accepted() -> None:
+    assert best_draft_length([0.3] * 10, FLAT) == 10
+    assert best_draft_length([], FLAT) == 0
+
+
+def test_rows_that_cost_a_decode_never_pay() -> None:
+    """Even certain drafts only tie with plain steps (ties go to the shorter draft)."""
+    assert best_draft_length([1.0] * 16, LINEAR) == 0
+    assert best_draft_length([0.99] * 16, LINEAR) == 0
+
+
+def test_cpu_costs_demand_confidence() -> None:
+    # One sure token does not pay for a second row that costs 1.96 decodes...
+    assert best_draft_length([0.95], GEMMA_CPU) == 0
+    # ...but three sure tokens on the cheap 4-row verify do (4 tokens for 2.69 decodes), and
+    # a fourth would need the dear 5-row verify.
+    assert best_draft_length([0.99, 0.99, 0.99], GEMMA_CPU) == 3
+    assert best_draft_length([0.99] * 4, GEMMA_CPU) == 3
+    # A long sure run reaches the cheap wide verifies.
+    assert best_draft_length([0.999] * 16, GEMMA_CPU) == 16
+    # Coin-toss continuations (CSV values after a repeated key) are never drafted.
+    assert best_draft_length([0.5] * 16, GEMMA_CPU) == 0
+
+
+def test_an_unlikely_token_ends_the_draft_before_it() -> None:
+    confident = [0.999] * 8
+    assert best_draft_length([*confident, 0.05, *confident], FLAT) == 16  # free rows: go on
+    assert best_draft_length([*confident, 0.05, *confident], GEMMA_CPU) == 8
+
+
+def test_length_is_bounded_by_the_measured_rows() -> None:
+    assert best_draft_length([1.0] * 40, FLAT) == len(FLAT) - 2
+
+
+def test_row_costs_follow_faster_at_once_and_slower_slowly() -> None:
+    costs = RowCosts([0.0, 1.0, 2.0])
+    costs.observe(1, 0.5)
+    assert costs.seconds[1] == 0.5
+    costs.observe(1, 10.5)  # one spike barely moves it
+    assert costs.seconds[1] == pytest.approx(0.5 + RISE * 10.0)
+    for _ in range(200):  # a lasting slowdown is followed
+        costs.observe(2, 4.0)
+    assert costs.seconds[2] == pytest.approx(4.0, rel=1e-3)
+    costs.observe(5, 1.0)  # rows never measured are ignored, not invented
+    assert len(costs.seconds) == 3
+    with pytest.raises(ValueError):
+        RowCosts([0.0, 0.0])

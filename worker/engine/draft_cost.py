@@ -1,0 +1,51 @@
+"""What a verify of ``r`` rows costs on this model and device, measured and kept current.
+
+The draft-length decision weighs expected accepted tokens against verify rows, so it needs
+the price of a row where the engine runs: on a CPU with Gemma's 262k-vocabulary output layer
+a second row nearly doubles a decode, on a GPU rows are nearly free. The table starts from
+decodes timed at load (the minimum over :data:`CALIBRATION_REPS` interleaved repeats: load
+spikes only ever add time) and is then re-measured for free by the verify decodes the engine
+runs anyway: each observation pulls its row count's entry down at once when it is faster and
+up only by a fraction :data:`RISE` when it is slower, so one spike barely moves it while a
+lasting change of load, context length or clock is followed within a few dozen steps.
+"""
+
+from __future__ import annotations
+
+from worker.engine.verify_shape import measure_costs
+from worker.llm import Batch, Context
+
+#: Timing repeats per row count at load.
+CALIBRATION_REPS = 3
+#: How far a slower observation moves its entry (a faster one replaces it).
+RISE = 0.05
+
+
+class RowCosts:
+    """``seconds[r]``: the current cost of an ``r``-row verify decode (``seconds[0] = 0``).
+
+    One instance per engine, shared by every generation: what one request measured serves the
+    next.
+    """
+
+    def __init__(self, seconds: list[float]) -> None:
+        if len(seconds) < 2 or seconds[0] != 0.0 or min(seconds[1:]) <= 0.0:
+            raise ValueError(f"row costs must be [0, positive...], got {seconds}")
+        self.seconds = list(seconds)
+
+    @classmethod
+    def measure(cls, target: Context, batch: Batch, max_rows: int) -> RowCosts:
+        """Time 1..``max_rows``-row decodes on an idle ``target`` (it is cleared afterwards)."""
+        return cls(measure_costs(target, batch, max_rows, CALIBRATION_REPS))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A verify decode of ``rows`` rows just took ``seconds``."""
+        if not 0 < rows < len(self.seconds) or seconds <= 0.0:
+            return
+        current = self.seconds[rows]
+        self.seconds[rows] = seconds if seconds < current else current + RISE * (seconds - current)
+
+    def relative(self) -> list[float]:
+        """Costs as multiples of a one-row decode (what logs and docs show)."""
+        one = self.seconds[1]
+        return [round(s / one, 2) for s in self.seconds]

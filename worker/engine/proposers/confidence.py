@@ -1,0 +1,67 @@
+"""How likely a looked-up continuation token is to be accepted, from counts and from outcomes.
+
+A candidate token comes with evidence: how long the matched context is (``depth``), how many
+earlier occurrences of it went on (``support``) and how many of those went on with this token
+(``agree``). The first guess is a count estimate shrunk towards a prior that grows with the
+depth (a 16-token match continued once is a copy; a 1-token match is a coin toss). Verification
+then says how such guesses really went: every verified draft token is one trial in its
+evidence cell, so the confidence the draft-length decision uses is calibrated on this model
+and this traffic, and a kind of match that keeps failing (CSV values after a repeated key)
+stops being drafted.
+"""
+
+from __future__ import annotations
+
+#: Prior acceptance of a continuation by matched depth bucket (1, 2, 3-4, 5-8, 9-16, 17-32,
+#: 33+ tokens): an opinion, corrected per cell by :class:`AcceptanceStats`.
+DEPTH_PRIOR = (0.3, 0.45, 0.6, 0.75, 0.85, 0.9, 0.95)
+#: Pseudo-occurrences the depth prior counts for in the count estimate.
+PRIOR_OCCURRENCES = 1.0
+#: Pseudo-trials the count estimate counts for against measured outcomes in its cell.
+PRIOR_TRIALS = 4.0
+#: A cell's trials are halved beyond this, so it follows a change of traffic.
+MAX_TRIALS = 256.0
+
+Cell = tuple[int, int, int]
+
+
+def evidence_cell(depth: int, support: int, agree: int) -> Cell:
+    """The bucket of (depth, support, agreement) a candidate's outcome is counted in."""
+    share = agree / support
+    agreement = 0 if share >= 1.0 else 1 if share >= 0.75 else 2 if share >= 0.5 else 3
+    return (min(depth.bit_length(), len(DEPTH_PRIOR)) - 1, min(support.bit_length(), 4),
+            agreement)
+
+
+def count_estimate(depth: int, support: int, agree: int) -> float:
+    """``(agree + k q) / (support + k)``: the share of occurrences that went on this way,
+    shrunk towards the depth prior ``q`` by ``k`` pseudo-occurrences."""
+    prior = DEPTH_PRIOR[min(depth.bit_length(), len(DEPTH_PRIOR)) - 1]
+    return (agree + PRIOR_OCCURRENCES * prior) / (support + PRIOR_OCCURRENCES)
+
+
+class AcceptanceStats:
+    """Measured acceptance per evidence cell; one per engine, shared across generations."""
+
+    def __init__(self) -> None:
+        self._cells: dict[Cell, list[float]] = {}
+
+    def confidence(self, depth: int, support: int, agree: int) -> tuple[float, Cell]:
+        """The calibrated acceptance probability of a candidate, and its cell."""
+        cell = evidence_cell(depth, support, agree)
+        guess = count_estimate(depth, support, agree)
+        hits, trials = self._cells.get(cell, (0.0, 0.0))
+        return (hits + PRIOR_TRIALS * guess) / (trials + PRIOR_TRIALS), cell
+
+    def record(self, cell: Cell, accepted: bool) -> None:
+        """One verified draft token of ``cell`` was accepted (or was the first rejected)."""
+        stats = self._cells.setdefault(cell, [0.0, 0.0])
+        stats[0] += accepted
+        stats[1] += 1.0
+        if stats[1] > MAX_TRIALS:
+            stats[0] /= 2.0
+            stats[1] /= 2.0
+
+    def snapshot(self) -> dict[str, tuple[float, float]]:
+        """``{cell: (hits, trials)}`` for logs and tests."""
+        return {"/".join(map(str, c)): (h, t) for c, (h, t) in sorted(self._cells.items())}

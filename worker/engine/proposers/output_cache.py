@@ -1,0 +1,98 @@
+"""The worker's recent outputs, per model, that later generations draft from.
+
+llama-server's ngram-mod table and SuffixDecoding's global tree both learn across requests: a
+repeated or similar request copies what an earlier one wrote. Here every generation's output
+is indexed as it grows (:class:`TokenIndex`), and the suffix drafter looks its history's tail
+up in the other outputs too. Nothing from the cache can reach another request's output: a
+looked-up token is only a proposal, and the target's own argmax decides every token.
+
+Memory is bounded in bytes (accounted by :meth:`TokenIndex.nbytes`, checked against the real
+allocation in the tests) and in entries (each is probed once per draft step); the least
+recently used output is evicted first, and an output that alone would exceed the bound stops
+being recorded. The bound is what the fitter counts for the cache (``lookup_cache``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from itertools import count
+
+from shared.logs import get_logger
+from worker.engine.proposers.token_index import TokenIndex
+
+log = get_logger("engine.output_cache")
+
+#: Default bound of a worker's output cache (bytes).
+DEFAULT_CACHE_BYTES = 32 * 1024 * 1024
+#: At most this many outputs are kept (each costs a few dict probes per draft step).
+MAX_ENTRIES = 64
+
+
+class OutputCache:
+    """Bounded, least-recently-used store of recent outputs' indexes."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES,
+                 max_entries: int = MAX_ENTRIES) -> None:
+        if max_bytes < 0 or max_entries < 1:
+            raise ValueError(f"cache bounds must be max_bytes >= 0 and max_entries >= 1, got "
+                             f"{max_bytes} and {max_entries}")
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, TokenIndex] = OrderedDict()
+        self._bytes: dict[int, int] = {}
+        self._ids = count()
+        self.evictions = 0
+
+    def open(self) -> int:
+        """Start recording a new output; returns its id (evicting to make room for it)."""
+        entry = next(self._ids)
+        self._entries[entry] = TokenIndex()
+        self._bytes[entry] = 0
+        self._evict(keep=entry)
+        return entry
+
+    def extend(self, entry: int, tokens: Iterable[int]) -> None:
+        """Append generated ``tokens`` to output ``entry`` (ignored once it was evicted)."""
+        index = self._entries.get(entry)
+        if index is None:
+            return
+        index.extend(tokens)
+        self._bytes[entry] = index.nbytes()
+        self._entries.move_to_end(entry)
+        if self._bytes[entry] > self.max_bytes:
+            self._drop(entry)  # alone larger than the whole cache: not worth keeping
+            log.info("output_cache.too_large", bound_bytes=self.max_bytes)
+        self._evict(keep=entry)
+
+    def others(self, entry: int | None) -> Iterator[tuple[int, TokenIndex]]:
+        """Every cached output except ``entry``, most recently used first."""
+        for key in list(reversed(self._entries)):  # the caller may touch() while iterating
+            index = self._entries.get(key)
+            if key != entry and index is not None:
+                yield key, index
+
+    def touch(self, entry: int) -> None:
+        """A draft came from ``entry``: keep it longer."""
+        if entry in self._entries:
+            self._entries.move_to_end(entry)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._bytes.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _evict(self, keep: int) -> None:
+        """Drop least recently used outputs (never ``keep``) until both bounds hold."""
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            victim = next((k for k in self._entries if k != keep), None)
+            if victim is None:
+                return
+            self._drop(victim)
+            self.evictions += 1
+
+    def _drop(self, entry: int) -> None:
+        del self._entries[entry]
+        del self._bytes[entry]
