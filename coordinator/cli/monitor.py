@@ -1,0 +1,118 @@
+"""``specfleet monitor``: summarise workers' JSON logs; alert through the exit status.
+
+Exit status: 0 all clear, 1 a ``--fail-on`` condition holds (each one is named on stderr),
+2 bad usage (a bad condition or time, no log file matched). With ``--follow`` it keeps
+reading growing files (and new files matching a glob), prints a summary every ``--interval``
+seconds and exits 1 as soon as a condition holds, so it can run under cron, CI or a
+supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.cli.app import app, error_line, fail
+from coordinator.monitor import (
+    Condition,
+    LogSummary,
+    expand,
+    follow,
+    parse_since,
+    read_all,
+    tripped_conditions,
+)
+
+_COLUMNS = ("gens", "tokens", "accept", "accept/pos", "tok/verify", "replays", "fallbacks",
+            "failed", "refused", "requeued", "lost")
+
+
+def _row(t: dict[str, Any]) -> list[str]:
+    per_pos = " ".join(f"{a:.2f}" for a in t["acceptance_per_position"][:6]) or "-"
+    fallbacks = ",".join(f"{k}:{v}" for k, v in t["host_fallbacks_by_reason"].items()) or "0"
+    return [str(t["generations"]), str(t["generated_tokens"]), f"{t['acceptance']:.3f}", per_pos,
+            f"{t['tokens_per_verify']:.2f}", f"{t['replay_events']}/{t['replay_tokens']}",
+            fallbacks, str(t["failures"]), str(t["refusals"]), str(t["requeues"]),
+            str(t["lost"])]
+
+
+def _print_text(data: dict[str, Any], jobs: bool) -> None:
+    console = Console()
+    groups = [("worker", data["workers"]), ("model", data["models"])]
+    if jobs:
+        groups.append(("job", data["jobs"]))
+    for label, rows in groups:
+        table = Table(label, *_COLUMNS, title=f"per {label}")
+        for name, tally in rows.items():
+            table.add_row(name, *_row(tally))
+        if label != "job":
+            table.add_row("[b]all[/b]", *_row(data["total"]))
+        console.print(table)
+    console.print(f"{data['lines']} lines, {data['records']} events, "
+                  f"{data['unparseable']} unparseable skipped, "
+                  f"{data['before_since']} before --since")
+
+
+def _report(summary: LogSummary, as_json: bool, jobs: bool,
+            conditions: list[Condition]) -> bool:
+    """Print the summary; True when an alert condition holds (named on stderr)."""
+    data = summary.to_json()
+    alerts = tripped_conditions(summary, conditions)
+    if as_json:
+        print(json.dumps({**data, "alerts": alerts}), flush=True)
+    else:
+        _print_text(data, jobs)
+    for alert in alerts:
+        error_line(f"alert: {alert}")
+    return bool(alerts)
+
+
+@app.command()
+def monitor(
+    logs: Annotated[list[str] | None, typer.Argument(
+        help="log files or globs ('workers/*.log'); '-' or nothing reads stdin")] = None,
+    follow_logs: Annotated[bool, typer.Option(
+        "--follow", "-f", help="keep reading as the logs grow")] = False,
+    since: Annotated[str | None, typer.Option(
+        help="only events at or after this ISO time or this long ago (15m, 2h)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    fail_on: Annotated[list[str] | None, typer.Option(
+        "--fail-on", help="exit 1 when FIELD OP NUMBER holds for the fleet or any worker "
+        "(host_fallbacks>0, replay_ratio>0.2, acceptance<0.5); repeatable")] = None,
+    jobs: Annotated[bool, typer.Option("--jobs", help="also a per-job table (text)")] = False,
+    interval: Annotated[float, typer.Option(
+        min=0.05, help="--follow: seconds between summaries")] = 5.0,
+) -> None:
+    """Summarise JSON logs per worker, model and job: generations, tokens, acceptance (also
+    per position), tokens per verify, replays, host fallbacks by reason, failures, refusals,
+    requeues and lost workers. Unparseable lines are counted and skipped."""
+    patterns = logs or ["-"]
+    try:
+        conditions = [Condition.parse(c) for c in fail_on or []]
+        summary = LogSummary(since=parse_since(since) if since else None)
+    except ValueError as exc:
+        fail(str(exc))
+    if not follow_logs and not expand(patterns):
+        fail(f"no log file matches {' '.join(patterns)}")
+    if not follow_logs:
+        read_all(patterns, summary)
+        raise typer.Exit(1 if _report(summary, as_json, jobs, conditions) else 0)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    next_report = time.monotonic() + interval
+    try:
+        for _ in follow(patterns, summary, interval=min(interval, 0.5), stdin=sys.stdin):
+            if time.monotonic() >= next_report or tripped_conditions(summary, conditions):
+                next_report = time.monotonic() + interval
+                if _report(summary, as_json, jobs, conditions):
+                    raise typer.Exit(1)
+    except KeyboardInterrupt:
+        pass
+    summary.close()
+    raise typer.Exit(1 if _report(summary, as_json, jobs, conditions) else 0)

@@ -1,0 +1,72 @@
+"""``specfleet top``: a live view of the fleet from Redis (``--once --json`` for scripts).
+
+Per worker: device, model, busy/total slots, fitted context, tok/s, acceptance, replays/s,
+host fallbacks, current job and heartbeat age; per model and tier: queue depth and how long
+the head of the queue has waited. Rates are the workers' own lifetime telemetry (published
+with every heartbeat), per second of generation: see coordinator/metrics.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import typer
+from redis import RedisError
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from coordinator.cli.app import app, environment_settings, fail_redis
+from coordinator.client import Coordinator
+from coordinator.metrics import FleetSnapshot, fleet_snapshot
+from shared.logs import configure_logging
+
+
+def render(snapshot: FleetSnapshot) -> Group:
+    """The two tables of one snapshot."""
+    workers = Table("worker", "model", "device", "slots", "ctx", "tok/s", "accept",
+                    "replays/s", "fallbacks", "job", "heartbeat", title="workers")
+    for w in snapshot.workers:
+        workers.add_row(w.name, w.model, w.device, f"{w.busy_slots}/{w.slots}", str(w.n_ctx),
+                        f"{w.tokens_per_second:.1f}", f"{w.acceptance:.3f}",
+                        f"{w.replays_per_second:.2f}", str(w.host_fallbacks),
+                        w.current_job or "-", f"{w.heartbeat_age_seconds:.1f}s")
+    queues = Table("model", "tier", "queued", "oldest wait", title="queues")
+    for q in snapshot.queues:
+        queues.add_row(q.model, q.tier, str(q.depth), f"{q.oldest_wait_seconds:.1f}s")
+    return Group(workers, queues)
+
+
+@app.command()
+def top(
+    once: Annotated[bool, typer.Option("--once", help="print one snapshot and exit")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON (one object a snapshot)")]
+    = False,
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between refreshes")] = 2.0,
+) -> None:
+    """Watch the fleet: workers, their speed and speculation, queues and waiting times."""
+    settings = environment_settings()
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        coordinator = Coordinator(settings)
+        snapshot = fleet_snapshot(coordinator)
+        if as_json:
+            while True:
+                print(json.dumps(snapshot.to_json()), flush=True)
+                if once:
+                    return
+                time.sleep(interval)
+                snapshot = fleet_snapshot(coordinator)
+        if once:
+            Console().print(render(snapshot))
+            return
+        with Live(render(snapshot), auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(render(fleet_snapshot(coordinator)), refresh=True)
+    except RedisError as exc:
+        fail_redis(settings, exc)
+    except KeyboardInterrupt:
+        return

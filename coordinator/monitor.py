@@ -1,0 +1,421 @@
+"""Summaries of specfleet's structured JSON logs, per worker, per model and per job.
+
+Every count is taken from the event that is the record of it, never re-derived: speculation
+counts (drafts, acceptance per position, verifies, replays, checkpoint saves) from the
+``telemetry`` object each ``generation.finished`` event carries (so, over the same runs, they
+equal the engine's own telemetry exactly); host fallbacks from ``checkpoint.fallback`` (which
+also covers a start-up reservation that fell back before any generation); jobs, failures,
+refusals and requeues from their ``job.*`` events; lost workers from ``worker.lost``.
+
+A line that is not a JSON object with an ``event`` is counted as unparseable and skipped. A
+line without a ``worker`` field (start-up events such as ``engine.loaded``) belongs to the
+worker that the same source names in its ``worker.registered`` event.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import operator
+import os
+import queue
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO, Any
+
+#: Label for records whose worker no line of their source names.
+UNKNOWN = "-"
+#: Records held per source until its worker is known (a start-up is a few dozen lines).
+_PENDING_MAX = 10_000
+
+_SUMMED = ("drafts", "drafted", "accepted", "target_decodes", "generated_tokens",
+           "prompt_tokens", "replay_events", "replay_tokens", "checkpoint_saves")
+_SECONDS = ("draft_seconds", "decode_seconds", "wall_seconds")
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+@dataclass
+class Tally:
+    """What happened in one group (a worker, a model, a job, or the whole fleet)."""
+
+    generations: int = 0
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_decodes: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    replay_events: int = 0
+    replay_tokens: int = 0
+    checkpoint_saves: int = 0
+    draft_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    jobs_started: int = 0
+    jobs_finished: int = 0
+    jobs_cancelled: int = 0
+    interruptions: int = 0
+    refusals: int = 0
+    lost: int = 0
+    host_fallbacks: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    requeues: Counter[str] = field(default_factory=Counter)
+
+    def add_telemetry(self, t: dict[str, Any]) -> None:
+        """One ``generation.finished`` event's telemetry."""
+        self.generations += 1
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + int(t.get(name) or 0))
+        for name in _SECONDS:
+            setattr(self, name, getattr(self, name) + float(t.get(name) or 0.0))
+        _add(self.accepted_per_position, t.get("accepted_per_position") or [])
+        _add(self.drafted_per_position, t.get("drafted_per_position") or [])
+
+    def to_json(self) -> dict[str, Any]:
+        """Counts plus the rates derived from them (docs/telemetry.md defines each)."""
+        return {
+            "generations": self.generations, "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens, "drafts": self.drafts,
+            "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance": _ratio(self.accepted, self.drafted),
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_per_position": [_ratio(a, d) for a, d in
+                                        zip(self.accepted_per_position,
+                                            self.drafted_per_position, strict=False)],
+            "mean_accepted_length": _ratio(self.accepted, self.drafts),
+            "mean_acceptance_length": 1 + _ratio(self.accepted, self.drafts)
+            if self.drafts else 0.0,
+            "target_decodes": self.target_decodes,
+            "tokens_per_verify": _ratio(self.generated_tokens, self.target_decodes),
+            "replay_events": self.replay_events, "replay_tokens": self.replay_tokens,
+            "replay_ratio": _ratio(self.replay_events, self.target_decodes),
+            "checkpoint_saves": self.checkpoint_saves,
+            "draft_seconds": self.draft_seconds, "decode_seconds": self.decode_seconds,
+            "wall_seconds": self.wall_seconds,
+            "effective_tokens_per_second": _ratio(self.generated_tokens, self.wall_seconds),
+            "jobs_started": self.jobs_started, "jobs_finished": self.jobs_finished,
+            "jobs_cancelled": self.jobs_cancelled, "interruptions": self.interruptions,
+            "failures": sum(self.failures.values()),
+            "failures_by_type": dict(sorted(self.failures.items())),
+            "refusals": self.refusals,
+            "requeues": sum(self.requeues.values()),
+            "requeues_by_reason": dict(sorted(self.requeues.items())),
+            "recoveries": self.requeues.get("lost", 0), "lost": self.lost,
+            "host_fallbacks": sum(self.host_fallbacks.values()),
+            "host_fallbacks_by_reason": dict(sorted(self.host_fallbacks.items())),
+        }
+
+
+def _add(into: list[int], other: Iterable[int]) -> None:
+    for i, v in enumerate(other):
+        if i == len(into):
+            into.append(0)
+        into[i] += int(v)
+
+
+def _apply(tally: Tally, record: dict[str, Any]) -> None:
+    """Count one event into one group."""
+    event = record["event"]
+    if event == "generation.finished" and isinstance(record.get("telemetry"), dict):
+        tally.add_telemetry(record["telemetry"])
+    elif event == "checkpoint.fallback":
+        tally.host_fallbacks[str(record.get("kind") or record.get("phase") or "unknown")] += 1
+    elif event == "job.started":
+        tally.jobs_started += 1
+    elif event == "job.finished":
+        tally.jobs_finished += 1
+    elif event == "job.cancelled":
+        tally.jobs_cancelled += 1
+    elif event == "job.interrupted":
+        tally.interruptions += 1
+    elif event in ("job.failed", "job.crashed"):
+        tally.failures[str(record.get("error_type") or "crash")] += 1
+    elif event == "job.refused":
+        tally.refusals += 1
+    elif event == "job.requeued":
+        tally.requeues[str(record.get("reason") or "lost")] += 1
+    elif event == "worker.lost":
+        tally.lost += 1
+
+
+@dataclass
+class _Source:
+    """Per input: the worker its lines belong to, once a ``worker.registered`` names it."""
+
+    worker: str | None = None
+    pending: list[dict[str, Any]] = field(default_factory=list)
+
+
+class LogSummary:
+    """Aggregates log records from any number of sources into per-group tallies."""
+
+    def __init__(self, since: datetime | None = None) -> None:
+        self.since = since
+        self.lines = 0
+        self.records = 0
+        self.unparseable = 0
+        self.before_since = 0
+        self.total = Tally()
+        self.workers: dict[str, Tally] = {}
+        self.models: dict[str, Tally] = {}
+        self.jobs: dict[str, Tally] = {}
+        self.job_info: dict[str, dict[str, Any]] = {}
+        self._sources: dict[str, _Source] = {}
+
+    def feed(self, line: str, source: str = "-") -> None:
+        """One raw log line from ``source`` (a file name, or ``-`` for stdin)."""
+        if not line.strip():
+            return
+        self.lines += 1
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+            self.unparseable += 1
+            return
+        if self.since is not None:
+            ts = parse_time(record.get("timestamp"))
+            if ts is None or ts < self.since:
+                self.before_since += 1
+                return
+        src = self._sources.setdefault(source, _Source())
+        if record["event"] == "worker.registered" and src.worker is None:
+            src.worker = str(record.get("worker") or UNKNOWN)
+            for held in src.pending:
+                self._count(held, src.worker)
+            src.pending.clear()
+        if "worker" in record:
+            self._count(record, str(record["worker"]))
+        elif src.worker is not None:
+            self._count(record, src.worker)
+        elif len(src.pending) < _PENDING_MAX:
+            src.pending.append(record)
+        else:
+            self._count(record, UNKNOWN)
+
+    def close(self) -> None:
+        """Count what no source ever attributed (a log without ``worker.registered``)."""
+        for src in self._sources.values():
+            for held in src.pending:
+                self._count(held, UNKNOWN)
+            src.pending.clear()
+
+    def _count(self, record: dict[str, Any], worker: str) -> None:
+        self.records += 1
+        groups = [self.total, self.workers.setdefault(worker, Tally())]
+        model = record.get("model")
+        if model:
+            groups.append(self.models.setdefault(str(model), Tally()))
+        job_id = record.get("job_id")
+        if job_id and record["event"] != "job.queued":
+            groups.append(self.jobs.setdefault(str(job_id), Tally()))
+            info = self.job_info.setdefault(str(job_id), {"workers": [], "model": None,
+                                                          "attempts": 0, "outcome": None})
+            if worker != UNKNOWN and worker not in info["workers"]:
+                info["workers"].append(worker)
+            info["model"] = info["model"] or model
+            if isinstance(record.get("attempt"), int):
+                info["attempts"] = max(info["attempts"], record["attempt"])
+            if record["event"] in ("job.finished", "job.cancelled", "job.failed",
+                                   "job.interrupted", "job.requeued", "job.refused"):
+                info["outcome"] = record["event"].removeprefix("job.")
+        for tally in groups:
+            _apply(tally, record)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lines": self.lines, "records": self.records, "unparseable": self.unparseable,
+            "before_since": self.before_since, "total": self.total.to_json(),
+            "workers": {k: v.to_json() for k, v in sorted(self.workers.items())},
+            "models": {k: v.to_json() for k, v in sorted(self.models.items())},
+            "jobs": {k: {**self.job_info.get(k, {}), **v.to_json()}
+                     for k, v in sorted(self.jobs.items())},
+        }
+
+
+# -- alert conditions -----------------------------------------------------------------------
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
+    ">": operator.gt, "<": operator.lt,
+}
+_CONDITION = re.compile(r"^\s*([a-z_]+)\s*(>=|<=|==|!=|>|<)\s*([-+]?[0-9]*\.?[0-9]+)\s*$")
+#: What a condition may name: every number a tally's summary has, and the skipped lines.
+CONDITION_FIELDS = (*(k for k, v in Tally().to_json().items() if isinstance(v, int | float)),
+                    "unparseable")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """``FIELD OP NUMBER`` (``host_fallbacks>0``, ``replay_ratio>0.2``, ``acceptance<0.5``),
+    checked against the fleet total and every worker; it holds when it holds for any."""
+
+    text: str
+    name: str
+    op: str
+    value: float
+
+    @classmethod
+    def parse(cls, text: str) -> Condition:
+        m = _CONDITION.match(text)
+        if m is None:
+            raise ValueError(f"bad condition {text!r}: expected FIELD OP NUMBER, e.g. "
+                             "'host_fallbacks>0' or 'replay_ratio>0.2'")
+        name, op, value = m.groups()
+        if name not in CONDITION_FIELDS:
+            raise ValueError(f"bad condition {text!r}: unknown field {name!r} (one of: "
+                             f"{', '.join(CONDITION_FIELDS)})")
+        return cls(text=text.strip(), name=name, op=op, value=float(value))
+
+    def tripped(self, summary: LogSummary) -> list[str]:
+        """Where the condition holds: ``total`` and/or worker names (``unparseable`` is a
+        count of the whole input: ``total`` only)."""
+        holds = _OPS[self.op]
+        if self.name == "unparseable":
+            return ["total"] if holds(summary.unparseable, self.value) else []
+        groups = {"total": summary.total, **summary.workers}
+        return [where for where, tally in groups.items()
+                if holds(float(tally.to_json()[self.name]), self.value)]
+
+
+def tripped_conditions(summary: LogSummary, conditions: Iterable[Condition]) -> list[str]:
+    """One line per condition that holds, naming where (empty: all clear)."""
+    alerts = []
+    for cond in conditions:
+        where = cond.tripped(summary)
+        if where:
+            alerts.append(f"{cond.text} holds for {', '.join(where)}")
+    return alerts
+
+
+# -- time -----------------------------------------------------------------------------------
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(value: object) -> datetime | None:
+    """An ISO-8601 timestamp (structlog writes ``2026-12-01T09:00:00.123456Z``) as UTC."""
+    if not isinstance(value, str):
+        return None
+    try:
+        ts = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+def parse_since(text: str, now: datetime | None = None) -> datetime:
+    """``--since``: an ISO timestamp, or a duration back from now (``90s``, ``15m``, ``2h``)."""
+    m = _DURATION.match(text.strip())
+    if m:
+        now = now or datetime.now(UTC)
+        return now - timedelta(seconds=float(m.group(1)) * _UNIT[m.group(2)])
+    ts = parse_time(text.strip())
+    if ts is None:
+        raise ValueError(f"bad --since {text!r}: expected an ISO time "
+                         "(2026-12-01T09:00:00Z) or a duration (90s, 15m, 2h, 1d)")
+    return ts
+
+
+# -- sources --------------------------------------------------------------------------------
+class _Tail:
+    """One file read incrementally: only complete lines, reopened when truncated/rotated."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fh: IO[str] | None = None
+        self._inode: int | None = None
+        self._partial = ""
+
+    def read(self) -> list[str]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return []
+        if self._fh is None or st.st_ino != self._inode or st.st_size < self._fh.tell():
+            if self._fh is not None:
+                self._fh.close()
+            self._fh = open(self.path, encoding="utf-8", errors="replace")  # noqa: SIM115
+            self._inode = st.st_ino
+            self._partial = ""
+        chunk = self._fh.read()
+        if not chunk:
+            return []
+        text = self._partial + chunk
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        return lines
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+def expand(patterns: Iterable[str]) -> list[str]:
+    """File names a list of paths and globs names now (``-`` is kept: stdin)."""
+    found: list[str] = []
+    for pattern in patterns:
+        if pattern == "-":
+            names = ["-"]
+        elif glob.has_magic(pattern):
+            names = sorted(glob.glob(pattern))
+        else:
+            names = [pattern] if Path(pattern).exists() else []
+        found += [n for n in names if n not in found]
+    return found
+
+
+def read_all(patterns: list[str], summary: LogSummary, stdin: IO[str] | None = None) -> None:
+    """Feed every line of every named file (and stdin for ``-``) once."""
+    for name in expand(patterns):
+        if name == "-":
+            for line in stdin or sys.stdin:
+                summary.feed(line, "-")
+            continue
+        with open(name, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                summary.feed(line, name)
+    summary.close()
+
+
+def follow(patterns: list[str], summary: LogSummary, interval: float = 0.5,
+           stdin: IO[str] | None = None) -> Iterator[None]:
+    """Feed lines as they are written, re-expanding globs to pick up new files; yields after
+    each poll so the caller can render or check alerts. Files are read from their start."""
+    tails: dict[str, _Tail] = {}
+    lines: queue.Queue[str | None] = queue.Queue()
+    if "-" in patterns:
+        def pump() -> None:
+            for line in stdin or sys.stdin:
+                lines.put(line)
+            lines.put(None)
+        threading.Thread(target=pump, name="monitor-stdin", daemon=True).start()
+    try:
+        while True:
+            for name in expand(p for p in patterns if p != "-"):
+                tails.setdefault(name, _Tail(name))
+            for name, tail in tails.items():
+                for line in tail.read():
+                    summary.feed(line, name)
+            while not lines.empty():
+                line = lines.get_nowait()
+                if line is not None:
+                    summary.feed(line, "-")
+            yield
+            time.sleep(interval)
+    finally:
+        for tail in tails.values():
+            tail.close()
