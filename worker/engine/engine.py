@@ -173,7 +173,8 @@ class SpeculativeEngine:
                  prompt_tokens=len(prompt_tokens), generated=len(generated),
                  acceptance=round(telemetry.acceptance, 4),
                  tokens_per_verify=round(telemetry.tokens_per_verify, 3),
-                 effective_tps=round(telemetry.effective_tokens_per_second, 2))
+                 effective_tps=round(telemetry.effective_tokens_per_second, 2),
+                 telemetry=telemetry.model_dump(mode="json"))
         return GenerationResult(generated, stream.text, finish, telemetry)
 
     def telemetry(self) -> Telemetry:

@@ -15,7 +15,8 @@ from shared.protocol import Telemetry
 #: Rollback counters that add up across generations (the rest are the latest state).
 ROLLBACK_SUMS = ("replay_events", "replay_tokens", "checkpoint_saves", "host_fallbacks")
 #: What a rollback policy may report (its ``telemetry()`` keys beyond these are its own).
-ROLLBACK_FIELDS = (*ROLLBACK_SUMS, "checkpoint_mode", "rollback_depth")
+ROLLBACK_FIELDS = (*ROLLBACK_SUMS, "checkpoint_mode", "rollback_depth", "host_fallback_reason",
+                   "checkpoint_reservation_bytes")
 
 
 def _add_lists(into: list[int], other: list[int]) -> None:
@@ -96,15 +97,19 @@ class SpecCounters:
         return Telemetry(
             spec_method=self.spec_method,
             draft_max=self.draft_max,
+            drafts=self.drafts,
             drafted=self.drafted,
             accepted=self.accepted,
             acceptance=ratio(self.accepted, self.drafted),
             accepted_per_position=list(self.accepted_per_position),
             drafted_per_position=list(self.drafted_per_position),
             mean_accepted_length=ratio(self.accepted, self.drafts),
+            # vLLM's definition: the bonus token counts, so a draft-carrying verify yields 1 + k.
+            mean_acceptance_length=1.0 + ratio(self.accepted, self.drafts) if self.drafts else 0.0,
             target_decodes=self.target_decodes,
             tokens_per_verify=ratio(self.generated_tokens, self.target_decodes),
             draft_seconds=self.draft_seconds,
+            draft_seconds_per_token=ratio(self.draft_seconds, self.generated_tokens),
             decode_seconds=self.decode_seconds,
             prefill_seconds=self.prefill_seconds,
             wall_seconds=self.wall_seconds,

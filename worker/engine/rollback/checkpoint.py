@@ -43,7 +43,13 @@ _NO_ROOM = (ctypes.c_uint8 * 0)()
 
 
 class _SaveFailed(Exception):
-    """A device save did not produce a usable checkpoint; the message is the reason."""
+    """A device save did not produce a usable checkpoint; the message is the reason and
+    ``kind`` its class (``fault_injection``, ``short_write``, ``zero_size``, ``error``), few
+    enough to label a metric with."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,10 @@ class CheckpointStore:
         self.fail_device = fail_device
         self.saves = 0
         self.fallbacks = 0
+        #: ``kind`` of the latest fallback (a store falls back at most once: it is sticky).
+        self.fallback_reason: str | None = None
+        #: Device payload bytes the start-up reservation pinned.
+        self._device_reserved = 0
         self._buffers: dict[CheckpointMode, ctypes.Array] = {}
         self._last: Checkpoint | None = None
 
@@ -91,9 +101,11 @@ class CheckpointStore:
             if self.mode is CheckpointMode.DEVICE:
                 try:
                     self._save_in(ctx, CheckpointMode.DEVICE)
-                    return host_size - ctx.state_size(_FLAGS[CheckpointMode.DEVICE])
+                    device_header = ctx.state_size(_FLAGS[CheckpointMode.DEVICE])
+                    self._device_reserved = host_size - device_header
+                    return self._device_reserved
                 except _SaveFailed as failure:
-                    self._fall_back(str(failure), phase="reserve")
+                    self._fall_back(failure, phase="reserve")
             self._buffer(CheckpointMode.HOST, host_size)
             return host_size
         finally:
@@ -108,7 +120,7 @@ class CheckpointStore:
             try:
                 size = self._save_in(ctx, CheckpointMode.DEVICE)
             except _SaveFailed as failure:
-                self._fall_back(str(failure), phase="save")
+                self._fall_back(failure, phase="save")
             else:
                 return self._record(CheckpointMode.DEVICE, size)
         try:
@@ -128,6 +140,14 @@ class CheckpointStore:
                 f"{ckpt.mode.value} checkpoint restore read {read} of {ckpt.size} bytes"
             )
 
+    def reserved_bytes(self) -> int:
+        """Checkpoint storage held now in the mode in force: the device payload reserved at
+        start-up, or the host buffer's size (0 before anything was reserved or saved)."""
+        if self.mode is CheckpointMode.DEVICE:
+            return self._device_reserved
+        buf = self._buffers.get(CheckpointMode.HOST)
+        return len(buf) if buf is not None else 0
+
     def discard(self) -> None:
         """Forget the last checkpoint (the verify it guarded needed no restore)."""
         self._last = None
@@ -142,12 +162,13 @@ class CheckpointStore:
                 buf = _NO_ROOM if injected else self._buffer(mode, need)
                 written = ctx.state_save(buf, flags)
         except Exception as exc:  # a save that raises is a failed save, not a crash
-            raise _SaveFailed(f"{type(exc).__name__}: {exc}") from exc
+            raise _SaveFailed(f"{type(exc).__name__}: {exc}", "error") from exc
         if need <= 0:
-            raise _SaveFailed("size query returned 0 bytes")
+            raise _SaveFailed("size query returned 0 bytes", "zero_size")
         if written != need:
             cause = " (fault injection)" if injected else ""
-            raise _SaveFailed(f"short write: {written} of {need} bytes{cause}")
+            raise _SaveFailed(f"short write: {written} of {need} bytes{cause}",
+                              "fault_injection" if injected else "short_write")
         return written
 
     def _buffer(self, mode: CheckpointMode, size: int) -> ctypes.Array:
@@ -162,7 +183,9 @@ class CheckpointStore:
         self._last = Checkpoint(mode, size)
         return self._last
 
-    def _fall_back(self, reason: str, phase: str) -> None:
+    def _fall_back(self, failure: _SaveFailed, phase: str) -> None:
         self.mode = CheckpointMode.HOST
         self.fallbacks += 1
-        log.warning("checkpoint.fallback", reason=reason, phase=phase, to="host")
+        self.fallback_reason = failure.kind
+        log.warning("checkpoint.fallback", reason=str(failure), kind=failure.kind, phase=phase,
+                    to="host")
