@@ -16,7 +16,7 @@ from rich.console import Console
 
 from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
+from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError, fit_worker
 from worker.fitter.report import render_table
 from worker.llm import LlamaError
@@ -46,7 +46,7 @@ def fit(
     try:
         settings = SpecSettings(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
     except ValidationError as exc:
-        fail(exc.errors()[0]["msg"])
+        fail(describe_validation_error(exc))
     try:
         result = fit_worker(str(model), device=device, budget_mib=budget_mib,
                             fit_target_mib=fit_target_mib, slots=slots, spec=settings,

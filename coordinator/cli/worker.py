@@ -36,7 +36,10 @@ def worker(
     name: Annotated[str | None, typer.Option(help="worker name (default: host-device-pid)")]
     = None,
     ctx: Annotated[int | None, typer.Option(min=2, help="fixed context size in tokens "
-                                            "(skips the fitter)")] = None,
+                                            "(checked against the model and the measured "
+                                            "memory instead of fitted)")] = None,
+    allow_ctx_above_train: Annotated[bool, typer.Option(
+        help="allow a --ctx beyond the model's training context")] = False,
     spec: Annotated[SpecMethod, typer.Option(help="drafting method capacity")] = SpecMethod.AUTO,
     draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
     rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
@@ -46,8 +49,9 @@ def worker(
 ) -> None:
     """Run a resident-model worker: fit, load once, register, take jobs, heartbeat.
 
-    Without ``--ctx`` the fitter measures the model and picks the largest context that fits
-    the device (or ``--budget-mib``), then reserves checkpoint memory before taking work.
+    The fitter measures the model and picks the largest context that fits the device (or
+    ``--budget-mib``), or checks a fixed ``--ctx`` against the same measurement; either way
+    checkpoint memory is reserved before taking work.
     """
     settings = environment_settings()
     if redis is not None:
@@ -62,7 +66,8 @@ def worker(
         fail(describe_validation_error(exc))
     options = WorkerOptions(
         model_path=str(model), model_name=model_name or model.name.removesuffix(".gguf"),
-        device=device, name=name, n_ctx=ctx, budget_mib=budget_mib,
+        device=device, name=name, n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train,
+        budget_mib=budget_mib,
         fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, spec=spec_settings,
         checkpoint=checkpoint)
     try:

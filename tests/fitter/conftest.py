@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from shared.protocol import FitReport
 from worker.engine.engine import SpeculativeEngine
 from worker.fitter import FitResult, reserve_checkpoints
 from worker.fitter.buffers import Buffers, parse_buffers
@@ -22,7 +23,12 @@ class Allocated:
 
     engine: SpeculativeEngine
     buffers: Buffers
-    reserved: int
+    #: The fit's report as reserved (what the worker publishes).
+    report: FitReport
+
+    @property
+    def reserved(self) -> int:
+        return self.report.details["checkpoint_reserved_bytes"]
 
     @property
     def reported_bytes(self) -> int:
@@ -38,8 +44,8 @@ def allocate() -> Iterator[object]:
         with capture_llama_log() as lines:
             engine = SpeculativeEngine(fit.config)
             engines.append(engine)
-            reserved = reserve_checkpoints(engine, fit)
-        return Allocated(engine, parse_buffers(lines), reserved)
+            report = reserve_checkpoints(engine, fit)
+        return Allocated(engine, parse_buffers(lines), report)
 
     yield build
     for engine in engines:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import llama_cpp
 import pytest
 
 from worker.testmodels import TinyModels
@@ -39,11 +40,23 @@ def test_table_report(tiny_models: TinyModels) -> None:
         assert row in proc.stdout
 
 
+def test_a_dense_models_table_shows_no_rollback_depth(tiny_models: TinyModels) -> None:
+    proc = run("--model", str(tiny_models.dense), "--budget-mib", "3", "--fit-target-mib", "0",
+               "--ctx-min", "256", "--spec", "ngram")
+    assert proc.returncode == 0, proc.stderr
+    assert "no rollback snapshots" in proc.stdout and "rollback_depth" not in proc.stdout
+
+
 @pytest.mark.parametrize(("args", "reason"), [
     (["--budget-mib", "0.25"], "the weights do not fit"),
     (["--budget-mib", "3", "--ctx-min", "4096"], "(--ctx-min 4096) does not fit"),
     (["--draft-max", "2", "--rollback-depth", "3"], "rollback_depth"),
-    (["--device", "cuda:4096"], "no CUDA device"),
+    # Refused before any measurement: no GPU offload in this llama.cpp, or no such device.
+    (["--device", "cuda:4096", "--budget-mib", "64"],
+     "no GPU offload" if not llama_cpp.llama_supports_gpu_offload() else "no CUDA device"),
+    # The default 1 GiB margin is named instead of a negative "available".
+    (["--budget-mib", "3.5", "--fit-target-mib", "1024"], "the margin left free "
+     "(--fit-target-mib, default 1024) is 1024.00 MiB of the 3.50 MiB free (budget)"),
 ])
 def test_impossible_fit_exits_with_the_reason(tiny_models: TinyModels, args: list[str],
                                               reason: str) -> None:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import llama_cpp
 import pytest
 
-from worker.fitter.devices import MIB, DeviceRef, device_memory, host_memory, parse_device
+from worker.fitter.devices import (
+    MIB,
+    DeviceRef,
+    device_memory,
+    host_memory,
+    parse_device,
+    require_device,
+)
 from worker.fitter.errors import FitError
 
 
@@ -64,3 +72,13 @@ def test_cuda_device_reports_memory_when_nvml_works() -> None:
         return
     mem = device_memory(parse_device("cuda:0"))
     assert mem.source == "nvml" and 0 < mem.free_bytes <= mem.total_bytes
+
+
+@pytest.mark.skipif(llama_cpp.llama_supports_gpu_offload(), reason="this llama.cpp offloads")
+def test_a_cuda_device_without_gpu_offload_is_refused() -> None:
+    """A CPU build of llama.cpp would keep every layer on the host while the worker claims
+    the GPU: refused whatever the memory source says (a budget hides a missing device)."""
+    require_device(parse_device("cpu"))
+    with pytest.raises(FitError, match="^cannot serve on cuda:0: this llama.cpp build has "
+                                       "no GPU offload"):
+        require_device(parse_device("cuda:0"))

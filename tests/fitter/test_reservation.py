@@ -61,8 +61,19 @@ def test_failed_device_reservation_falls_back_to_host(allocate, compact_fit: Fit
     with capture_logs() as logs:
         built = allocate(failing)
     assert built.engine.rollback.store.mode is CheckpointMode.HOST
-    assert built.reserved == compact_fit.report.details["checkpoint_host_bytes_per_slot"]
+    host_size = compact_fit.report.details["checkpoint_host_bytes_per_slot"]
+    assert built.reserved == host_size
     assert [e["event"] for e in logs].count("checkpoint.fallback") == 1
+    # The report the worker publishes says what was really reserved, where: host storage,
+    # of the host size (a CPU worker's host memory is its device), totals to match.
+    report = built.report
+    assert report.details["checkpoint_mode"] == "host"
+    assert report.components["checkpoint_reservation"] == host_size
+    assert report.devices[0].components == report.components
+    assert report.total_bytes == sum(report.components.values())
+    assert compact_fit.report.details["checkpoint_mode"] == "device"  # the fit's own record
+    (reserve,) = [e for e in logs if e["event"] == "fit.reserve"]
+    assert (reserve["mode"], reserve["reserved_bytes"]) == ("host", host_size)
 
 
 def test_reservation_unlike_the_measurement_stops(allocate, compact_fit: FitResult) -> None:
@@ -75,4 +86,9 @@ def test_reservation_unlike_the_measurement_stops(allocate, compact_fit: FitResu
 
 
 def test_engines_without_checkpoints_reserve_nothing(allocate, tiny_models: TinyModels) -> None:
-    assert allocate(_fit(tiny_models, 3, None)).reserved == 0
+    with capture_logs() as logs:
+        built = allocate(_fit(tiny_models, 3, None))
+    assert built.reserved == 0 and built.report.details["checkpoint_mode"] is None
+    # They still go through the reservation step, and say so.
+    (reserve,) = [e for e in logs if e["event"] == "fit.reserve"]
+    assert (reserve["mode"], reserve["reserved_bytes"]) == (None, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import llama_cpp
 import psutil
 
 from worker.fitter.errors import FitError
@@ -86,6 +87,22 @@ def cuda_memory(index: int) -> DeviceMemory:
         raise FitError(f"no CUDA device cuda:{index}: NVML failed ({exc})") from exc
     finally:
         pynvml.nvmlShutdown()
+
+
+def require_device(device: DeviceRef) -> None:
+    """Refuse a CUDA device this process cannot really serve on, before anything is measured.
+
+    Without this a llama.cpp built for the CPU silently keeps every layer on the host while
+    the worker registers (and is scheduled) as a GPU worker; a budget (``--budget-mib``)
+    would hide a missing device from the memory query, so presence is checked on its own.
+    """
+    if not device.is_cuda:
+        return
+    if not llama_cpp.llama_supports_gpu_offload():
+        raise FitError(f"cannot serve on {device.name}: this llama.cpp build has no GPU offload "
+                       "(llama_supports_gpu_offload is false); install a CUDA build of "
+                       "llama-cpp-python or use --device cpu")
+    cuda_memory(device.index)  # "no CUDA device cuda:N ..." when NVML does not see it
 
 
 def device_memory(device: DeviceRef, budget_mib: float | None = None) -> DeviceMemory:

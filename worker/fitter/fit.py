@@ -15,7 +15,7 @@ from functools import cached_property
 
 from shared.protocol import CheckpointMode, DeviceFit, FitReport, SpecSettings
 from worker.engine.config import EngineConfig, model_spec
-from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device
+from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device, require_device
 from worker.fitter.errors import FitError
 from worker.fitter.measure import (
     ContextMemory,
@@ -177,67 +177,139 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
                fit_target_mib: float = DEFAULT_FIT_TARGET_MIB, slots: int = 1,
                spec: SpecSettings | None = None, ctx_min: int = DEFAULT_CTX_MIN,
                n_threads: int = 2,
-               checkpoint: CheckpointMode = CheckpointMode.DEVICE) -> FitResult:
+               checkpoint: CheckpointMode = CheckpointMode.DEVICE,
+               n_ctx: int | None = None, allow_ctx_above_train: bool = False) -> FitResult:
     """Measure the model on ``device`` and fit the largest context that leaves the margin.
 
-    Raises :class:`FitError` (with the breakdown) when nothing safe fits: the weights alone,
-    or the context ``ctx_min``, exceed ``free - margin``.
+    With ``n_ctx`` (a worker's ``--ctx``) the context is not searched but checked the same
+    way: against the training context (above it only with ``allow_ctx_above_train``) and
+    against the memory measured at that size, so a fixed context gets the same refusal, the
+    same report and the same reservation as a fitted one.
+
+    Raises :class:`FitError` (with the breakdown) when nothing safe fits: the device cannot
+    be used, the weights alone or the context (``ctx_min``, or ``n_ctx``) exceed
+    ``free - margin``.
     """
     if slots < 1:
         raise FitError(f"slots must be at least 1, got {slots}")
     if fit_target_mib < 0:
         raise FitError(f"--fit-target-mib must not be negative, got {fit_target_mib}")
     ref = parse_device(device)
-    memory = device_memory(ref, budget_mib)
-    margin = round(fit_target_mib * MIB)
+    require_device(ref)
+    budget = _Budget(device_memory(ref, budget_mib), round(fit_target_mib * MIB))
     config = EngineConfig(model_path=model_path, n_threads=n_threads,
                           n_gpu_layers=-1 if ref.is_cuda else 0,
                           spec=spec or SpecSettings(), checkpoint=checkpoint)
     sizer = _Sizer(config, ref.name, slots)
     try:
-        n_ctx = _search(sizer, ctx_min, memory, margin)
-        report = _report(sizer, n_ctx, memory, margin)
+        if n_ctx is None:
+            n_ctx = _search(sizer, ctx_min, budget)
+        else:
+            _check_fixed(sizer, n_ctx, allow_ctx_above_train, budget)
+        report = _report(sizer, n_ctx, budget)
     finally:
         sizer.close()
     log_report(report)
     return FitResult(replace(config, n_ctx=n_ctx), report)
 
 
-def _search(sizer: _Sizer, ctx_min: int, memory: DeviceMemory, margin: int) -> int:
+@dataclass(frozen=True)
+class _Budget:
+    """What the fit may use on the device: its free memory less the operator's margin."""
+
+    memory: DeviceMemory
+    margin: int
+
+    @property
+    def available(self) -> int:
+        return self.memory.free_bytes - self.margin
+
+    @property
+    def where(self) -> str:
+        m = self.memory
+        return (f"{mib(self.available)} MiB available on {m.device} "
+                f"({m.source}: free {mib(m.free_bytes)} MiB - margin {mib(self.margin)} MiB)")
+
+    def require_weights(self, weights: int) -> None:
+        """The first comparison every fit makes: a margin that leaves nothing is named as
+        such (not as a negative "available"), then the weights must fit what is left."""
+        if self.available <= 0:
+            raise FitError(
+                f"nothing can fit on {self.memory.device}: the margin left free "
+                f"(--fit-target-mib, default {DEFAULT_FIT_TARGET_MIB:.0f}) is "
+                f"{mib(self.margin)} MiB of the {mib(self.memory.free_bytes)} MiB free "
+                f"({self.memory.source}); lower --fit-target-mib (0 uses all of it)")
+        if weights > self.available:
+            raise FitError(f"the weights do not fit: {mib(weights)} MiB of weights, "
+                           f"{self.where}")
+
+
+def _search(sizer: _Sizer, ctx_min: int, budget: _Budget) -> int:
     """The largest multiple of 256 up to n_ctx_train whose total fits in free - margin."""
-    available = memory.free_bytes - margin
-    where = (f"{mib(available)} MiB available on {memory.device} "
-             f"({memory.source}: free {mib(memory.free_bytes)} MiB - margin {mib(margin)} MiB)")
     lo = -(-max(ctx_min, 1) // CTX_STEP)
     if lo * CTX_STEP > sizer.n_ctx_cap:
         raise FitError(f"--ctx-min {ctx_min} exceeds the model's training context "
                        f"({sizer.model.n_ctx_train} tokens, fitted in steps of {CTX_STEP})")
-    if sizer.weights > available:
-        raise FitError(f"the weights do not fit: {mib(sizer.weights)} MiB of weights, {where}")
+    budget.require_weights(sizer.weights)
     smallest = sizer.at(lo * CTX_STEP)
-    if smallest.total > available:
+    if smallest.total > budget.available:
         raise FitError(
             f"context {lo * CTX_STEP} (--ctx-min {ctx_min}) does not fit: needs "
-            f"{mib(smallest.total)} MiB, {where}; breakdown: {breakdown_text(smallest.components)}"
+            f"{mib(smallest.total)} MiB, {budget.where}; "
+            f"breakdown: {breakdown_text(smallest.components)}"
         )
     hi = sizer.n_ctx_cap // CTX_STEP
     while lo < hi:  # invariant: lo fits and the answer lies in [lo, hi]
         mid = (lo + hi + 1) // 2
-        if sizer.at(mid * CTX_STEP).total <= available:
+        if sizer.at(mid * CTX_STEP).total <= budget.available:
             lo = mid
         else:
             hi = mid - 1
     return lo * CTX_STEP
 
 
-def _report(sizer: _Sizer, n_ctx: int, memory: DeviceMemory, margin: int) -> FitReport:
+def _check_fixed(sizer: _Sizer, n_ctx: int, allow_above_train: bool, budget: _Budget) -> None:
+    """Refuse a fixed context the model was not trained for, or that the memory cannot hold.
+
+    Above the training context the total is first bounded from below by the total at the
+    training context plus the marginal KV bytes per token for the rest: a context far beyond
+    memory (``--ctx 1000000000``) is refused from two small measurements, without ever
+    asking llama.cpp for a context of that size.
+    """
+    train = sizer.model.n_ctx_train
+    if n_ctx > train and not allow_above_train:
+        raise FitError(f"--ctx {n_ctx} exceeds the model's training context ({train} tokens); "
+                       "pass --allow-ctx-above-train to run beyond it anyway")
+    budget.require_weights(sizer.weights)
+    if n_ctx > sizer.n_ctx_cap:
+        at_cap = sizer.at(sizer.n_ctx_cap)
+        per_token = _kv_bytes_per_token(sizer, sizer.n_ctx_cap)
+        floor = at_cap.total + round(per_token * (n_ctx - sizer.n_ctx_cap))
+        if floor > budget.available:
+            raise FitError(
+                f"--ctx {n_ctx} does not fit: needs at least {mib(floor)} MiB "
+                f"({mib(at_cap.total)} MiB at {sizer.n_ctx_cap} tokens + {per_token:.1f} B of "
+                f"KV per token beyond), {budget.where}")
+    fixed = sizer.at(n_ctx)
+    if fixed.total > budget.available:
+        raise FitError(f"--ctx {n_ctx} does not fit: needs {mib(fixed.total)} MiB, "
+                       f"{budget.where}; breakdown: {breakdown_text(fixed.components)}")
+
+
+def _kv_bytes_per_token(sizer: _Sizer, n_ctx: int) -> float:
+    """The KV cache's marginal bytes per context token above ``n_ctx`` (no_alloc: free)."""
+    extra = sizer.target(n_ctx + _KV_PROBE_SPAN).kv - sizer.at(n_ctx).components["kv"]
+    return extra / _KV_PROBE_SPAN
+
+
+def _report(sizer: _Sizer, n_ctx: int, budget: _Budget) -> FitReport:
     fitted = sizer.at(n_ctx)
-    kv_extra = sizer.target(n_ctx + _KV_PROBE_SPAN).kv - fitted.components["kv"]
+    memory = budget.memory
     details: dict[str, object] = {
         "memory_source": memory.source,
         "n_rs_seq": sizer.specs.n_rs_seq,
         "checkpoint_mode": sizer.config.checkpoint.value if sizer.specs.checkpoints else None,
-        "kv_bytes_per_token": round(kv_extra / _KV_PROBE_SPAN, 1),
+        "kv_bytes_per_token": round(_kv_bytes_per_token(sizer, n_ctx), 1),
         "host_bytes": fitted.host_bytes,
         "runtime_growth_bytes": fitted.runtime_growth,
         "recurrent_reported_bytes": fitted.recurrent_reported,
@@ -247,12 +319,13 @@ def _report(sizer: _Sizer, n_ctx: int, memory: DeviceMemory, margin: int) -> Fit
     }
     return FitReport(
         model_path=sizer.config.model_path, n_ctx=n_ctx, n_ctx_train=sizer.model.n_ctx_train,
-        slots=sizer.slots, total_bytes=fitted.total, budget_bytes=memory.free_bytes - margin,
+        slots=sizer.slots, total_bytes=fitted.total, budget_bytes=budget.available,
         devices=[DeviceFit(device=memory.device, total_bytes=memory.total_bytes,
-                           free_bytes=memory.free_bytes, margin_bytes=margin,
+                           free_bytes=memory.free_bytes, margin_bytes=budget.margin,
                            components=fitted.components)],
         spec_method=str(sizer.specs.method), draft_max=sizer.specs.draft_max,
-        rollback_depth=sizer.config.spec.rollback_depth, components=fitted.components,
+        # The snapshots really kept (D, or N when unset); none on a pure-attention model.
+        rollback_depth=sizer.specs.n_rs_seq or None, components=fitted.components,
         details=details,
     )
 

@@ -68,5 +68,13 @@ def render_table(report: FitReport) -> Table:
                   *(mib(d.free_bytes - d.margin_bytes - sum(d.components.values()))
                     for d in report.devices),
                   f"spec {report.spec_method}, draft_max {report.draft_max}, "
-                  f"rollback_depth {report.rollback_depth or report.draft_max}")
+                  + _rollback_text(report))
     return table
+
+
+def _rollback_text(report: FitReport) -> str:
+    """Only recurrent state keeps rollback snapshots: a pure-attention model rolls back by
+    trimming its KV cache, so it has no depth to show (nor has an engine that never drafts)."""
+    if report.rollback_depth is None:
+        return "no rollback snapshots"
+    return f"rollback_depth {report.rollback_depth}"

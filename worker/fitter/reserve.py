@@ -5,13 +5,14 @@ left to the first deep rejection, runtime could have eaten the fitted headroom b
 the worker allocates it at start-up through the engine's own ``CheckpointStore`` and checks
 it against what the fit measured. A failure, a zero, or a reservation that differs from the
 measurement stops the worker with the fit's breakdown; a device allocation that fails falls
-back to host storage for the worker's life (the store logs ``checkpoint.fallback``).
+back to host storage for the worker's life (the store logs ``checkpoint.fallback``), and the
+returned report says so.
 """
 
 from __future__ import annotations
 
 from shared.logs import get_logger
-from shared.protocol import CheckpointMode
+from shared.protocol import CheckpointMode, FitReport
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.rollback import RollbackError
 from worker.engine.rollback.compact import CompactRollback
@@ -22,10 +23,14 @@ from worker.fitter.report import breakdown_text
 from worker.llm import LlamaError, capture_llama_log
 
 
-def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> int:
-    """Allocate the engine's checkpoint storage now; returns the bytes reserved.
+def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
+    """Allocate the engine's checkpoint storage now; returns the fit's report as reserved.
 
-    Engines that never checkpoint (pure attention, or D = N) reserve nothing and return 0.
+    The report the worker publishes must say what was really reserved and where: after a
+    device allocation fell back to the host, the checkpoint is host memory (off a GPU's
+    total), ``checkpoint_mode`` says ``host`` and ``checkpoint_reserved_bytes`` is the host
+    size. Engines that never checkpoint (pure attention, or D = N) reserve nothing, and say so
+    with the same ``fit.reserve`` event.
     """
     report = fit.report
     rollback = engine.rollback
@@ -33,7 +38,8 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> int:
         if report.components.get("checkpoint_reservation"):
             raise FitError("the fit reserved checkpoint memory but the engine does not "
                            "checkpoint: the fit and the engine were built from different settings")
-        return 0
+        _log_reserve(report, None, 0, None, {})
+        return _as_reserved(report, None, 0)
     breakdown = f"fit breakdown: {breakdown_text(report.components)}"
     if report.slots != 1:
         raise FitError(f"the engine serves one sequence, so it holds one checkpoint store; "
@@ -55,7 +61,29 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> int:
         trend = "smaller" if reserved < measured else "larger"
         raise FitError(f"the {mode.value} checkpoint reservation ({reserved} B) is {trend} than "
                        f"the fit measured ({measured} B): the fit cannot be trusted ({breakdown})")
+    _log_reserve(report, mode, reserved, measured,
+                 parse_buffers(lines).sizes.get("checkpoint", {}))
+    return _as_reserved(report, mode, reserved)
+
+
+def _log_reserve(report: FitReport, mode: CheckpointMode | None, reserved: int,
+                 measured: int | None, allocated: dict[str, int]) -> None:
     get_logger("fitter").info(
-        "fit.reserve", mode=mode.value, slots=report.slots, reserved_bytes=reserved,
-        measured_bytes=measured, allocated_bytes=parse_buffers(lines).sizes.get("checkpoint", {}))
-    return reserved
+        "fit.reserve", mode=mode.value if mode else None, slots=report.slots,
+        reserved_bytes=reserved, measured_bytes=measured, allocated_bytes=allocated)
+
+
+def _as_reserved(report: FitReport, mode: CheckpointMode | None, reserved: int) -> FitReport:
+    """``report`` with the checkpoint as reserved: on the fitted device (a CPU worker's host
+    memory is its device) or, for host storage beside a GPU, among the host-side bytes."""
+    (device,) = report.devices  # one device per worker
+    on_device = mode is CheckpointMode.DEVICE or device.device == "cpu"
+    components = {**report.components,
+                  "checkpoint_reservation": report.slots * reserved if on_device else 0}
+    details = {**report.details, "checkpoint_mode": mode.value if mode else None,
+               "checkpoint_reserved_bytes": report.slots * reserved}
+    if not on_device:
+        details["host_bytes"] = int(details.get("host_bytes", 0)) + report.slots * reserved
+    return report.model_copy(update={
+        "components": components, "total_bytes": sum(components.values()), "details": details,
+        "devices": [device.model_copy(update={"components": components})]})

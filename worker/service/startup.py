@@ -1,4 +1,4 @@
-"""Worker start-up before any job: pin the device, fit the context, load and reserve.
+"""Worker start-up before any job: pin the device, fit (or check) the context, load, reserve.
 
 Kept apart from the serving loop (``runner.py``) because it is the part that decides what a
 worker *can* do (its capacity); the loop only decides what it does next. Start-up order
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from shared.protocol import CheckpointMode, FitReport, SpecSettings
 from shared.settings import Settings
-from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.engine import SpeculativeEngine
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
 from worker.fitter.devices import DeviceRef
 
@@ -28,6 +28,7 @@ class WorkerOptions:
     device: str = "cpu"
     name: str | None = None
     n_ctx: int | None = None  # None: fit the context to the device's memory
+    allow_ctx_above_train: bool = False  # a fixed n_ctx beyond the model's training context
     budget_mib: float | None = None
     fit_target_mib: float = DEFAULT_FIT_TARGET_MIB
     ctx_min: int = DEFAULT_CTX_MIN
@@ -57,26 +58,24 @@ def reexec_if_pinned_too_late(device: DeviceRef) -> None:
 
 
 def load_engine(options: WorkerOptions, n_gpu_layers: int,
-                 settings: Settings) -> tuple[SpeculativeEngine, FitReport | None]:
-    """Fit the context to the device (unless ``--ctx`` fixed it), load the engine once,
-    and reserve its checkpoint memory before any request can take the headroom."""
-    if options.n_ctx is not None:
-        config = EngineConfig(model_path=options.model_path, n_ctx=options.n_ctx,
-                              n_threads=options.threads, n_gpu_layers=n_gpu_layers,
-                              spec=options.spec, checkpoint=options.checkpoint,
-                              fail_device_checkpoint=settings.fail_device_checkpoint)
-        return SpeculativeEngine(config), None
+                settings: Settings) -> tuple[SpeculativeEngine, FitReport]:
+    """One path for every worker: measure, fit the context (or check the fixed ``--ctx``),
+    load the engine once, and reserve its checkpoint memory before any request can take the
+    headroom.
+
+    A fixed context is no shortcut: it is refused the same way a fit is (a device that
+    cannot be served, a context above training or beyond memory), and its report is the
+    same, so ``specfleet fleet`` shows every worker's fit as it was really reserved.
+    """
     fit = fit_worker(options.model_path, device=options.device, budget_mib=options.budget_mib,
                      fit_target_mib=options.fit_target_mib, slots=1, spec=options.spec,
                      ctx_min=options.ctx_min, n_threads=options.threads,
-                     checkpoint=options.checkpoint)
-    engine = SpeculativeEngine(replace(fit.config,
+                     checkpoint=options.checkpoint, n_ctx=options.n_ctx,
+                     allow_ctx_above_train=options.allow_ctx_above_train)
+    engine = SpeculativeEngine(replace(fit.config, n_gpu_layers=n_gpu_layers,
                                        fail_device_checkpoint=settings.fail_device_checkpoint))
     try:
-        reserve_checkpoints(engine, fit)
+        return engine, reserve_checkpoints(engine, fit)
     except BaseException:
         engine.close()
         raise
-    return engine, fit.report
-
-
