@@ -22,10 +22,11 @@ from rq.job import JobStatus as RqStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from coordinator.events import follow
+from coordinator.events import StreamCursor, follow
 from coordinator.validation import SubmitError, check_admission, parse_request
 from shared.logs import get_logger
 from shared.protocol import (
+    JOB_FUNCTION,
     AnyEvent,
     FinalEvent,
     GenerationRequest,
@@ -34,10 +35,10 @@ from shared.protocol import (
     TokenEvent,
     WorkerInfo,
 )
+from shared.redis_client import connect
 from shared.settings import Settings, get_settings
 from worker.service.cancel import request_cancel
 from worker.service.events import EventWriter
-from worker.service.jobs import JOB_FUNCTION
 from worker.service.recovery import RecoveryMonitor
 from worker.service.registry import FleetRegistry
 
@@ -46,7 +47,7 @@ log = get_logger("coordinator")
 #: rq states from which a job never runs again: cancelling them would only leave a flag.
 _ENDED = frozenset({RqStatus.FINISHED, RqStatus.FAILED, RqStatus.CANCELED, RqStatus.STOPPED})
 
-__all__ = ["Coordinator", "JobHandle", "JobResult", "SubmitError"]
+__all__ = ["Coordinator", "JobHandle", "JobResult", "StreamGapError", "SubmitError"]
 
 
 @dataclass
@@ -80,6 +81,11 @@ class JobResult:
                 "finish_reason": self.finish_reason, "error": self.error}
 
 
+class StreamGapError(RuntimeError):
+    """Part of a job's event stream was trimmed before it was read, and the rest cannot
+    complete the text that was already handed out."""
+
+
 class JobHandle:
     """One submitted job: its events, its result, its cancellation."""
 
@@ -87,23 +93,47 @@ class JobHandle:
         self._coordinator = coordinator
         self.job_id = job_id
 
-    def stream(self, timeout: float | None = None) -> Iterator[AnyEvent]:
+    def stream(self, timeout: float | None = None,
+               cursor: StreamCursor | None = None) -> Iterator[AnyEvent]:
         """Every event from the first, across attempts, ending with the final event."""
         c = self._coordinator
-        return follow(c.connection, c.settings.keys, self.job_id, timeout=timeout)
+        return follow(c.connection, c.settings.keys, self.job_id, timeout=timeout,
+                      outage_seconds=c.settings.redis_outage_seconds, cursor=cursor)
 
     def text_stream(self, timeout: float | None = None) -> Iterator[str]:
-        """The generated text as it arrives, once: a re-run after a crash repeats the same
-        greedy tokens, so only text beyond what was already yielded is passed on."""
-        shown = 0
+        """The generated text as it arrives, once.
+
+        A re-run after a crash repeats the same tokens, so only text beyond what was already
+        yielded is passed on; a token event appended twice (a write retried through a Redis
+        outage) is recognised by its ``index`` and skipped. When part of the stream was
+        trimmed before it was read (``stream.gap``), the missing text comes from the final
+        event, which carries all of it; :class:`StreamGapError` when even that cannot
+        complete what was shown.
+        """
+        shown = ""
         attempt_text: dict[int, str] = {}
-        for event in self.stream(timeout):
-            if isinstance(event, TokenEvent):
+        attempt_tokens: dict[int, int] = {}
+        newest = 0
+        cursor = StreamCursor(self.job_id)
+        for event in self.stream(timeout, cursor):
+            newest = max(newest, event.attempt)
+            if isinstance(event, TokenEvent) and not cursor.gaps:
+                if event.index < attempt_tokens.get(event.attempt, 0):
+                    continue
+                attempt_tokens[event.attempt] = event.index + len(event.tokens)
                 text = attempt_text.get(event.attempt, "") + event.text
                 attempt_text[event.attempt] = text
-                if len(text) > shown:
-                    yield text[shown:]
-                    shown = len(text)
+                if len(text) > len(shown):
+                    yield text[len(shown):]
+                    shown = text
+            elif isinstance(event, FinalEvent) and event.attempt >= newest:
+                if not event.text.startswith(shown):
+                    raise StreamGapError(
+                        f"job {self.job_id}: events {cursor.gaps} were trimmed from its stream "
+                        "before they were read (raise SPECFLEET_STREAM_MAXLEN); the full text "
+                        "is in its result")
+                if len(event.text) > len(shown):
+                    yield event.text[len(shown):]
 
     def result(self, timeout: float | None = None) -> JobResult:
         """Wait for the final event; raises ``TimeoutError`` after ``timeout`` seconds."""
@@ -124,7 +154,7 @@ class Coordinator:
 
     def __init__(self, settings: Settings | None = None, connection: Redis | None = None) -> None:
         self.settings = settings or get_settings()
-        self.connection = connection or Redis.from_url(self.settings.redis_url)
+        self.connection = connection or connect(self.settings.redis_url)
         self.keys = self.settings.keys
         self.registry = FleetRegistry(self.connection, self.keys,
                                       self.settings.worker_ttl_seconds)
@@ -150,12 +180,15 @@ class Coordinator:
         return {m.decode() if isinstance(m, bytes) else m
                 for m in self.connection.smembers(self.keys.models())}
 
-    def submit(self, request: GenerationRequest | dict[str, Any]) -> JobHandle:
-        """Validate and queue one request; ``SubmitError`` says why it was refused."""
+    def submit(self, request: GenerationRequest | dict[str, Any],
+               job_id: str | None = None) -> JobHandle:
+        """Validate and queue one request; ``SubmitError`` says why it was refused.
+
+        ``job_id`` lets a caller record the job (a batch line) before it can run."""
         req = parse_request(request)
         workers = self._serving(req.model)
         check_admission(req, workers, self.known_models, self.settings.require_live_worker)
-        job_id = uuid.uuid4().hex
+        job_id = job_id or uuid.uuid4().hex
         queue = self._queue(self.keys.queue(req.model, req.priority))
         queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json"), job_id=job_id,
                       job_timeout=self.settings.job_timeout_seconds,
@@ -198,7 +231,8 @@ class Coordinator:
     def fleet(self) -> list[WorkerInfo]:
         """Live workers (recovering any lost one's job first)."""
         RecoveryMonitor(self.connection, self.keys, self.registry, self.settings.stream_maxlen,
-                        self.settings.stream_ttl_seconds).sweep()
+                        self.settings.stream_ttl_seconds,
+                        self.settings.worker_ttl_seconds).sweep()
         return self.registry.live_workers()
 
     def queue_depths(self, model: str) -> dict[str, int]:

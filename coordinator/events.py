@@ -1,48 +1,132 @@
 """Reading a job's event stream: replay from the Stream, then follow it live.
 
-``XREAD`` from the last seen id means a reader that starts late, or reconnects, misses
-nothing; the per-job pub/sub channel is only for live dashboards.
+``XREAD`` from the last seen id means a reader that starts late, or reconnects after a Redis
+outage, misses nothing that is still in the stream; the per-job pub/sub channel is only for
+live dashboards. :class:`StreamCursor` is the reading logic without I/O (ids, attempts, the
+end of the stream, gaps), so the synchronous :func:`follow` here and an asynchronous reader
+(the HTTP gateway) share it.
+
+Every event carries ``seq``, gap-free across attempts from 1. A stream trimmed by
+``SPECFLEET_STREAM_MAXLEN`` before a reader got to it shows as a jump in ``seq``: the cursor
+records it in ``gaps`` (and logs ``stream.gap``) instead of pretending nothing was lost.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from redis import Redis
 
-from shared.keys import Keys
-from shared.protocol import AnyEvent, FinalEvent, parse_event
-from worker.service.events import STREAM_FIELD
+from shared.keys import STREAM_FIELD, Keys
+from shared.logs import get_logger
+from shared.outage import ride_out
+from shared.protocol import AnyEvent, FinalEvent, TokenEvent, parse_event
 
 _FIELD = STREAM_FIELD.encode()
 
+log = get_logger("stream")
+
+
+class StreamCursor:
+    """Position in one job's stream and what has been learnt from reading it."""
+
+    def __init__(self, job_id: str, from_id: str = "0-0") -> None:
+        self.job_id = job_id
+        self.last_id = from_id
+        self.newest_attempt = 0
+        #: Inclusive ``(first, last)`` ranges of ``seq`` that were never read.
+        self.gaps: list[tuple[int, int]] = []
+        self.done = False
+        self._next_seq: int | None = 1 if from_id == "0-0" else None
+
+    def feed(self, entries: Sequence[tuple[Any, dict[Any, Any]]]) -> list[AnyEvent]:
+        """Events of raw ``XREAD`` entries, up to and including the job's last final event.
+
+        A final event ends the stream only if no later attempt has started meanwhile (a
+        stalled worker's stale final is passed on but does not end it).
+        """
+        events: list[AnyEvent] = []
+        for entry_id, fields in entries:
+            self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            event = parse_event(fields.get(_FIELD, b"") or fields.get(STREAM_FIELD, ""))
+            self._check_seq(event.seq)
+            self.newest_attempt = max(self.newest_attempt, event.attempt)
+            events.append(event)
+            if isinstance(event, FinalEvent) and event.attempt >= self.newest_attempt:
+                self.done = True
+                break
+        return events
+
+    def _check_seq(self, seq: int) -> None:
+        if self._next_seq is not None and seq > self._next_seq:
+            self.gaps.append((self._next_seq, seq - 1))
+            log.warning("stream.gap", job_id=self.job_id, missing_from=self._next_seq,
+                        missing_to=seq - 1)
+        self._next_seq = max(self._next_seq or 0, seq + 1)
+
 
 def follow(connection: Redis, keys: Keys, job_id: str, *, from_id: str = "0-0",
-           timeout: float | None = None, block_ms: int = 500) -> Iterator[AnyEvent]:
+           timeout: float | None = None, block_ms: int = 500, outage_seconds: float = 300.0,
+           cursor: StreamCursor | None = None) -> Iterator[AnyEvent]:
     """Yield every event of a job, across attempts, until its final event.
 
-    A final event ends the stream only if no later attempt has started meanwhile (a stalled
-    worker's stale final is skipped). Raises ``TimeoutError`` after ``timeout`` seconds
-    without reaching the end.
+    Raises ``TimeoutError`` after ``timeout`` seconds without reaching the end; rides out a
+    Redis outage of up to ``outage_seconds`` (then ``RedisOutage``), resuming from the last
+    entry it read. Pass a ``cursor`` to inspect ``gaps`` afterwards.
     """
     stream = keys.events(job_id)
+    cursor = cursor or StreamCursor(job_id, from_id)
     deadline = None if timeout is None else time.monotonic() + timeout
-    last_id = from_id
-    newest_attempt = 0
-    while True:
+    while not cursor.done:
         wait_ms = block_ms
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
             wait_ms = max(1, min(block_ms, int(left * 1000)))
-        reply = connection.xread({stream: last_id}, block=wait_ms, count=256)
+        reply = ride_out(lambda ms=wait_ms: connection.xread({stream: cursor.last_id},
+                                                             block=ms, count=256),
+                         outage_seconds, "stream.read")
         for _, entries in reply or []:
-            for entry_id, fields in entries:
-                last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                event = parse_event(fields.get(_FIELD, b"") or fields.get(STREAM_FIELD, ""))
-                newest_attempt = max(newest_attempt, event.attempt)
-                yield event
-                if isinstance(event, FinalEvent) and event.attempt >= newest_attempt:
-                    return
+            yield from cursor.feed(entries)
+
+
+class TextDeltas:
+    """A job's generated text from its events, each character handed out once.
+
+    A re-run after a crash repeats the same tokens, so only text beyond what was already
+    handed out is new; a token event appended twice (a write retried through a Redis outage)
+    is recognised by its ``index`` and skipped; once the cursor has seen a gap (a trimmed
+    stream) token events are no longer trusted and the newest attempt's final event, which
+    carries the whole text, completes it. ``shown`` may start above 0: a reader resuming a
+    stream that its client had already read that far (the HTTP gateway's ``Last-Event-ID``).
+    """
+
+    def __init__(self, cursor: StreamCursor, shown: int = 0) -> None:
+        self.cursor = cursor
+        self.shown = shown
+        self._text: dict[int, str] = {}
+        self._tokens: dict[int, int] = {}
+        self._newest = 0
+
+    def feed(self, event: AnyEvent) -> str:
+        """The new text ``event`` brings (often ``""``)."""
+        self._newest = max(self._newest, event.attempt)
+        if isinstance(event, TokenEvent) and not self.cursor.gaps:
+            if event.index < self._tokens.get(event.attempt, 0):
+                return ""
+            self._tokens[event.attempt] = event.index + len(event.tokens)
+            text = self._text.get(event.attempt, "") + event.text
+            self._text[event.attempt] = text
+            return self._beyond(text)
+        if isinstance(event, FinalEvent) and event.attempt >= self._newest:
+            return self._beyond(event.text)
+        return ""
+
+    def _beyond(self, text: str) -> str:
+        if len(text) <= self.shown:
+            return ""
+        delta, self.shown = text[self.shown:], len(text)
+        return delta

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from shared.protocol import Priority
 
+#: Field name of the JSON event payload inside each entry of a job's event Stream.
+STREAM_FIELD = "event"
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -54,9 +57,16 @@ class Keys:
         """A worker's registration (JSON ``WorkerInfo``), expiring without heartbeats."""
         return f"{self.prefix}:worker:{name}"
 
-    def worker_job(self, name: str) -> str:
-        """The job a worker is running; outlives the worker so crash recovery can requeue it."""
-        return f"{self.prefix}:worker:{name}:job"
+    def inflight(self, name: str) -> str:
+        """List of the jobs a worker has taken: a job id moves here from its queue atomically
+        (``LMOVE``) and leaves when its run ends, so a worker killed at any instant leaves
+        every job it held where crash recovery finds it."""
+        return f"{self.prefix}:worker:{name}:inflight"
+
+    def quarantine(self) -> str:
+        """List of refused queue entries (JSON: job id, reason, worker, time), kept for
+        operators to inspect; a poisoned entry never reaches a queue again."""
+        return f"{self.prefix}:quarantine"
 
     def models(self) -> str:
         """Set of model names that have (had) workers."""
@@ -65,3 +75,24 @@ class Keys:
     def batch(self, batch_id: str) -> str:
         """Hash describing a submitted batch (status, counts, job ids)."""
         return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash of a batch's accounted lines: line number -> final event (or error) JSON."""
+        return f"{self.prefix}:batch:{batch_id}:results"
+
+    def batch_jobs(self, batch_id: str) -> str:
+        """Hash of a batch's lines that became jobs: line number -> job id."""
+        return f"{self.prefix}:batch:{batch_id}:jobs"
+
+    def batches(self) -> str:
+        """Sorted set of batch ids scored by creation time (the listing)."""
+        return f"{self.prefix}:batches"
+
+    def job_batch(self, job_id: str) -> str:
+        """A batch job's line reference (JSON), read by the final-event script to account
+        the job's outcome to its batch in the same atomic step."""
+        return f"{self.prefix}:job:{job_id}:batch"
+
+    def file(self, file_id: str) -> str:
+        """Hash of an uploaded file (``meta`` JSON and ``content`` bytes)."""
+        return f"{self.prefix}:file:{file_id}"

@@ -23,6 +23,9 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema
 
+#: Import path of the job function every generation job names on its rq queue; workers run
+#: nothing else. Part of the wire contract: coordinator and workers both read it from here.
+JOB_FUNCTION = "worker.service.jobs.run_generation"
 #: Hard cap on tokens one request may generate; larger budgets are a batch's job.
 MAX_TOKENS_CAP = 8192
 #: Hard cap on the prompt, in characters (text) and in token ids.
@@ -32,6 +35,8 @@ MAX_PROMPT_TOKENS = 131072
 MAX_DRAFT = 64
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_CHARS = 128
+#: Hard cap on the turns of a chat request.
+MAX_MESSAGES = 256
 
 
 class _Strict(BaseModel):
@@ -63,7 +68,11 @@ class SpecMethod(_WireEnum):
 
     NONE = "none"
     NGRAM = "ngram"
+    #: Suffix lookup with counts and a cost-based draft length (docs/engine.md).
+    SUFFIX = "suffix"
     MTP = "mtp"
+    #: MTP and suffix lookup together: the longer confident draft per step.
+    MTP_SUFFIX = "mtp+suffix"
     AUTO = "auto"
 
 
@@ -115,13 +124,25 @@ class SpecSettings(_Strict):
         return self.method is not SpecMethod.NONE
 
 
+class ChatMessage(_Strict):
+    """One chat turn; the worker renders the turns with its model's chat template."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
 class GenerationRequest(_Strict):
-    """One generation: a prompt (text or token ids), a budget, sampling and speculation."""
+    """One generation: a prompt (text, token ids or chat messages), a budget, sampling and
+    speculation."""
 
     model: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[\w.\-]+$")
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     prompt_tokens: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None, max_length=MAX_PROMPT_TOKENS
+    )
+    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
+    parse_special: bool = Field(
+        default=False, description="text prompt: turn special-token text (<bos>) into tokens"
     )
     max_tokens: int = Field(default=128, ge=1, le=MAX_TOKENS_CAP)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
@@ -135,8 +156,14 @@ class GenerationRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_prompt_and_greedy_spec(self) -> GenerationRequest:
-        if (self.prompt is None) == (self.prompt_tokens is None):
-            raise ValueError("exactly one of 'prompt' or 'prompt_tokens' must be given")
+        given = [self.prompt, self.prompt_tokens, self.messages]
+        if sum(x is not None for x in given) != 1:
+            raise ValueError(
+                "exactly one of 'prompt', 'prompt_tokens' or 'messages' must be given")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' must not be empty")
+        if self.parse_special and self.prompt is None:
+            raise ValueError("'parse_special' applies to a text 'prompt' only")
         if self.prompt is not None and not self.prompt:
             raise ValueError("'prompt' must not be empty")
         if self.prompt_tokens is not None and not self.prompt_tokens:
@@ -314,6 +341,7 @@ class WorkerInfo(_Strict):
     heartbeat_at: float
     current_job: str | None = None
     spec_methods: list[str] = Field(default_factory=list)
+    chat_template: bool = Field(default=False, description="can render chat messages")
     fit: FitReport | None = None
     metrics_port: int | None = Field(default=None, description="Prometheus port (None: off)")
     telemetry: Telemetry | None = Field(
@@ -321,9 +349,12 @@ class WorkerInfo(_Strict):
 
 
 class BatchLine(_Strict):
-    """One input line of a batch file (OpenAI-style: ``custom_id`` plus a request ``body``)."""
+    """One input line of a batch file (OpenAI's: ``custom_id``, ``method``, ``url`` and the
+    request ``body``; ``url`` defaults to the batch's endpoint)."""
 
     custom_id: str = Field(min_length=1, max_length=256)
+    method: Literal["POST"] = "POST"
+    url: str | None = Field(default=None, max_length=64)
     body: dict[str, Any]
 
     @field_validator("body")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Annotated
 
-from pydantic import AliasChoices, Field
+from pydantic import AfterValidator, AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.keys import Keys
+from shared.redact import RedisURL
 
 
 class Settings(BaseSettings):
@@ -15,8 +17,9 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPECFLEET_", extra="ignore")
 
-    redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0",
+    #: A ``str`` whose repr masks the password (a printed settings object shows no secret).
+    redis_url: Annotated[str, AfterValidator(RedisURL)] = Field(
+        default="redis://127.0.0.1:6379/0", validate_default=True,
         validation_alias=AliasChoices("REDIS_URL", "SPECFLEET_REDIS_URL"),
     )
     prefix: str = Field(default="specfleet", pattern=r"^[\w.\-]+$")
@@ -34,6 +37,14 @@ class Settings(BaseSettings):
     )
     token_flush_seconds: float = Field(
         default=0.05, ge=0, description="a partial token chunk is streamed after this long"
+    )
+    redis_outage_seconds: float = Field(
+        default=300.0, gt=0,
+        description="how long workers and stream readers wait out an unreachable Redis",
+    )
+    chat_template: str | None = Field(
+        default=None, description="worker: a named chat template (chatml, gemma, llama3) "
+        "to render chats with instead of the model's own",
     )
     step_delay_seconds: float = Field(
         default=0.0, ge=0, le=10,

@@ -6,14 +6,13 @@ import signal
 import threading
 import time
 
-from redis import Redis
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
-from shared.protocol import FinalEvent, JobStatus, ProgressEvent, TokenEvent
+from shared.protocol import JOB_FUNCTION, FinalEvent, JobStatus, ProgressEvent, TokenEvent
+from shared.redis_client import connect
 from shared.settings import Settings
-from worker.service.jobs import JOB_FUNCTION
 from worker.service.recovery import RecoveryMonitor
 from worker.service.registry import FleetRegistry
 
@@ -71,14 +70,13 @@ def test_kill_9_mid_generation_ten_times_loses_nothing(fleet: Fleet,
 
 def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings) -> None:
     """Many monitors sweeping at once: the lost worker's job is queued exactly once."""
-    conn = Redis.from_url(settings.redis_url)
+    conn = connect(settings.redis_url)
     keys = settings.keys
     queue = Queue(keys.queue(MODEL_NAME), connection=conn, serializer=JSONSerializer)
     job = queue.enqueue(JOB_FUNCTION, REQUEST, job_id="lost-job-" + settings.prefix)
-    conn.lpop(queue.key)  # a worker took it ...
+    conn.lmove(queue.key, keys.inflight("ghost"))  # a worker took it ...
     registry = FleetRegistry(conn, keys, settings.worker_ttl_seconds)
     conn.zadd(keys.workers(), {"ghost": 1.0})  # ... and died: listed, registration expired
-    registry.set_current_job("ghost", job.id)
 
     monitors = [RecoveryMonitor(conn, keys, registry) for _ in range(8)]
     results: list[list[str]] = []

@@ -12,9 +12,8 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer, PickleSerializer
 
 from coordinator.client import Coordinator
-from shared.protocol import FinalEvent
+from shared.protocol import JOB_FUNCTION, FinalEvent
 from shared.protocol import JobStatus as SpecJobStatus
-from worker.service.jobs import JOB_FUNCTION
 
 from .strategies import malformed_requests
 from .workers import MODEL_NAME, Fleet

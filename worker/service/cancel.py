@@ -39,38 +39,58 @@ def is_cancelled(connection: Redis, keys: Keys, job_id: str) -> bool:
     return bool(connection.exists(keys.cancel(job_id)))
 
 
+class JobCancel:
+    """One running job's cancel flag: set by the watch's listener, or read from the key."""
+
+    def __init__(self, watch: CancelWatch, job_id: str) -> None:
+        self._watch = watch
+        self.job_id = job_id
+        self.hit = threading.Event()
+        #: When the key was last read; None = never, so the first check always reads it
+        #: (a cancel raised before the job began had no listener to hear it).
+        self._polled: float | None = None
+
+    def cancelled(self) -> bool:
+        """Checked once per decode step: a memory read, and a Redis read every poll period."""
+        if not self.hit.is_set():
+            now = time.monotonic()
+            if self._polled is None or now - self._polled >= self._watch.poll_seconds:
+                self._polled = now
+                if self._watch.read_key(self.job_id):
+                    self.hit.set()
+        return self.hit.is_set()
+
+
 class CancelWatch:
-    """Answers "was the running job cancelled?" from memory, kept current by pub/sub."""
+    """Answers "was this running job cancelled?" from memory, kept current by pub/sub.
+
+    One watch per worker serves every job it runs at once (one listener thread, one
+    pattern subscription); each job gets its own :class:`JobCancel` from :meth:`begin`.
+    """
 
     def __init__(self, connection: Redis, keys: Keys, poll_seconds: float = 0.25) -> None:
         self._conn = connection
         self._keys = keys
-        self._poll = poll_seconds
-        self._channel: str | None = None
-        self._job_id = ""
-        self._hit = threading.Event()
-        self._polled = 0.0
+        self.poll_seconds = poll_seconds
+        self._jobs: dict[str, JobCancel] = {}
         self._pubsub = connection.pubsub(ignore_subscribe_messages=True)
         self._pubsub.psubscribe(**{keys.cancel("*"): self._on_message})
         self._thread = self._pubsub.run_in_thread(sleep_time=1.0, daemon=True,
                                                   exception_handler=self._on_error)
 
-    def begin(self, job_id: str) -> None:
+    def begin(self, job_id: str) -> JobCancel:
         """Watch ``job_id`` from now on (its first check reads the key)."""
-        self._hit.clear()
-        self._job_id = job_id
-        self._channel = self._keys.cancel(job_id)
-        self._polled = 0.0
+        flag = JobCancel(self, job_id)
+        self._jobs[job_id] = flag
+        return flag
 
-    def cancelled(self) -> bool:
-        """Checked once per decode step: a memory read, and a Redis read every poll period."""
-        if not self._hit.is_set():
-            now = time.monotonic()
-            if now - self._polled >= self._poll:
-                self._polled = now
-                if is_cancelled(self._conn, self._keys, self._job_id):
-                    self._hit.set()
-        return self._hit.is_set()
+    def end(self, job_id: str) -> None:
+        """Stop watching a job that has ended."""
+        self._jobs.pop(job_id, None)
+
+    def read_key(self, job_id: str) -> bool:
+        """The durable flag, for the first check and the poll that covers lost messages."""
+        return is_cancelled(self._conn, self._keys, job_id)
 
     def close(self) -> None:
         self._thread.stop()
@@ -81,8 +101,9 @@ class CancelWatch:
         channel = message["channel"]
         if isinstance(channel, bytes):
             channel = channel.decode()
-        if channel == self._channel:
-            self._hit.set()
+        for flag in list(self._jobs.values()):
+            if self._keys.cancel(flag.job_id) == channel:
+                flag.hit.set()
 
     def _on_error(self, exc: BaseException, pubsub: Any, thread: Any) -> None:
         """Keep listening through a Redis hiccup (the key poll covers the gap)."""

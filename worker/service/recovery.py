@@ -1,9 +1,14 @@
 """Crash recovery: requeue, at the front of its queue, the job of a worker that stopped beating.
 
 rq's own abandoned-job cleanup runs every 10 minutes and then fails the job; this monitor runs
-in every worker's heartbeat thread (and in ``Coordinator.fleet()``), so a dead worker's job
-is running again within ``worker_ttl + heartbeat`` seconds. Exactly one monitor recovers a
-given worker: the claim is an atomic ``ZREM`` of its name from the fleet set.
+in every worker's heartbeat thread (and in ``Coordinator.fleet()``), so a dead worker's jobs
+are running again within ``worker_ttl + heartbeat`` seconds. Exactly one monitor recovers a
+given worker: the claim is an atomic ``ZREM`` of its name from the fleet set. The jobs are
+the worker's in-flight list, which its intake filled atomically as it took each job.
+
+A Redis that has just restarted expired every registration while it was down (TTLs are
+absolute times), though the workers are alive and reconnecting. Until Redis has been up for
+one registration TTL, nobody is declared lost: every live worker has re-registered by then.
 """
 
 from __future__ import annotations
@@ -58,33 +63,45 @@ class RecoveryMonitor:
     """Finds lost workers and requeues the job each was running."""
 
     def __init__(self, connection: Redis, keys: Keys, registry: FleetRegistry,
-                 stream_maxlen: int = 10000, stream_ttl_seconds: int = 86400) -> None:
+                 stream_maxlen: int = 10000, stream_ttl_seconds: int = 86400,
+                 worker_ttl_seconds: float = 8.0) -> None:
         self._conn = connection
         self._keys = keys
         self._registry = registry
         self._maxlen = stream_maxlen
         self._ttl = stream_ttl_seconds
+        self._worker_ttl = worker_ttl_seconds
 
     def sweep(self) -> list[str]:
         """Recover every lost worker; returns the ids of the jobs requeued."""
         requeued = []
-        for name in self._registry.lost_names():
-            if not self._registry.claim_lost(name):
-                continue
-            job_id = self._registry.take_job(name)
-            job = _fetch(self._conn, job_id) if job_id else None
+        lost = self._registry.lost_names()
+        if lost and self._redis_just_restarted():
+            return requeued
+        for name in lost:
+            if self._registry.claim_lost(name):
+                requeued += self.recover(name)
+        return requeued
+
+    def recover(self, name: str) -> list[str]:
+        """Requeue every job a dead worker called ``name`` held (after a crash, at the
+        start of its successor under the same name, or once claimed by a sweep)."""
+        requeued = []
+        for job_id in self._registry.take_jobs(name):
+            job = _fetch(self._conn, job_id)
             log.warning("worker.lost", worker=name, job_id=job_id,
                         model=(job.meta or {}).get("model") if job else None)
             if job is not None and self._requeue(job, lost_worker=name):
                 requeued.append(job.id)
         return requeued
 
-    def recover_leftover(self, name: str) -> str | None:
-        """At start-up: requeue a job that a previous process with our name left running."""
-        job_id = self._registry.take_job(name)
-        if job_id and self.requeue(job_id, lost_worker=name):
-            return job_id
-        return None
+    def _redis_just_restarted(self) -> bool:
+        """True while Redis has been up for less than one registration TTL (plus a beat)."""
+        uptime = int(self._conn.info("server").get("uptime_in_seconds", 0))
+        if uptime < self._worker_ttl + 1:
+            log.info("recovery.deferred", reason="redis restarted", redis_uptime_seconds=uptime)
+            return True
+        return False
 
     def requeue(self, job_id: str, lost_worker: str) -> bool:
         """Requeue one unfinished job and say so on its stream."""

@@ -5,7 +5,7 @@ heartbeat thread, so Redis's own clock decides who is dead (no clock skew betwee
 The ``workers`` sorted set lists every registered name (score: last heartbeat) and outlives a
 dead worker: a name in the set whose registration key has expired is a lost worker, and
 removing it from the set (``ZREM`` returns 1 exactly once) is how one monitor claims its
-recovery. ``worker:{name}:job`` names the job a worker runs and also outlives it.
+recovery. ``worker:{name}:inflight`` lists the jobs a worker holds and also outlives it.
 """
 
 from __future__ import annotations
@@ -48,17 +48,22 @@ class FleetRegistry:
     def is_alive(self, name: str) -> bool:
         return bool(self._conn.exists(self._keys.worker(name)))
 
-    def deregister(self, name: str) -> None:
-        """Clean exit: the worker leaves the fleet with no job to recover."""
-        self._conn.delete(self._keys.worker(name), self._keys.worker_job(name))
-        self._conn.zrem(self._keys.workers(), name)
+    def registration(self, name: str) -> WorkerInfo | None:
+        """The live registration of ``name``, or None when it has expired."""
+        raw = self._conn.get(self._keys.worker(name))
+        return WorkerInfo.model_validate_json(raw) if raw else None
 
-    def set_current_job(self, name: str, job_id: str | None) -> None:
-        """Record (or clear) the job a worker runs, for crash recovery."""
-        if job_id is None:
-            self._conn.delete(self._keys.worker_job(name))
-        else:
-            self._conn.set(self._keys.worker_job(name), job_id)
+    def forget(self, name: str) -> None:
+        """Drop a registration whose process is known to be gone (same host, pid dead), so
+        the name can be taken over at once instead of after the TTL."""
+        self._conn.delete(self._keys.worker(name))
+
+    def deregister(self, name: str) -> None:
+        """Clean exit: the worker leaves the fleet (its in-flight list is already empty)."""
+        pipe = self._conn.pipeline(transaction=True)
+        pipe.delete(self._keys.worker(name))
+        pipe.zrem(self._keys.workers(), name)
+        pipe.execute()
 
     def live_workers(self, model_name: str | None = None) -> list[WorkerInfo]:
         """Workers whose registration has not expired, optionally only those of one model."""
@@ -86,10 +91,13 @@ class FleetRegistry:
         """Atomically take responsibility for a lost worker; True for exactly one caller."""
         return bool(self._conn.zrem(self._keys.workers(), name))
 
-    def take_job(self, name: str) -> str | None:
-        """Remove and return the job a (lost) worker was running."""
-        raw = self._conn.getdel(self._keys.worker_job(name))
-        return raw.decode() if isinstance(raw, bytes) else raw
+    def take_jobs(self, name: str) -> list[str]:
+        """Remove and return every job a (lost) worker held, in the order it took them."""
+        pipe = self._conn.pipeline(transaction=True)
+        pipe.lrange(self._keys.inflight(name), 0, -1)
+        pipe.delete(self._keys.inflight(name))
+        raw, _ = pipe.execute()
+        return [r.decode() if isinstance(r, bytes) else r for r in raw]
 
 
 class Heartbeat(threading.Thread):

@@ -1,45 +1,66 @@
-"""The resident-model worker: one process per device, the engine loaded once, rq without fork.
+"""The resident-model worker: one process per device, the engine loaded once, its own loop.
 
-Start-up order matters: pin the device (``CUDA_VISIBLE_DEVICES``) before llama.cpp loads, fit
-the context, load the engine, register in the fleet, recover our own previous life's job, and
-only then take work. rq's ``SimpleWorker`` runs jobs in this process (a forking worker would
-reload the model per job and break CUDA), with the JSON serializer, and this subclass refuses
-every job whose function is not ``JOB_FUNCTION`` or whose payload is not JSON.
+Start-up (``startup.py``) pins the device, fits the context and loads the engine; then the
+worker registers in the fleet, requeues whatever a previous process under its name left in
+its in-flight list, and serves. The loop is specfleet's own, not rq's ``Worker.work``: it
+takes each job atomically into the worker's in-flight list (``intake.py``), refuses and
+quarantines entries it cannot run, and keeps rq's job records and registries (``rq_state.py``)
+so rq's tools still tell the truth. Every Redis call of the loop rides out an outage up to
+``SPECFLEET_REDIS_OUTAGE_SECONDS``; past that the worker exits non-zero, leaving its jobs in
+its in-flight list for recovery.
 
-SIGTERM: finish the current job, deregister, exit. A second SIGTERM/SIGINT: stop the current
+SIGTERM: finish the current job, deregister, exit 0. A second SIGTERM/SIGINT: stop the current
 generation at its next decode step, requeue it at the front (the next attempt runs on another
-worker), deregister, exit.
+worker), deregister, exit 0.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
+from typing import TypeVar
 
 from redis import Redis
-from rq.exceptions import DeserializationError
-from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
 from shared.logs import get_logger
-from shared.protocol import WorkerInfo
+from shared.outage import RedisOutage, ride_out
+from shared.protocol import FitReport, WorkerInfo
+from shared.redis_client import connect
 from shared.settings import Settings
+from worker.engine.engine import SpeculativeEngine
+from worker.engine.prompt import chat_template
 from worker.fitter.devices import parse_device
 from worker.service.cancel import CancelWatch
+from worker.service.intake import JobIntake, Taken
 from worker.service.jobs import (
-    JOB_FUNCTION,
+    Interruption,
     JobInterrupted,
     RequestRejected,
     WorkerRuntime,
-    bind_runtime,
+    refuse,
+    run_generation,
 )
+from worker.service.metrics import start_worker_metrics
 from worker.service.recovery import RecoveryMonitor, requeue_front
 from worker.service.registry import FleetRegistry, Heartbeat
+from worker.service.rq_state import (
+    PoisonedJob,
+    end_execution,
+    is_waiting,
+    load_job,
+    mark_failed,
+    mark_finished,
+    mark_started,
+)
 from worker.service.startup import (
     WorkerOptions,
     load_engine,
@@ -49,78 +70,127 @@ from worker.service.startup import (
 
 log = get_logger("worker")
 
-
-def refusal_reason(job: Job) -> str | None:
-    """Why this worker will not run ``job``, or None when it is the project's own job."""
-    try:
-        func_name, args, kwargs = job.func_name, job.args, job.kwargs
-    except (DeserializationError, TypeError, ValueError):
-        return "payload is not a JSON job (pickled, corrupt or malformed): refused"
-    if func_name != JOB_FUNCTION:
-        return f"function {func_name!r} is not {JOB_FUNCTION!r}: refused"
-    if not isinstance(args, list | tuple) or len(args) != 1 or kwargs:
-        return "the job must carry exactly one argument, the request: refused"
-    return None
+T = TypeVar("T")
 
 
-class SpecfleetWorker(SimpleWorker):
-    """A non-forking rq worker that runs only ``JOB_FUNCTION`` on a resident engine."""
+class ServingLoop:
+    """Takes one job at a time from the worker's queues and runs it to an outcome."""
 
-    def __init__(self, queues: list[Queue], runtime: WorkerRuntime,
-                 registry: FleetRegistry, **kwargs: object) -> None:
-        super().__init__(queues, name=runtime.worker_name, connection=runtime.connection,
-                         serializer=JSONSerializer, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, runtime: WorkerRuntime, intake: JobIntake, presence: SimpleWorker,
+                 queues: list[Queue]) -> None:
         self.runtime = runtime
-        self.registry = registry
+        self.intake = intake
+        self.presence = presence
+        self.queues = queues
+        self.stopping = threading.Event()
         self.current_job_id: str | None = None
 
-    def execute_job(self, job: Job, queue: Queue) -> None:
-        reason = refusal_reason(job)
-        if reason is not None:
-            log.error("job.refused", job_id=job.id, worker=self.name, queue=queue.name,
-                      reason=reason)
-            self.handle_job_failure(job, queue, exc_string=reason)
+    def run(self) -> None:
+        """Serve until asked to stop; raises :class:`RedisOutage` past the outage deadline."""
+        while not self.stopping.is_set():
+            taken = self._ride(self.intake.take, "intake.take")
+            if taken is not None:
+                self._serve(taken)
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM/SIGINT: the first finishes the running job; a second interrupts it."""
+        if self.stopping.is_set() and self.current_job_id is not None:
+            log.warning("worker.interrupting", worker=self.runtime.worker_name,
+                        job_id=self.current_job_id)
+            self.runtime.interrupt.set()
+            return
+        log.info("worker.stopping", worker=self.runtime.worker_name, signal=signum,
+                 job_id=self.current_job_id)
+        self.stopping.set()
+
+    # -- one job ---------------------------------------------------------------------------
+    def _serve(self, taken: Taken) -> None:
+        rt = self.runtime
+        conn = rt.connection
+        try:
+            job, request = self._ride(lambda: load_job(conn, taken.job_id), "job.load")
+        except PoisonedJob as exc:
+            self._refuse(taken, exc)
+            return
+        if not self._ride(lambda: is_waiting(job), "job.status"):
+            log.info("job.skipped", job_id=job.id, worker=rt.worker_name,
+                     status=str(job.get_status(refresh=False)))
+            self._ride(lambda: self.intake.release(job.id), "intake.release")
             return
         self.current_job_id = job.id
-        self.runtime.lost.clear()
-        self.registry.set_current_job(self.name, job.id)
+        rt.lost.clear()
+        ttl = (job.timeout or rt.settings.job_timeout_seconds) + 60
+        execution = self._ride(lambda: mark_started(conn, job, rt.worker_name, ttl),
+                               "job.start")
+        self.presence.set_state(WorkerStatus.BUSY)
         try:
-            super().execute_job(job, queue)
+            result = run_generation(rt, job.id, request)
+        except JobInterrupted as exc:
+            self._end(lambda pipe: end_execution(pipe, job, execution),
+                      release=exc.reason is Interruption.SHUTDOWN)
+            if exc.reason is Interruption.SHUTDOWN:
+                self._requeue(job.id)
+        except RedisOutage:
+            raise
+        except Exception as exc:  # rejected or failed: already on the job's stream
+            self._end(lambda pipe, e=exc: mark_failed(pipe, job, execution, e, rt.worker_name))
+            if not isinstance(exc, RequestRejected):
+                log.error("job.crashed", job_id=job.id, worker=rt.worker_name, exc_info=exc)
+        else:
+            self._end(lambda pipe: mark_finished(pipe, job, execution, result,
+                                                 rt.settings.result_ttl_seconds,
+                                                 rt.worker_name))
         finally:
-            interrupted, self.runtime.interrupted = self.runtime.interrupted, None
-            if interrupted == (job.id, "shutdown"):
-                requeue_front(self.connection, job.id)
-                attempt = int(self.connection.get(self.runtime.keys.attempts(job.id)) or 1)
-                log.warning("job.requeued", job_id=job.id, worker=self.name,
-                            model=self.runtime.model_name, attempt=attempt,
-                            next_attempt=attempt + 1, reason="shutdown")
-            self.registry.set_current_job(self.name, None)
             self.current_job_id = None
+            self.presence.set_state(WorkerStatus.IDLE)
 
-    def handle_job_failure(self, job: Job, queue: Queue, started_job_registry: object = None,
-                           exc_string: str = "") -> None:
-        """An interrupted generation is not a failed job (it runs again, here or elsewhere):
-        only end this worker's execution of it, leaving the job's state to its next run."""
-        interrupted = self.runtime.interrupted
-        if interrupted is not None and interrupted[0] == job.id:
-            with self.connection.pipeline() as pipe:
-                self.cleanup_execution(job, pipeline=pipe)
+    def _refuse(self, taken: Taken, exc: PoisonedJob) -> None:
+        """A poisoned or foreign entry: a final event on its stream, rq's failed record when
+        its hash is readable, and the id moved to the quarantine list. The worker serves on."""
+        rt = self.runtime
+        reason = f"{exc}: refused"
+        log.error("job.refused", job_id=taken.job_id, worker=rt.worker_name,
+                  queue=taken.queue_key, reason=reason)
+        rt.metrics.job_refused()
+        self._ride(lambda: refuse(rt, taken.job_id, reason), "job.refuse")
+        if exc.job is not None:
+            poisoned = exc.job
+
+            def record() -> None:
+                with rt.connection.pipeline() as pipe:
+                    mark_failed(pipe, poisoned, None, reason, rt.worker_name)
+                    pipe.execute()
+            try:
+                self._ride(record, "job.refuse")
+            except RedisOutage:
+                raise
+            except Exception as err:  # the hash is too broken even to be marked failed
+                log.warning("job.refused_unrecorded", job_id=taken.job_id, error=repr(err))
+        self._ride(lambda: self.intake.quarantine(taken.job_id, reason), "intake.quarantine")
+
+    def _end(self, record: Callable[[object], None], release: bool = True) -> None:
+        """Write a run's outcome in rq's records and leave the in-flight list, atomically."""
+        job_id = self.current_job_id
+
+        def write() -> None:
+            with self.runtime.connection.pipeline() as pipe:
+                record(pipe)
+                if release:
+                    pipe.lrem(self.intake.inflight_key, 1, job_id)
                 pipe.execute()
-            return
-        super().handle_job_failure(job, queue, started_job_registry, exc_string)
+        self._ride(write, "job.end")
 
-    def handle_exception(self, job: Job, *exc_info: object) -> None:
-        """Expected outcomes (a refused request, a shutdown) are already logged as events."""
-        if isinstance(exc_info[1], RequestRejected | JobInterrupted):
-            return
-        super().handle_exception(job, *exc_info)
+    def _requeue(self, job_id: str) -> None:
+        rt = self.runtime
+        self._ride(lambda: requeue_front(rt.connection, job_id), "job.requeue")
+        attempt = int(rt.connection.get(rt.keys.attempts(job_id)) or 1)
+        log.warning("job.requeued", job_id=job_id, worker=rt.worker_name,
+                    model=rt.model_name, attempt=attempt, next_attempt=attempt + 1,
+                    reason="shutdown")
+        rt.metrics.job_requeued("shutdown")
 
-    def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
-        """Second signal: interrupt the running generation (it is requeued), then exit."""
-        if self.get_state() != WorkerStatus.BUSY:
-            return super().request_force_stop(signum, frame)
-        log.warning("worker.interrupting", worker=self.name, job_id=self.current_job_id)
-        self.runtime.interrupt.set()
+    def _ride(self, operation: Callable[[], T], what: str) -> T:
+        return ride_out(operation, self.runtime.settings.redis_outage_seconds, what)
 
 
 def _package_version() -> str:
@@ -130,66 +200,127 @@ def _package_version() -> str:
         return "unknown"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_name_free(registry: FleetRegistry, name: str) -> None:
+    """Refuse a name a live worker holds; a dead holder on this host is taken over at once.
+
+    After ``kill -9`` the registration lives on until its TTL: when it names this host and a
+    pid that no longer exists, its holder is certainly gone, so the new process proceeds (its
+    registration overwrites the old one and it requeues what the old one held)."""
+    holder = registry.registration(name)
+    if holder is None:
+        return
+    if holder.host == socket.gethostname() and holder.pid != os.getpid() \
+            and not _pid_alive(holder.pid):
+        log.warning("worker.takeover", worker=name, previous_pid=holder.pid,
+                    previous_job=holder.current_job)
+        return
+    raise RuntimeError(f"a live worker is already registered as {name!r} "
+                       f"(pid {holder.pid} on {holder.host})")
+
+
 def serve(options: WorkerOptions, settings: Settings) -> None:
     """Run a worker until SIGTERM: pin, load, register, recover, work, deregister."""
     device = parse_device(options.device)
     reexec_if_pinned_too_late(device)
     n_gpu_layers = pin_device(device)
-    connection = Redis.from_url(settings.redis_url)
+    connection = connect(settings.redis_url)
     connection.ping()
     keys = settings.keys
     name = options.name or f"{socket.gethostname()}-{device.name}-{os.getpid()}"
     registry = FleetRegistry(connection, keys, settings.worker_ttl_seconds)
-    if registry.is_alive(name):
-        raise RuntimeError(f"a live worker is already registered as {name!r}")
+    check_name_free(registry, name)
     engine, fit = load_engine(options, n_gpu_layers, settings)
+    try:
+        _serve_loaded(options, settings, connection, registry, name, device.name, engine, fit)
+    finally:
+        engine.close()
+
+
+def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
+                  registry: FleetRegistry, name: str, device: str, engine: SpeculativeEngine,
+                  fit: FitReport | None) -> None:
+    keys = settings.keys
+    metrics = start_worker_metrics(name, options.model_name, device, options.metrics_port)
     runtime = WorkerRuntime(engine=engine, connection=connection, settings=settings,
                             worker_name=name, model_name=options.model_name,
-                            n_ctx=engine.config.n_ctx, cancels=CancelWatch(connection, keys))
-    bind_runtime(runtime)
+                            n_ctx=engine.config.n_ctx, cancels=CancelWatch(connection, keys),
+                            metrics=metrics)
     info = WorkerInfo(
         name=name, model_name=options.model_name, model_path=options.model_path,
-        device=device.name, n_ctx=runtime.n_ctx, slots=1, version=_package_version(),
+        device=device, n_ctx=runtime.n_ctx, slots=1, version=_package_version(),
         pid=os.getpid(), host=socket.gethostname(), started_at=time.time(),
-        heartbeat_at=time.time(), spec_methods=[str(engine.method)], fit=fit)
+        heartbeat_at=time.time(), spec_methods=[str(engine.method)], fit=fit,
+        chat_template=chat_template(engine.model, settings.chat_template) is not None,
+        metrics_port=metrics.port)
+    metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
     monitor = RecoveryMonitor(connection, keys, registry, settings.stream_maxlen,
-                              settings.stream_ttl_seconds)
-    monitor.recover_leftover(name)
-    _forget_stale_rq_worker(connection, name)
+                              settings.stream_ttl_seconds, settings.worker_ttl_seconds)
     queues = [Queue(q, connection=connection, serializer=JSONSerializer,
                     default_timeout=settings.job_timeout_seconds)
               for q in keys.queues(options.model_name)]
-    worker = SpecfleetWorker(queues, runtime, registry,
-                             default_result_ttl=settings.result_ttl_seconds)
+    presence = _rq_presence(connection, name, queues)
+    loop = ServingLoop(runtime, JobIntake(connection, keys, name, queues), presence, queues)
 
     def current_info() -> WorkerInfo:
-        info.current_job = worker.current_job_id
+        info.current_job = loop.current_job_id
+        info.telemetry = engine.telemetry()
         return info
 
     def on_lost() -> None:
-        log.error("worker.declared_lost", worker=name, job_id=worker.current_job_id)
+        log.error("worker.declared_lost", worker=name, job_id=loop.current_job_id)
         runtime.lost.set()
 
+    def on_tick() -> None:
+        presence.heartbeat()
+        metrics.job_requeued("lost", len(monitor.sweep()))
+
     registry.register(current_info())
-    log.info("worker.registered", worker=name, model=options.model_name, device=device.name,
+    # what a previous process under this name left in flight
+    metrics.job_requeued("lost", len(monitor.recover(name)))
+    log.info("worker.registered", worker=name, model=options.model_name, device=device,
              n_ctx=runtime.n_ctx, spec_method=str(engine.method), queues=[q.name for q in queues])
     heartbeat = Heartbeat(registry, current_info, settings.heartbeat_seconds,
-                          on_tick=monitor.sweep, on_lost=on_lost)
+                          on_tick=on_tick, on_lost=on_lost)
     heartbeat.start()
+    signal.signal(signal.SIGTERM, loop.request_stop)
+    signal.signal(signal.SIGINT, loop.request_stop)
     try:
-        worker.work(logging_level="WARNING")
+        loop.run()
+    except RedisOutage as exc:
+        log.error("worker.redis_gave_up", worker=name, error=str(exc),
+                  held=loop.current_job_id)
+        raise
     finally:
         heartbeat.stop()
+        metrics.close()
         runtime.cancels.close()
-        registry.deregister(name)
-        bind_runtime(None)
-        engine.close()
-        log.info("worker.deregistered", worker=name, model=options.model_name)
+        try:
+            registry.deregister(name)
+            presence.register_death()
+        except Exception as exc:  # Redis gone for good: the TTL and recovery take over
+            log.warning("worker.deregister_failed", worker=name, error=repr(exc))
+        else:
+            log.info("worker.deregistered", worker=name, model=options.model_name)
 
 
-def _forget_stale_rq_worker(connection: Redis, name: str) -> None:
-    """rq refuses a name whose previous process died without saying so; that process is gone."""
+def _rq_presence(connection: Redis, name: str, queues: list[Queue]) -> SimpleWorker:
+    """rq's record of this worker (``rq info`` lists it, busy or idle); rq never runs jobs
+    here. A record left by a previous process under this name is that process's: retire it."""
     stale = SimpleWorker.find_by_key(f"rq:worker:{name}", connection=connection,
                                      serializer=JSONSerializer)
     if stale is not None:
         stale.register_death()
+    presence = SimpleWorker(queues, name=name, connection=connection, serializer=JSONSerializer)
+    presence.register_birth()
+    presence.set_state(WorkerStatus.IDLE)
+    return presence
