@@ -60,7 +60,7 @@ def test_failed_device_reservation_falls_back_to_host(allocate, compact_fit: Fit
                         compact_fit.report)
     with capture_logs() as logs:
         built = allocate(failing)
-    assert built.engine.rollback.store.mode is CheckpointMode.HOST
+    assert built.engine.rollback.stores[0].mode is CheckpointMode.HOST
     host_size = compact_fit.report.details["checkpoint_host_bytes_per_slot"]
     assert built.reserved == host_size
     assert [e["event"] for e in logs].count("checkpoint.fallback") == 1

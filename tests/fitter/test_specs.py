@@ -25,4 +25,4 @@ def test_specs_equal_the_engines_contexts(tiny_models: TinyModels, which: str,
         assert specs.n_rs_seq == engine.target.n_rs_seq
         draft = engine.mtp._draft.spec if engine.mtp is not None else None  # noqa: SLF001
         assert specs.draft == draft
-        assert specs.at(1024).target == specs.target.with_(n_ctx=1024, n_batch=1024)
+        assert specs.at(1024).target == specs.target.with_(n_ctx=1024)

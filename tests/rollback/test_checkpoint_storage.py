@@ -33,7 +33,7 @@ def test_device_save_failure_mid_generation_moves_to_host_for_good(
     with engine_for(hybrid_model, DRAFT_MAX, DEPTH, CheckpointMode.DEVICE) as engine:
         rollback = engine.rollback
         assert isinstance(rollback, CompactRollback)
-        store = rollback.store
+        store = rollback.stores[0]
         at_break: dict[str, object] = {}
         produced: list[int] = []
 
@@ -41,7 +41,7 @@ def test_device_save_failure_mid_generation_moves_to_host_for_good(
             produced.extend(tokens)
             if len(produced) >= BREAK_AFTER and not at_break:
                 at_break.update(mode=store.mode, saves=store.saves,
-                                replays=rollback.replay_events)
+                                replays=rollback.replay_events[0])
                 store.fail_device = True
 
         oracle = OracleProposer(expected, engine.model.n_vocab, seed=7)
@@ -99,7 +99,7 @@ def test_fault_injection_at_start_reserves_host_storage(
             result = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle)
 
     assert reserved > 0
-    assert rollback.store.mode is CheckpointMode.HOST
+    assert rollback.stores[0].mode is CheckpointMode.HOST
     [event] = fallbacks(logs)
     assert event["phase"] == "reserve"
     assert result.tokens == expected

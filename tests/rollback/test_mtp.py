@@ -55,7 +55,7 @@ def test_mtp_drafter_with_compact_rollback_is_exact(
                         adaptive=varied, p_min=0.5 if varied else 0.0)
     with engine_for(hybrid_model, draft_max, depth, mode, method=SpecMethod.MTP) as engine:
         assert engine.mtp is not None
-        recording = Recording(engine.mtp)
+        recording = Recording(engine.mtp.proposer(0))  # an idle engine admits into slot 0
         result = engine.generate(PROMPT, LONG_TOKENS, spec, proposer=recording)
 
     assert result.tokens == hybrid_reference[:LONG_TOKENS]

@@ -10,10 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
+from worker.engine.proposers.output_cache import DEFAULT_CACHE_BYTES
 from worker.llm import ContextSpec, ModelSpec
 
 #: Physical batch of the target: prompts are prefilled in slices of this many tokens.
 TARGET_UBATCH = 512
+#: Prompt tokens prefilled per engine step, over all slots still loading a prompt: a long
+#: prompt is decoded in slices of this size mixed into the verify batches, so the other slots
+#: keep streaming while it loads.
+PREFILL_CHUNK = TARGET_UBATCH
 #: Draft-context batch width: compute buffers scale with ubatch x vocabulary (seed 000 cut
 #: it from 256 to 32); the prompt catch-up simply takes more, smaller decodes.
 DRAFT_BATCH = 32
@@ -22,10 +27,12 @@ DRAFT_BATCH = 32
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine is built for. ``spec`` is its capacity: the draft width N the
-    contexts are sized for, the rollback depth D (None = N) and the drafting method."""
+    contexts are sized for, the rollback depth D (None = N) and the drafting method.
+    ``slots`` sequences run at once, each with a context of ``n_ctx`` tokens."""
 
     model_path: str
     n_ctx: int = 4096
+    slots: int = 1
     n_threads: int = 2
     n_gpu_layers: int = 0
     spec: SpecSettings = field(default_factory=SpecSettings)
@@ -34,11 +41,14 @@ class EngineConfig:
     #: Time the target's verify decodes at load (1..N+1 rows) and verify only draft lengths
     #: that pay for themselves (see verify_shape.py). Costs a few seconds at start on CPU.
     calibrate_verify: bool = False
+    #: Bound of the suffix drafter's cache of recent outputs (method suffix / mtp+suffix);
+    #: host memory, counted by the fitter as ``lookup_cache``.
+    lookup_cache_bytes: int = DEFAULT_CACHE_BYTES
 
 
 def needs_mtp_weights(method: SpecMethod) -> bool:
     """Load the NextN tensors only when MTP may draft (``auto`` decides after loading)."""
-    return method in (SpecMethod.MTP, SpecMethod.AUTO)
+    return method in (SpecMethod.MTP, SpecMethod.MTP_SUFFIX, SpecMethod.AUTO)
 
 
 def model_spec(config: EngineConfig, no_alloc: bool = False) -> ModelSpec:
@@ -47,16 +57,27 @@ def model_spec(config: EngineConfig, no_alloc: bool = False) -> ModelSpec:
                      n_gpu_layers=config.n_gpu_layers, no_alloc=no_alloc)
 
 
-def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int,
-                slots: int = 1) -> ContextSpec:
-    """The target context: a verify needs ``draft_max + 1`` output rows at most, so the
-    output buffer is capped there instead of at the batch width (notes: 514 -> 22 MiB)."""
-    return ContextSpec(n_ctx=config.n_ctx, n_batch=config.n_ctx, n_ubatch=TARGET_UBATCH,
-                       n_seq_max=slots, n_rs_seq=n_rs_seq, n_outputs_max=draft_max + 1,
-                       n_threads=config.n_threads, swa_full=False)
+def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int) -> ContextSpec:
+    """The target context: ``slots`` sequences of ``n_ctx`` tokens each (llama.cpp gives every
+    sequence ``n_ctx / n_seq_max`` of the cache). One step's batch holds every slot's verify
+    rows (``draft_max + 1`` each, all with logits) plus at most one prefill chunk, so the
+    output buffer is capped at the verify rows instead of the batch width (notes: 514 -> 22
+    MiB) and the batch at chunk + verify rows."""
+    verify_rows = config.slots * (draft_max + 1)
+    return ContextSpec(n_ctx=config.n_ctx * config.slots, n_batch=PREFILL_CHUNK + verify_rows,
+                       n_ubatch=TARGET_UBATCH, n_seq_max=config.slots, n_rs_seq=n_rs_seq,
+                       n_outputs_max=verify_rows, n_threads=config.n_threads, swa_full=False)
 
 
-def draft_spec(config: EngineConfig) -> ContextSpec:
-    """The MTP draft context: same length as the target, narrow batches, one output row."""
-    return ContextSpec(n_ctx=config.n_ctx, n_batch=DRAFT_BATCH, n_ubatch=DRAFT_BATCH,
-                       n_outputs_max=1, n_threads=config.n_threads, mtp=True)
+def draft_batch(config: EngineConfig, draft_max: int) -> int:
+    """Entries of one MTP draft decode: every slot's catch-up (``draft_max + 1``) plus its next
+    drafted position, or a prompt slice of :data:`DRAFT_BATCH`."""
+    return max(DRAFT_BATCH, config.slots * (draft_max + 2))
+
+
+def draft_spec(config: EngineConfig, draft_max: int) -> ContextSpec:
+    """The MTP draft context: as many sequences and tokens as the target, narrow ubatches, one
+    output row per slot (every slot drafts its next token in the same decode)."""
+    return ContextSpec(n_ctx=config.n_ctx * config.slots, n_batch=draft_batch(config, draft_max),
+                       n_ubatch=DRAFT_BATCH, n_seq_max=config.slots, n_outputs_max=config.slots,
+                       n_threads=config.n_threads, mtp=True)

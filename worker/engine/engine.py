@@ -1,44 +1,56 @@
-"""The speculative decoding engine: one resident model, a target context, and the decode loop.
+"""The speculative decoding engine: one resident model, a target context of S sequences, and
+the step loop that serves them all.
 
-Every step of every generation is the same: ask the width policy how far to draft, let the
-proposer draft, verify ``[last, drafts..]`` in one target decode, commit the accepted prefix
-plus the bonus token. Plain decoding is that loop with a proposer that never drafts, so
-speculation on or off, greedy or sampled, there is one loop to get right.
+Every step of every generation is the same: ask each slot's width policy how far to draft, let
+its proposer draft (MTP slots together, in batched draft decodes), verify every slot's
+``[last, drafts..]`` in ONE target decode (with the next slices of prompts still loading),
+then accept, commit, stream and roll back per slot. Plain decoding is that loop with a
+proposer that never drafts, and :meth:`SpeculativeEngine.generate` is one slot stepped until
+it is done, so speculation on or off, greedy or sampled, one slot or eight, there is one loop
+to get right.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from time import perf_counter
 
 from shared.logs import get_logger
 from shared.protocol import FinishReason, SpecMethod, SpecSettings, Telemetry
-from worker.engine.config import EngineConfig, draft_spec, model_spec, target_spec
+from worker.engine.config import (
+    PREFILL_CHUNK,
+    EngineConfig,
+    draft_spec,
+    model_spec,
+    target_spec,
+)
 from worker.engine.draft_length_policy import make_policy
-from worker.engine.proposers.base import Proposer
+from worker.engine.proposers.base import Draft, Proposer
 from worker.engine.proposers.factory import (
     make_proposer,
+    make_suffix_shared,
     resolve_engine_method,
     resolve_request_method,
+    uses_mtp,
 )
-from worker.engine.proposers.mtp import MtpProposer
+from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
 from worker.engine.rollback import make_rollback
 from worker.engine.sampling import make_picker
+from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
 from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
-from worker.engine.verify import Verifier
+from worker.engine.verify import PrefillChunk, Verifier, VerifyJob
 from worker.engine.verify_shape import best_lengths, measure_costs
 from worker.llm import Context, Model
 
+__all__ = ["EngineConfig", "GenerationResult", "NoFreeSlotError", "SlotRequest", "SlotUpdate",
+           "SpeculativeEngine"]
+
 log = get_logger("engine")
 
-@dataclass
-class GenerationResult:
-    tokens: list[int]
-    text: str
-    finish_reason: FinishReason
-    telemetry: Telemetry
+
+class NoFreeSlotError(RuntimeError):
+    """:meth:`SpeculativeEngine.admit` was called while every slot is busy."""
 
 
 def _never() -> bool:
@@ -50,35 +62,42 @@ def _ignore(tokens: list[int], text: str) -> None:
 
 
 class SpeculativeEngine:
-    """Loads the model and its contexts once; serves one generation at a time."""
+    """Loads the model and its contexts once; serves up to ``config.slots`` generations at a
+    time through :meth:`admit` / :meth:`step` / :meth:`cancel`, or one with :meth:`generate`."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.n_ctx < 2:
             raise ValueError(f"n_ctx must be at least 2, got {config.n_ctx}")
+        if config.slots < 1:
+            raise ValueError(f"slots must be at least 1, got {config.slots}")
         self.config = config
         wanted = config.spec.method
         self.model = Model(model_spec(config))
+        self._slots: dict[int, Slot] = {}
         try:
             self.method = resolve_engine_method(wanted, self.model)
             self.draft_max = config.spec.draft_max if self.method is not SpecMethod.NONE else 0
             self.rollback = make_rollback(self.model, self.draft_max, config.spec.rollback_depth,
-                                          config.checkpoint, config.fail_device_checkpoint)
-            self.target = Context(self.model,
-                                  target_spec(config, self.rollback.n_rs_seq, self.draft_max))
-            self.mtp = (MtpProposer(self.model, self.target, draft_spec(config))
-                        if self.method is SpecMethod.MTP else None)
-            self.verifier = Verifier(self.target, self.rollback, config.n_ctx)
+                                          config.checkpoint, config.fail_device_checkpoint,
+                                          config.slots)
+            spec = target_spec(config, self.rollback.n_rs_seq, self.draft_max)
+            self.target = Context(self.model, spec)
+            self.mtp = (MtpDrafter(self.model, self.target, draft_spec(config, self.draft_max))
+                        if uses_mtp(self.method) else None)
+            self.verifier = Verifier(self.target, self.rollback, spec.n_batch)
             # Calibration decodes on the target: a failure there must free the model too.
             self.shape = (best_lengths(measure_costs(self.target, self.verifier.batch,
                                                      self.draft_max + 1))
                           if config.calibrate_verify and self.draft_max
                           else list(range(self.draft_max + 1)))
+            self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
+                                             self.draft_max, config.lookup_cache_bytes)
         except BaseException:
             self.close()
             raise
         self._lifetime = SpecCounters(spec_method=str(self.method), draft_max=self.draft_max)
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
-                 draft_max=self.draft_max, n_ctx=config.n_ctx,
+                 draft_max=self.draft_max, n_ctx=config.n_ctx, slots=config.slots,
                  n_rs_seq=self.target.n_rs_seq, rollback=type(self.rollback).__name__,
                  verify_shape=self.shape)
 
@@ -89,93 +108,97 @@ class SpeculativeEngine:
     def detokenize(self, tokens: list[int]) -> str:
         return self.model.detokenize(tokens)
 
-    # -- generation ------------------------------------------------------------------------
+    # -- slots -----------------------------------------------------------------------------
+    @property
+    def active(self) -> list[Slot]:
+        """Slots serving a request, in admission order."""
+        return list(self._slots.values())
+
+    @property
+    def free_slots(self) -> int:
+        return self.config.slots - len(self._slots)
+
+    def admit(self, request: SlotRequest) -> Slot:
+        """Start ``request`` in a free slot; it is prefilled and decoded by the next steps.
+
+        Bad requests (empty or out-of-vocabulary prompt, ``max_tokens < 1``, a prompt that
+        leaves no room in the per-slot context, a method the engine was not loaded for,
+        sampling with speculation) are a ``ValueError`` here, before anything is allocated.
+        """
+        spec = request.spec or self.config.spec
+        method = resolve_request_method(spec.method, self.method)
+        if request.temperature > 0 and method is not SpecMethod.NONE:
+            raise ValueError("speculative decoding is greedy-only: use temperature 0, "
+                             "or speculation method 'none' to sample")
+        self._check_request(request.prompt_tokens, request.max_tokens)
+        seq = next((s for s in range(self.config.slots) if s not in self._slots), None)
+        if seq is None:
+            raise NoFreeSlotError(f"all {self.config.slots} slots are busy")
+        draft_max = min(spec.draft_max, self.draft_max) if method is not SpecMethod.NONE else 0
+        if self.mtp is not None:
+            self.mtp.reset(seq)
+        mtp = self.mtp.proposer(seq) if self.mtp is not None else None
+        slot = Slot(
+            seq=seq, request=request, method=method, spec=spec, draft_max=draft_max,
+            proposer=request.proposer or make_proposer(method, spec, mtp, self.suffix),
+            policy=make_policy(draft_max, spec.adaptive, self.shape),
+            pick=make_picker(request.temperature, request.seed),
+            stream=TextStream(self.model, request.stop),
+            counters=SpecCounters(spec_method=str(method), draft_max=draft_max,
+                                  prompt_tokens=len(request.prompt_tokens)),
+            rollback_before=self.rollback.telemetry(seq),
+            history=list(request.prompt_tokens),
+        )
+        self._slots[seq] = slot
+        log.debug("slot.admitted", seq=seq, prompt_tokens=len(request.prompt_tokens),
+                  method=str(method))
+        return slot
+
+    def cancel(self, slot: Slot) -> None:
+        """Stop ``slot`` at the next step (its result says ``cancelled``); others run on."""
+        slot.cancelled = True
+
+    def step(self) -> list[SlotUpdate]:
+        """One engine step over every active slot: draft, one target decode (verifies plus
+        prefill chunks), accept, commit, roll back. Returns an update for every slot that
+        verified or finished. If it raises, every active slot has been dropped (their
+        sequences are free again) and the caller decides what happens to their requests."""
+        try:
+            return self._step()
+        except BaseException:
+            for slot in self.active:
+                self._release(slot)
+            raise
+
     def generate(self, prompt_tokens: list[int], max_tokens: int,
                  spec: SpecSettings | None = None, *, temperature: float = 0.0, seed: int = 0,
                  stop: Sequence[str] = (),
                  on_tokens: Callable[[list[int], str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
                  proposer: Proposer | None = None) -> GenerationResult:
-        """Generate up to ``max_tokens`` after ``prompt_tokens``.
+        """Generate up to ``max_tokens`` after ``prompt_tokens``: one slot, stepped to the end.
 
         ``spec`` narrows the engine's capacity for this request (a larger ``draft_max`` is
         clamped to the engine's). ``on_tokens`` receives each step's newly committed tokens
         and their text; ``should_stop`` is polled once per decode step to cancel.
         ``proposer`` replaces the drafter ``spec`` selects (tests drive rollback with an oracle).
+        Other slots admitted meanwhile are stepped along with it (their updates are dropped:
+        callers that share an engine drive :meth:`step` themselves).
         """
-        spec = spec or self.config.spec
-        method = resolve_request_method(spec.method, self.method)
-        if temperature > 0 and method is not SpecMethod.NONE:
-            raise ValueError("speculative decoding is greedy-only: use temperature 0, "
-                             "or speculation method 'none' to sample")
-        self._check_request(prompt_tokens, max_tokens)
-        draft_max = min(spec.draft_max, self.draft_max) if method is not SpecMethod.NONE else 0
-        counters = SpecCounters(spec_method=str(method), draft_max=draft_max,
-                                prompt_tokens=len(prompt_tokens))
-        proposer = proposer or make_proposer(method, spec, self.mtp)
-        policy = make_policy(draft_max, spec.adaptive, self.shape)
-        shape = self.shape
-        pick = make_picker(temperature, seed)
-        rollback_before = self.rollback.telemetry()
-        stream = TextStream(self.model, stop)
+        slot = self.admit(SlotRequest(prompt_tokens, max_tokens, spec, temperature, seed, stop,
+                                      proposer))
         notify = on_tokens or _ignore
         cancelled = should_stop or _never
-        history = list(prompt_tokens)
-        generated: list[int] = []
-        n_ctx = self.config.n_ctx
-        finish: FinishReason | None = None
-        try:
-            t0 = perf_counter()
-            self._prefill(history[:-1])
-            proposer.start(history)
-            t1 = perf_counter()
-            while finish is None:
-                if cancelled():
-                    finish = FinishReason.CANCELLED
-                    break
-                pos0 = len(history) - 1
-                width = shape[min(policy.width(), max_tokens - len(generated) - 1,
-                                  n_ctx - pos0 - 1)]
-                td = perf_counter()
-                draft = proposer.propose(history, width, spec.p_min).tokens
-                counters.draft_seconds += perf_counter() - td
-                draft = draft[: shape[len(draft)]] if len(draft) >= spec.draft_min else []
-                outcome = self.verifier.step(history[-1], draft, pos0, pick, proposer, counters)
-                policy.update(len(draft), outcome.n_accepted)
-                committed: list[int] = []
-                for token in [*outcome.accepted, outcome.bonus]:
-                    if self.model.is_eog(token):
-                        finish = FinishReason.EOS
-                        break
-                    committed.append(token)
-                    stream.push(token)
-                    if stream.stopped:
-                        finish = FinishReason.STOP
-                    elif len(generated) + len(committed) == max_tokens:
-                        finish = FinishReason.LENGTH
-                    elif len(history) + len(committed) > n_ctx:
-                        finish = FinishReason.CONTEXT
-                    if finish is not None:
-                        break
-                generated += committed
-                history += committed
-                notify(committed, stream.take(final=finish is not None))
-            t2 = perf_counter()
-        finally:
-            pick.close()
-        counters.prefill_seconds = t1 - t0
-        counters.wall_seconds = t2 - t1
-        counters.generated_tokens = len(generated)
-        counters.set_rollback(rollback_before, self.rollback.telemetry())
-        self._lifetime.merge(counters)
-        telemetry = counters.to_telemetry()
-        log.info("generation.finished", finish_reason=str(finish), method=str(method),
-                 prompt_tokens=len(prompt_tokens), generated=len(generated),
-                 acceptance=round(telemetry.acceptance, 4),
-                 tokens_per_verify=round(telemetry.tokens_per_verify, 3),
-                 effective_tps=round(telemetry.effective_tokens_per_second, 2),
-                 telemetry=telemetry.model_dump(mode="json"))
-        return GenerationResult(generated, stream.text, finish, telemetry)
+        while True:
+            if slot.phase is Phase.DECODE and cancelled():
+                self.cancel(slot)
+            for update in self.step():
+                if update.slot is not slot:
+                    continue
+                if update.verified:
+                    notify(update.tokens, update.text)
+                if update.result is not None:
+                    return update.result
 
     def telemetry(self) -> Telemetry:
         """Cumulative over every generation this engine has served."""
@@ -203,11 +226,128 @@ class SpeculativeEngine:
         if bad is not None:
             raise ValueError(f"prompt token {bad} is outside the vocabulary (0..{n_vocab - 1})")
 
-    def _prefill(self, tokens: list[int]) -> None:
-        """Decode all prompt tokens but the last (which opens the first verify), no logits."""
-        self.target.clear()
-        if tokens:
-            self.target.decode(self.verifier.batch.set(tokens, 0, False))
+    def _step(self) -> list[SlotUpdate]:
+        updates = [self._finish(s, FinishReason.CANCELLED, verified=False)
+                   for s in self.active if s.cancelled]
+        decoding = [s for s in self.active if s.phase is Phase.DECODE]
+        chunks = self._chunks([s for s in self.active if s.phase is Phase.PREFILL])
+        drafts = self._draft(decoding)
+        jobs = [VerifyJob(s.seq, s.history[-1], d, len(s.history) - 1, s.pick, s.proposer)
+                for s, d in zip(decoding, drafts, strict=True)]
+        if not jobs and not chunks:
+            return updates
+        outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
+        for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
+            c = slot.counters
+            c.draft_seconds += times.observe
+            c.decode_seconds += times.target
+            c.record_verify(len(draft), outcome.n_accepted)
+            slot.policy.update(len(draft), outcome.n_accepted)
+            committed = slot.commit(outcome, self.model, self.config.n_ctx)
+            if slot.finish is not None:
+                updates.append(self._finish(slot, slot.finish, committed))
+            else:
+                updates.append(SlotUpdate(slot, committed, slot.stream.take(final=False), True))
+        return updates
+
+    def _chunks(self, loading: list[Slot]) -> list[PrefillChunk]:
+        """This step's prompt slices: up to :data:`PREFILL_CHUNK` tokens, oldest slot first.
+        A slot with nothing left to prefill (a one-token prompt) just starts decoding."""
+        budget = PREFILL_CHUNK
+        chunks: list[PrefillChunk] = []
+        for slot in loading:
+            if slot.to_prefill == 0:
+                self._start_decoding(slot)
+                continue
+            n = min(budget, slot.to_prefill)
+            if n == 0:
+                continue
+            start = slot.prefilled
+            chunks.append(PrefillChunk(slot.seq, slot.history[start:start + n], start))
+            budget -= n
+        return chunks
+
+    def _prefilled(self, chunk: PrefillChunk, row0: int) -> None:
+        """A chunk was decoded (its hidden rows are still in the target's outputs)."""
+        slot = self._slots[chunk.seq]
+        if self.mtp is not None and uses_mtp(slot.method):
+            self.mtp.feed_prompt(chunk.seq, chunk.tokens, chunk.pos0, row0)
+        slot.prefilled += len(chunk.tokens)
+        if slot.to_prefill == 0:
+            self._start_decoding(slot)
+
+    def _start_decoding(self, slot: Slot) -> None:
+        slot.proposer.start(slot.history)
+        slot.phase = Phase.DECODE
+        slot.ready_at = perf_counter()
+
+    def _draft(self, slots: list[Slot]) -> list[list[int]]:
+        """Every decoding slot's draft for this step: MTP slots of this engine's drafter in
+        one batched chain (each is charged the chain's time: it waited for all of it), the
+        others through their own proposer."""
+        widths = [self._width(s) for s in slots]
+        drafts: list[Draft | None] = [None] * len(slots)
+        batched = [i for i, s in enumerate(slots)
+                   if isinstance(s.proposer, MtpProposer) and s.proposer.drafter is self.mtp]
+        if batched and self.mtp is not None:
+            t0 = perf_counter()
+            requests = [DraftRequest(slots[i].seq, slots[i].history, widths[i],
+                                     slots[i].spec.p_min) for i in batched]
+            for i, draft in zip(batched, self.mtp.draft(requests), strict=True):
+                drafts[i] = draft
+            seconds = perf_counter() - t0
+            for i in batched:
+                slots[i].counters.draft_seconds += seconds
+        out: list[list[int]] = []
+        for slot, width, draft in zip(slots, widths, drafts, strict=True):
+            if draft is None:
+                t0 = perf_counter()
+                draft = slot.proposer.propose(slot.history, width, slot.spec.p_min)
+                slot.counters.draft_seconds += perf_counter() - t0
+            tokens = draft.tokens
+            keep = self.shape[len(tokens)] if len(tokens) >= slot.spec.draft_min else 0
+            out.append(tokens[:keep])
+        return out
+
+    def _width(self, slot: Slot) -> int:
+        """The policy's width, capped so the step can exceed neither ``max_tokens`` nor the
+        slot's context."""
+        pos0 = len(slot.history) - 1
+        return self.shape[min(slot.policy.width(), slot.draft_max,
+                              slot.request.max_tokens - len(slot.generated) - 1,
+                              self.config.n_ctx - pos0 - 1)]
+
+    def _finish(self, slot: Slot, reason: FinishReason, committed: Sequence[int] = (),
+                verified: bool = True) -> SlotUpdate:
+        """End ``slot``'s generation, free its sequence, and build its result."""
+        now = perf_counter()
+        c = slot.counters
+        ready = slot.ready_at or now
+        c.prefill_seconds = ready - slot.admitted_at
+        c.wall_seconds = now - ready
+        c.generated_tokens = len(slot.generated)
+        c.set_rollback(slot.rollback_before, self.rollback.telemetry(slot.seq))
+        self._release(slot)
+        self._lifetime.merge(c)
+        telemetry = c.to_telemetry()
+        text = slot.stream.take(final=True)
+        result = GenerationResult(slot.generated, slot.stream.text, reason, telemetry)
+        log.info("generation.finished", seq=slot.seq, finish_reason=str(reason),
+                 method=str(slot.method), prompt_tokens=len(slot.request.prompt_tokens),
+                 generated=len(slot.generated), acceptance=round(telemetry.acceptance, 4),
+                 tokens_per_verify=round(telemetry.tokens_per_verify, 3),
+                 effective_tps=round(telemetry.effective_tokens_per_second, 2),
+                 telemetry=telemetry.model_dump(mode="json"))
+        return SlotUpdate(slot, list(committed), text, verified, result)
+
+    def _release(self, slot: Slot) -> None:
+        """Give ``slot``'s sequence back: its KV and recurrent state, checkpoint, sampler."""
+        slot.phase = Phase.DONE
+        slot.pick.close()
+        del self._slots[slot.seq]
+        self.rollback.release(slot.seq)
+        if self.target is not None:
+            self.target.seq_clear(slot.seq)
 
     def __enter__(self) -> SpeculativeEngine:
         return self

@@ -1,21 +1,55 @@
-"""The verify step: one target decode of ``[last, d1..dn]`` that keeps what the target agrees with.
+"""The verify step: ONE target decode of every slot's ``[last, d1..dn]`` (and of the prompt
+chunks being prefilled), that keeps what the target agrees with.
 
-Every row gets logits. Row ``i`` holds the target's own choice after ``[.., last, d1..di]``,
-so the drafts are accepted while ``pick(row i) == d(i+1)``; the first row that disagrees (or
-row ``n`` after a full accept) gives the next token for free (the bonus). The proposer is told
-the outcome while the verify's hidden rows are still in the output buffers, then the target
-is rolled back over the rejected tail.
+Every verify row gets logits. Row ``i`` of a slot holds the target's own choice after
+``[.., last, d1..di]``, so the drafts are accepted while ``pick(row i) == d(i+1)``; the first
+row that disagrees (or row ``n`` after a full accept) gives the next token for free (the
+bonus). Order matters once the decode is done (notes, "several sequences"): every slot's
+outcome is read and its proposer told while the verify's output rows are still there, the
+prompt chunks are handed on (MTP feeds their hidden rows), then every slot's tail is rolled
+back, and the deep rejections are replayed last (a replay is a decode and replaces the
+outputs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from time import perf_counter
 
 from worker.engine.proposers.base import Proposer, VerifyOutcome
 from worker.engine.rollback import Rollback
 from worker.engine.sampling import TokenPicker
-from worker.engine.telemetry import SpecCounters
 from worker.llm import Batch, Context
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    """One slot's verify: ``draft`` after ``last`` at ``pos0`` of sequence ``seq``."""
+
+    seq: int
+    last: int
+    draft: list[int]
+    pos0: int
+    pick: TokenPicker
+    proposer: Proposer
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt ``tokens`` of sequence ``seq`` at ``pos0..``, decoded without logits."""
+
+    seq: int
+    tokens: list[int]
+    pos0: int
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of the target's work (decode, rollback) and of the proposers' catch-up."""
+
+    target: float
+    observe: float
 
 
 class Verifier:
@@ -26,34 +60,47 @@ class Verifier:
         self.rollback = rollback
         self.batch = Batch(capacity)
 
-    def step(self, last: int, draft: list[int], pos0: int, pick: TokenPicker,
-             proposer: Proposer, counters: SpecCounters) -> VerifyOutcome:
-        """Verify ``draft`` after ``last`` (at ``pos0``), update the proposer, roll back.
+    def step(self, chunks: list[PrefillChunk], jobs: list[VerifyJob],
+             prefilled: Callable[[PrefillChunk, int], None]) -> tuple[list[VerifyOutcome],
+                                                                     StepTimes]:
+        """Decode ``chunks`` and verify ``jobs`` in one batch, tell the proposers, roll back.
 
-        Target time (decode and rollback) is charged to ``decode_seconds``, the proposer's
-        catch-up to ``draft_seconds``. Raises :class:`RollbackError` when llama.cpp refuses a
-        rollback: decoding on from an unrolled state would be silently wrong.
+        ``prefilled(chunk, row0)`` is called for every chunk while its hidden rows (batch
+        entries ``row0..``) are still in the target's outputs. Raises :class:`RollbackError`
+        when llama.cpp refuses a rollback: decoding on from an unrolled state would be
+        silently wrong.
         """
         t0 = perf_counter()
-        self.rollback.prepare(self.target, len(draft))
-        tokens = [last, *draft]
-        self.target.decode(self.batch.set(tokens, pos0, True))
+        batch = self.batch.clear()
+        chunk_rows = [batch.add(c.tokens, c.pos0, False, seq=c.seq) for c in chunks]
+        rows: list[int] = []
+        for job in jobs:
+            self.rollback.prepare(self.target, job.seq, len(job.draft))
+            rows.append(batch.add([job.last, *job.draft], job.pos0, True, seq=job.seq))
+        self.target.decode(batch)
+        outcomes = [self._accept(job, row0) for job, row0 in zip(jobs, rows, strict=True)]
+        t1 = perf_counter()
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            job.proposer.observe(outcome)
+        for chunk, row0 in zip(chunks, chunk_rows, strict=True):
+            prefilled(chunk, row0)
+        t2 = perf_counter()
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            if outcome.n_accepted < len(job.draft):
+                self.rollback.rewind(self.target, job.seq, [job.last, *job.draft], job.pos0,
+                                     outcome.n_accepted)
+        self.rollback.settle(self.target)
+        t3 = perf_counter()
+        return outcomes, StepTimes(target=(t1 - t0) + (t3 - t2), observe=t2 - t1)
+
+    def _accept(self, job: VerifyJob, row0: int) -> VerifyOutcome:
+        draft, pick = job.draft, job.pick
         n_accepted = 0
-        token = pick(self.target, 0)
+        token = pick(self.target, row0)
         while n_accepted < len(draft) and token == draft[n_accepted]:
             n_accepted += 1
-            token = pick(self.target, n_accepted)
-        outcome = VerifyOutcome(pos0, last, draft, n_accepted, token)
-        t1 = perf_counter()
-        proposer.observe(outcome)
-        t2 = perf_counter()
-        if n_accepted < len(draft):
-            self.rollback.rewind(self.target, tokens, pos0, n_accepted)
-        t3 = perf_counter()
-        counters.decode_seconds += (t1 - t0) + (t3 - t2)
-        counters.draft_seconds += t2 - t1
-        counters.record_verify(len(draft), n_accepted)
-        return outcome
+            token = pick(self.target, row0 + n_accepted)
+        return VerifyOutcome(job.pos0, job.last, draft, n_accepted, token, row0)
 
     def close(self) -> None:
         self.batch.close()

@@ -15,6 +15,7 @@ from functools import cached_property
 
 from shared.protocol import CheckpointMode, DeviceFit, FitReport, SpecSettings
 from worker.engine.config import EngineConfig, model_spec
+from worker.engine.proposers.factory import uses_suffix
 from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device, require_device
 from worker.fitter.errors import FitError
 from worker.fitter.measure import (
@@ -71,13 +72,13 @@ class Breakdown:
 class _Sizer:
     """Measures the engine's memory at any context size; each size is measured once."""
 
-    def __init__(self, config: EngineConfig, device: str, slots: int) -> None:
+    def __init__(self, config: EngineConfig, device: str) -> None:
         self.config = config
         self.device = device
-        self.slots = slots
+        self.slots = config.slots
         self.model, _ = load_model(model_spec(config, no_alloc=True))
         try:
-            self.specs: EngineSpecs = engine_specs(config, self.model, slots)
+            self.specs: EngineSpecs = engine_specs(config, self.model)
         except ValueError as exc:  # e.g. MTP asked of a model without a head
             self.model.close()
             raise FitError(str(exc)) from exc
@@ -115,6 +116,11 @@ class _Sizer:
         return self._real[1]
 
     @property
+    def lookup_cache(self) -> int:
+        """The suffix drafter's output-cache bound (host memory: a CPU worker's device)."""
+        return self.config.lookup_cache_bytes if uses_suffix(self.specs.method) else 0
+
+    @property
     def checkpoint_per_slot(self) -> int:
         """Bytes one slot's checkpoint occupies on the device (0 when none is needed)."""
         if not self.specs.checkpoints or self.state is None:
@@ -126,8 +132,11 @@ class _Sizer:
     def target(self, n_ctx: int, n_rs_seq: int | None = None) -> ContextMemory:
         specs = self.specs.at(n_ctx)
         spec = specs.target if n_rs_seq is None else specs.target.with_(n_rs_seq=n_rs_seq)
-        hidden = n_ctx if specs.draft is not None else 0  # MTP target: every row's hidden state
-        return measure_context(self.model, spec, self.device, specs.draft_max + 1, hidden)
+        # Every slot verifies draft_max + 1 rows in the same decode; an MTP target hands over a
+        # hidden row for every batch entry.
+        hidden = spec.n_batch if specs.draft is not None else 0
+        return measure_context(self.model, spec, self.device,
+                               self.slots * (specs.draft_max + 1), hidden)
 
     def at(self, n_ctx: int) -> Breakdown:
         """Every component's bytes on the device at ``n_ctx`` (see docs/fitter.md)."""
@@ -138,7 +147,7 @@ class _Sizer:
     def _measure(self, n_ctx: int) -> Breakdown:
         target = self.target(n_ctx)
         draft_spec = self.specs.at(n_ctx).draft
-        draft = (measure_context(self.model, draft_spec, self.device, 1, 1)
+        draft = (measure_context(self.model, draft_spec, self.device, self.slots, self.slots)
                  if draft_spec is not None else None)
         group = self.state.group if self.state else 0
         live = self.slots * group
@@ -156,8 +165,10 @@ class _Sizer:
                 "draft": (draft.kv + draft.recurrent + draft.compute + draft.output_runtime
                           if draft else 0),
                 "checkpoint_reservation": self.slots * self.checkpoint_per_slot,
+                "lookup_cache": self.lookup_cache if self.device == "cpu" else 0,
             },
-            host_bytes=sum(p.host for p in parts),
+            host_bytes=sum(p.host for p in parts) + (self.lookup_cache
+                                                     if self.device != "cpu" else 0),
             runtime_growth=sum(max(0, p.output_runtime - p.output_created) for p in parts),
             recurrent_reported=target.recurrent,
         )
@@ -198,9 +209,9 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     require_device(ref)
     budget = _Budget(device_memory(ref, budget_mib), round(fit_target_mib * MIB))
     config = EngineConfig(model_path=model_path, n_threads=n_threads,
-                          n_gpu_layers=-1 if ref.is_cuda else 0,
+                          n_gpu_layers=-1 if ref.is_cuda else 0, slots=slots,
                           spec=spec or SpecSettings(), checkpoint=checkpoint)
-    sizer = _Sizer(config, ref.name, slots)
+    sizer = _Sizer(config, ref.name)
     try:
         if n_ctx is None:
             n_ctx = _search(sizer, ctx_min, budget)

@@ -41,15 +41,15 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
         _log_reserve(report, None, 0, None, {})
         return _as_reserved(report, None, 0)
     breakdown = f"fit breakdown: {breakdown_text(report.components)}"
-    if report.slots != 1:
-        raise FitError(f"the engine serves one sequence, so it holds one checkpoint store; "
-                       f"{report.slots} slots cannot all be reserved ({breakdown})")
+    if len(rollback.stores) != report.slots:
+        raise FitError(f"the engine holds {len(rollback.stores)} checkpoint stores but the fit "
+                       f"reserved {report.slots} slots ({breakdown})")
     try:
         with capture_llama_log() as lines:
             reserved = rollback.reserve(engine.target)
     except (LlamaError, RollbackError) as exc:
         raise FitError(f"checkpoint reservation failed: {exc} ({breakdown})") from exc
-    mode = rollback.store.mode
+    mode = rollback.stores[0].mode  # reserve() leaves every slot in one mode
     key = ("checkpoint_device_bytes_per_slot" if mode is CheckpointMode.DEVICE
            else "checkpoint_host_bytes_per_slot")
     measured = report.details.get(key)

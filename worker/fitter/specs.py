@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from shared.protocol import SpecMethod
 from worker.engine.config import EngineConfig, draft_spec, target_spec
-from worker.engine.proposers.factory import resolve_engine_method
+from worker.engine.proposers.factory import resolve_engine_method, uses_mtp
 from worker.engine.rollback import make_rollback
 from worker.engine.rollback.compact import CompactRollback
 from worker.llm import ContextSpec, Model
@@ -33,29 +33,31 @@ class EngineSpecs:
     draft: ContextSpec | None
     #: What the specs were derived from: :meth:`at` derives them again for another size.
     config: EngineConfig
-    slots: int
+
+    @property
+    def slots(self) -> int:
+        """Sequences served at once; ``target.n_ctx`` is ``slots`` x the per-slot context."""
+        return self.config.slots
 
     def at(self, n_ctx: int) -> EngineSpecs:
-        """The same engine with another context size, through the engine's own spec functions,
-        so how a field follows ``n_ctx`` (the target's batch does, the draft's does not) is
-        decided in one place."""
+        """The same engine with another per-slot context size, through the engine's own spec
+        functions, so how a field follows ``n_ctx`` is decided in one place."""
         config = replace(self.config, n_ctx=n_ctx)
         return replace(self, config=config,
-                       target=target_spec(config, self.n_rs_seq, self.draft_max, self.slots),
-                       draft=draft_spec(config) if self.draft is not None else None)
+                       target=target_spec(config, self.n_rs_seq, self.draft_max),
+                       draft=(draft_spec(config, self.draft_max)
+                              if self.draft is not None else None))
 
 
-def engine_specs(config: EngineConfig, model: Model, slots: int = 1) -> EngineSpecs:
-    """The target (and MTP draft) context specs of an engine built from ``config``.
-
-    ``slots`` sequences share the target context (``n_seq_max``); today's engine serves one.
-    """
+def engine_specs(config: EngineConfig, model: Model) -> EngineSpecs:
+    """The target (and MTP draft) context specs of an engine built from ``config``
+    (``config.slots`` sequences of ``config.n_ctx`` tokens each)."""
     method = resolve_engine_method(config.spec.method, model)
     draft_max = config.spec.draft_max if method is not SpecMethod.NONE else 0
     rollback = make_rollback(model, draft_max, config.spec.rollback_depth, config.checkpoint,
                              config.fail_device_checkpoint)
     rollback.close()  # asked only for n_rs_seq and its kind; it never serves a context
-    target = target_spec(config, rollback.n_rs_seq, draft_max, slots)
-    draft = draft_spec(config) if method is SpecMethod.MTP else None
+    target = target_spec(config, rollback.n_rs_seq, draft_max)
+    draft = draft_spec(config, draft_max) if uses_mtp(method) else None
     return EngineSpecs(method, draft_max, rollback.n_rs_seq,
-                       isinstance(rollback, CompactRollback), target, draft, config, slots)
+                       isinstance(rollback, CompactRollback), target, draft, config)

@@ -16,7 +16,8 @@ import numpy as np
 
 
 class Batch:
-    """Fixed-capacity batch for one sequence (seq id 0)."""
+    """Fixed-capacity batch; every row names its sequence, so one decode can carry the
+    verify rows and prompt chunks of several sequences (slots) at once."""
 
     def __init__(self, capacity: int, n_embd: int = 0) -> None:
         self.capacity = capacity
@@ -30,32 +31,50 @@ class Batch:
         for i in range(capacity):
             self.raw.n_seq_id[i] = 1
             self.raw.seq_id[i][0] = 0
+        self.raw.n_tokens = 0
 
     @property
     def n_tokens(self) -> int:
         return int(self.raw.n_tokens)
 
     def set(self, tokens: Sequence[int], pos0: int, logits: bool | Sequence[bool] = False,
-            embd: np.ndarray | None = None) -> Batch:
-        """Fill with ``tokens`` at positions ``pos0..``; ``logits`` per row or for all rows.
+            embd: np.ndarray | None = None, seq: int = 0) -> Batch:
+        """Fill with ``tokens`` of sequence ``seq`` at positions ``pos0..`` (see :meth:`add`)."""
+        self.raw.n_tokens = 0
+        self.add(tokens, pos0, logits, embd, seq)
+        return self
+
+    def clear(self) -> Batch:
+        """Empty the batch; rows are then appended with :meth:`add`."""
+        self.raw.n_tokens = 0
+        return self
+
+    def add(self, tokens: Sequence[int], pos0: int, logits: bool | Sequence[bool] = False,
+            embd: np.ndarray | None = None, seq: int = 0) -> int:
+        """Append ``tokens`` of sequence ``seq`` at positions ``pos0..``; ``logits`` per row or
+        for all rows. Returns the batch index of the first appended row (the index output rows
+        are read back by).
 
         Runs for every prefill slice and every verify, so the struct's pointer fields are read
         once: each ``raw.token`` read builds a new ctypes pointer object.
         """
-        n = len(tokens)
-        if n > self.capacity:
-            raise ValueError(f"batch of {n} tokens exceeds capacity {self.capacity}")
         raw = self.raw
-        token, pos, want = raw.token, raw.pos, raw.logits
+        start = int(raw.n_tokens)
+        n = len(tokens)
+        if start + n > self.capacity:
+            raise ValueError(f"batch of {start + n} tokens exceeds capacity {self.capacity}")
+        token, pos, want, seq_id = raw.token, raw.pos, raw.logits, raw.seq_id
         per_row = not isinstance(logits, bool)
         for i, t in enumerate(tokens):
-            token[i] = t
-            pos[i] = pos0 + i
-            want[i] = logits[i] if per_row else logits  # type: ignore[index]
+            row = start + i
+            token[row] = t
+            pos[row] = pos0 + i
+            want[row] = logits[i] if per_row else logits  # type: ignore[index]
+            seq_id[row][0] = seq
         if embd is not None:
-            self._embd[:n] = embd
-        raw.n_tokens = n
-        return self
+            self._embd[start:start + n] = embd
+        raw.n_tokens = start + n
+        return start
 
     def close(self) -> None:
         if self.raw is not None:

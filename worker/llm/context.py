@@ -117,12 +117,13 @@ class Context:
         """
         llama_cpp_ext.llama_set_embeddings_nextn(self.ptr, True, masked)
 
-    def hidden_rows(self, n: int) -> np.ndarray:
-        """The last decode's hidden rows for its ``n`` batch entries (a view; copy to keep)."""
+    def hidden_rows(self, n: int, start: int = 0) -> np.ndarray:
+        """The last decode's hidden rows of batch entries ``start..start+n`` (a view; copy to
+        keep). Unmasked rows are stored in batch order, one per entry."""
         ptr = llama_cpp_ext.llama_get_embeddings_nextn(self.ptr)
         if not ptr:
             raise LlamaError("no hidden rows: the context does not expose NextN embeddings")
-        return np.ctypeslib.as_array(ptr, shape=(n, self._n_embd))
+        return np.ctypeslib.as_array(ptr, shape=(start + n, self._n_embd))[start:]
 
     def hidden(self, row: int) -> np.ndarray:
         """Hidden row of output row ``row`` of the last decode (a view; copy to keep)."""
@@ -138,6 +139,12 @@ class Context:
 
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(self.mem, True)
+
+    def seq_clear(self, seq: int) -> None:
+        """Drop every position of ``seq`` (a slot handed to the next request); the other
+        sequences are untouched."""
+        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1):
+            raise LlamaError(f"llama.cpp refused to clear sequence {seq}")
 
     def pos_max(self, seq: int = 0) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq))

@@ -28,8 +28,9 @@ class VerifyOutcome:
     """What one verify decode of ``[last_token, *draft]`` at ``pos0`` established.
 
     ``n_accepted`` drafts matched the target's argmax; ``bonus`` is the target's token at the
-    first unverified row. Output row i of the verify holds the logits and hidden state of
-    batch entry i (``[last_token, *draft][i]``).
+    first unverified row. The verify's rows start at entry ``row0`` of the target's batch
+    (several slots share one decode): entry ``row0 + i`` holds the logits and hidden state of
+    ``[last_token, *draft][i]``.
     """
 
     pos0: int
@@ -37,6 +38,7 @@ class VerifyOutcome:
     draft: list[int]
     n_accepted: int
     bonus: int
+    row0: int = 0
 
     @property
     def accepted(self) -> list[int]:
@@ -44,7 +46,7 @@ class VerifyOutcome:
 
 
 class Proposer(Protocol):
-    """A drafter. One instance serves one engine; ``start`` resets it per generation."""
+    """A drafter. One instance serves one slot's generation at a time; ``start`` resets it."""
 
     name: str
 

@@ -3,14 +3,22 @@
 One model, two contexts. The draft context (``ctx_type = MTP``) runs only the NextN block,
 and an entry at position ``p`` is (token ``p``, the target's hidden state at ``p - 1``); its
 output predicts token ``p + 1``. The draft context therefore has to be kept in step with the
-target: it is fed every prompt position at :meth:`start` and, after each verify, only the
-confirmed token and the accepted drafts (seed 000: the rejected tail never has to be
+target: it is fed every prompt position as the target prefills it and, after each verify,
+only the confirmed token and the accepted drafts (seed 000: the rejected tail never has to be
 computed, and the draft context never has to be rolled back).
+
+The draft context holds as many sequences as the target (one per slot), and
+:class:`MtpDrafter` drafts for every MTP slot of an engine step together: the catch-up of
+each slot's last verify rides in the same decode as its first drafted position, and each
+further chain position of all slots is one more decode. :class:`MtpProposer` is one slot's
+view of the drafter, behind the ordinary :class:`~worker.engine.proposers.base.Proposer`
+interface.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,10 +42,38 @@ def require_mtp_head(model: Model) -> None:
         )
 
 
-class MtpProposer:
-    """Drafts with the NextN head; owns the draft context for the engine's lifetime."""
+@dataclass(frozen=True)
+class DraftRequest:
+    """One slot's share of a batched draft: ``history`` ends with the next verify's token."""
 
-    name = "mtp"
+    seq: int
+    history: Sequence[int]
+    width: int
+    p_min: float
+
+
+@dataclass
+class _Feed:
+    """Entries waiting to be fed: ``tokens`` at ``pos0..`` with their input hidden rows."""
+
+    tokens: list[int]
+    pos0: int
+    inputs: np.ndarray
+
+
+class _SeqState:
+    """What the draft context knows about one sequence."""
+
+    def __init__(self, n_embd: int) -> None:
+        #: Target hidden state of the position before the next token to feed.
+        self.pending = np.zeros(n_embd, dtype=np.float32)
+        #: Positions ``[0, fed)`` of the draft KV hold entries conditioned on the target.
+        self.fed = 0
+        self.backlog: _Feed | None = None
+
+
+class MtpDrafter:
+    """Owns the draft context (one sequence per slot) for the engine's lifetime."""
 
     def __init__(self, model: Model, target: Context, spec: ContextSpec) -> None:
         require_mtp_head(model)
@@ -48,71 +84,128 @@ class MtpProposer:
         self._draft = Context(model, spec)
         self._draft.expose_hidden(masked=True)
         self._batch = Batch(spec.n_batch, model.n_embd)
-        #: Target hidden state of the position before the next token to feed.
-        self._pending = np.zeros(model.n_embd, dtype=np.float32)
-        #: Positions ``[0, _fed)`` of the draft KV hold entries conditioned on the target.
-        self._fed = 0
+        self._seqs = [_SeqState(model.n_embd) for _ in range(spec.n_seq_max)]
 
-    def start(self, prompt: Sequence[int]) -> None:
-        """Feed every prompt position the target has decoded (all but the last token)."""
-        self._draft.clear()
-        self._pending[:] = 0.0
-        self._fed = 0
-        n = len(prompt) - 1
-        if n:
-            self._feed(prompt[:n], 0, self._target.hidden_rows(n))
+    def proposer(self, seq: int) -> MtpProposer:
+        """The drafter of slot ``seq`` (one generation's)."""
+        return MtpProposer(self, seq)
 
-    def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
-        """Chain the head: (last, target hidden) -> d1, (d1, head's own hidden) -> d2, ...
+    def reset(self, seq: int) -> None:
+        """A new generation in ``seq``: forget the previous one's draft KV and hand-over."""
+        state = self._seqs[seq]
+        if state.fed:
+            self._draft.seq_clear(seq)
+        self._seqs[seq] = _SeqState(len(state.pending))
 
-        Only the first entry is conditioned on the target; the later ones are the head's own
-        guesses, so they are trimmed from the draft KV afterwards.
-        """
-        pos = len(history) - 1
-        token = history[-1]
-        hidden = self._pending
-        tokens: list[int] = []
-        decoded = 0
-        for i in range(width):
-            try:
-                self._draft.decode(self._batch.set([token], pos + i, True, hidden[None, :]))
-            except LlamaError as exc:
-                log.warning("mtp.draft_failed", pos=pos + i, error=str(exc))
-                break
-            decoded += 1
-            logits = self._draft.logits(0)
-            token = int(np.argmax(logits))
-            if p_min > 0 and _top_probability(logits, token) < p_min:
-                break
-            tokens.append(token)
-            hidden = self._draft.hidden(0)
-        if decoded:
-            self._fed = pos + 1
-            if not self._draft.seq_rm(self._fed):
-                raise LlamaError(f"could not trim the MTP draft context at position {self._fed}")
-        return Draft(tokens)
+    def feed_prompt(self, seq: int, tokens: Sequence[int], pos0: int, start: int) -> None:
+        """Feed prompt positions ``pos0..`` that the target's last decode prefilled, their
+        hidden rows at batch entries ``start..``."""
+        rows = self._target.hidden_rows(len(tokens), start)
+        self._feed_now(seq, _Feed(list(tokens), pos0, self._inputs(seq, rows)))
 
-    def observe(self, outcome: VerifyOutcome) -> None:
-        """Catch up on ``[last, accepted drafts]`` with the target's hidden rows of the verify."""
+    def observe(self, seq: int, outcome: VerifyOutcome) -> None:
+        """Keep ``[last, accepted drafts]`` of the verify (their hidden rows are still in the
+        target's outputs, from entry ``outcome.row0``) for the next draft decode to feed."""
         n = outcome.n_accepted + 1
-        rows = self._target.hidden_rows(len(outcome.draft) + 1)[:n]
-        self._feed([outcome.last_token, *outcome.accepted], outcome.pos0, rows)
+        rows = self._target.hidden_rows(n, outcome.row0)
+        self._seqs[seq].backlog = _Feed([outcome.last_token, *outcome.accepted], outcome.pos0,
+                                        self._inputs(seq, rows))
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Chain the head for every request at once: (last, target hidden) -> d1, (d1, head's
+        own hidden) -> d2, ... Each chain position of all still-drafting slots is one decode;
+        the first also feeds every slot's pending catch-up.
+
+        Only the first drafted entry of a slot is conditioned on the target; the later ones are
+        the head's own guesses, so they are trimmed from the draft KV afterwards.
+        """
+        tokens: list[list[int]] = [[] for _ in requests]
+        row: dict[int, int] = {}
+        batch = self._batch.clear()
+        for i, r in enumerate(requests):
+            state = self._seqs[r.seq]
+            if state.backlog is not None:
+                feed, state.backlog = state.backlog, None
+                skip = state.fed - feed.pos0
+                if skip < len(feed.tokens):
+                    batch.add(feed.tokens[skip:], feed.pos0 + skip, False, feed.inputs[skip:],
+                              r.seq)
+                state.fed = feed.pos0 + len(feed.tokens)
+            if r.width > 0:
+                row[i] = batch.add([r.history[-1]], len(r.history) - 1, True,
+                                   state.pending[None, :], r.seq)
+        drafted = set(row)
+        if batch.n_tokens:
+            self._draft.decode(batch)  # a failure here would lose catch-up: it must raise
+        step = 0
+        while row:
+            nxt: dict[int, int] = {}
+            batch.clear()
+            for i, at in row.items():
+                r = requests[i]
+                logits = self._draft.logits(at)
+                token = int(np.argmax(logits))
+                if r.p_min > 0 and _top_probability(logits, token) < r.p_min:
+                    continue
+                tokens[i].append(token)
+                if len(tokens[i]) < r.width:
+                    nxt[i] = batch.add([token], len(r.history) + step, True,
+                                       self._draft.hidden(at)[None, :], r.seq)
+            row, step = nxt, step + 1
+            if row:
+                try:
+                    self._draft.decode(batch)
+                except LlamaError as exc:
+                    log.warning("mtp.draft_failed", step=step, error=str(exc))
+                    break
+        for i in drafted:
+            r = requests[i]
+            state = self._seqs[r.seq]
+            state.fed = len(r.history)
+            if not self._draft.seq_rm(state.fed, seq=r.seq):
+                raise LlamaError(f"could not trim the MTP draft context at position {state.fed}")
+        return [Draft(t) for t in tokens]
 
     def close(self) -> None:
         self._batch.close()
         self._draft.close()
 
-    def _feed(self, tokens: Sequence[int], pos0: int, rows: np.ndarray) -> None:
-        """Feed ``tokens`` (at ``pos0..``) whose target hidden rows are ``rows``: entry i gets
-        the hidden state of the position before it. Entries already fed are skipped."""
-        inputs = np.concatenate([self._pending[None, :], rows[:-1]])
+    def _inputs(self, seq: int, rows: np.ndarray) -> np.ndarray:
+        """Entry i's input is the hidden row of the position before it; afterwards the last
+        row is what the next entry will need."""
+        state = self._seqs[seq]
+        inputs = np.concatenate([state.pending[None, :], rows[:-1]])
+        state.pending = rows[-1].copy()
+        return inputs
+
+    def _feed_now(self, seq: int, feed: _Feed) -> None:
+        """Decode ``feed`` into the draft context in slices of the batch (prompt catch-up)."""
+        state = self._seqs[seq]
         step = self._batch.capacity
-        for start in range(self._fed - pos0, len(tokens), step):
-            end = min(start + step, len(tokens))
-            self._draft.decode(self._batch.set(tokens[start:end], pos0 + start, False,
-                                               inputs[start:end]))
-        self._fed = pos0 + len(tokens)
-        self._pending[:] = rows[-1]
+        for start in range(state.fed - feed.pos0, len(feed.tokens), step):
+            end = min(start + step, len(feed.tokens))
+            self._draft.decode(self._batch.set(feed.tokens[start:end], feed.pos0 + start, False,
+                                               feed.inputs[start:end], seq))
+        state.fed = feed.pos0 + len(feed.tokens)
+
+
+class MtpProposer:
+    """One slot's MTP drafter: the :class:`Proposer` face of :class:`MtpDrafter` for ``seq``."""
+
+    name = "mtp"
+
+    def __init__(self, drafter: MtpDrafter, seq: int) -> None:
+        self.drafter = drafter
+        self.seq = seq
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """Nothing to do: the engine fed the prompt to the draft context as it prefilled."""
+
+    def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
+        return self.drafter.draft([DraftRequest(self.seq, history, width, p_min)])[0]
+
+    def observe(self, outcome: VerifyOutcome) -> None:
+        self.drafter.observe(self.seq, outcome)
 
 
 def _top_probability(logits: np.ndarray, top: int) -> float:

@@ -18,10 +18,13 @@ __all__ = ["Rollback", "RollbackError", "make_rollback"]
 
 
 def make_rollback(model: Model, draft_max: int, rollback_depth: int | None,
-                  checkpoint_mode: CheckpointMode, fail_device_checkpoint: bool) -> Rollback:
-    """The rollback policy for a target context sized for drafts of up to ``draft_max``."""
+                  checkpoint_mode: CheckpointMode, fail_device_checkpoint: bool,
+                  slots: int = 1) -> Rollback:
+    """The rollback policy for a target context of ``slots`` sequences sized for drafts of up
+    to ``draft_max``."""
     if not model.is_recurrent:
         return KvTrimRollback()
     if rollback_depth is None or rollback_depth >= draft_max:
         return SnapshotRollback(draft_max)
-    return CompactRollback(rollback_depth, draft_max, checkpoint_mode, fail_device_checkpoint)
+    return CompactRollback(rollback_depth, draft_max, checkpoint_mode, fail_device_checkpoint,
+                           slots)

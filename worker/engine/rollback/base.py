@@ -1,10 +1,16 @@
 """The rollback seam between the verify loop and the target context's memory.
 
-The verify loop decodes ``[last, d1..dn]`` at positions ``pos0..pos0+n`` and accepts ``k``
-drafts. The target must then look exactly as if it had decoded only ``[last, d1..dk]``:
-positions ``pos0+k+1..`` gone, recurrent state as of ``pos0+k``. How that is achieved depends on
-the model (KV trim only; recurrent snapshots; checkpoint + replay) and lives behind this
-Protocol, so the hot loop has no ``if recurrent`` branches.
+The verify loop decodes ``[last, d1..dn]`` of a sequence at positions ``pos0..pos0+n`` and
+accepts ``k`` drafts. That sequence must then look exactly as if it had decoded only
+``[last, d1..dk]``: positions ``pos0+k+1..`` gone, recurrent state as of ``pos0+k``. How that is
+achieved depends on the model (KV trim only; recurrent snapshots; checkpoint + replay) and
+lives behind this Protocol, so the hot loop has no ``if recurrent`` branches.
+
+Several sequences (slots) share the target context and are verified in one decode, so a
+rollback is per sequence and happens in two phases (notes, "several sequences"): every
+sequence's :meth:`Rollback.rewind` first (direct snapshot rollbacks apply only to the batch
+decoded last, so they must all precede any replay decode), then one :meth:`Rollback.settle`
+that restores the checkpoints of the deep rejections and replays them all in one decode.
 """
 
 from __future__ import annotations
@@ -20,24 +26,34 @@ class RollbackError(RuntimeError):
 
 
 class Rollback(Protocol):
-    """One policy instance per target context."""
+    """One policy instance per target context, holding per-sequence state."""
 
     #: Snapshots per sequence the target context must be created with (``n_rs_seq``).
     n_rs_seq: int
 
-    def prepare(self, target: Context, n_draft: int) -> None:
-        """Called right before the verify decode of a draft of ``n_draft`` tokens."""
+    def prepare(self, target: Context, seq: int, n_draft: int) -> None:
+        """Called right before the verify decode of a draft of ``n_draft`` tokens of ``seq``."""
         ...
 
-    def rewind(self, target: Context, batch: Sequence[int], pos0: int, n_accepted: int) -> None:
+    def rewind(self, target: Context, seq: int, batch: Sequence[int], pos0: int,
+               n_accepted: int) -> None:
         """Called after the verify decode when ``n_accepted < len(batch) - 1``: keep
-        ``batch[:n_accepted + 1]`` (at ``pos0..``), drop the rest. Raises :class:`RollbackError`
-        when llama.cpp refuses."""
+        ``batch[:n_accepted + 1]`` of ``seq`` (at ``pos0..``), drop the rest (now, or at
+        :meth:`settle`). Raises :class:`RollbackError` when llama.cpp refuses."""
         ...
 
-    def telemetry(self) -> dict[str, object]:
-        """Counters for :class:`shared.protocol.Telemetry` (replay_events, replay_tokens,
-        checkpoint_mode, checkpoint_saves, host_fallbacks, rollback_depth)."""
+    def settle(self, target: Context) -> None:
+        """Finish the rewinds of this step that need more than a trim (restore + replay).
+        The caller must have read every output row it needs: a replay replaces them."""
+        ...
+
+    def release(self, seq: int) -> None:
+        """``seq`` is handed to another request: forget its checkpoint."""
+        ...
+
+    def telemetry(self, seq: int) -> dict[str, object]:
+        """Counters of ``seq`` for :class:`shared.protocol.Telemetry` (replay_events,
+        replay_tokens, checkpoint_mode, checkpoint_saves, host_fallbacks, rollback_depth)."""
         ...
 
     def close(self) -> None:

@@ -14,6 +14,10 @@ The store then retries *that* checkpoint on the host and keeps host storage for 
 its life: a device that failed once is not trusted again mid-run, and flapping between modes
 would make throughput unpredictable. Every checkpoint remembers where it was stored, so it is
 restored with the matching flags.
+
+Every slot (sequence) owns one store: llama.cpp keeps one ON_DEVICE checkpoint per sequence
+and they coexist, and the fallback is sticky per store, so one slot's failed device save
+moves only that slot to the host.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class Checkpoint:
 
 
 class CheckpointStore:
-    """Saves and restores the recurrent state of sequence 0 (the engine serves one sequence).
+    """Saves and restores the recurrent state of one sequence ``seq`` of the target.
 
     ``fail_device`` is the fault-injection switch (``EngineConfig.fail_device_checkpoint``,
     ``SPECFLEET_FAIL_DEVICE_CHECKPOINT=1``): while set, every device save fails for real.
@@ -69,7 +73,8 @@ class CheckpointStore:
     """
 
     def __init__(self, mode: CheckpointMode = CheckpointMode.DEVICE,
-                 fail_device: bool = False) -> None:
+                 fail_device: bool = False, seq: int = 0) -> None:
+        self.seq = seq
         self.mode = CheckpointMode(mode)
         self.fail_device = fail_device
         self.saves = 0
@@ -92,16 +97,16 @@ class CheckpointStore:
         host: our buffer). An empty sequence has no recurrent rows to save, so one probe token
         is decoded first and removed afterwards.
         """
-        probe = ctx.pos_max() < 0
+        probe = ctx.pos_max(self.seq) < 0
         if probe:
             with Batch(1) as batch:
-                ctx.decode(batch.set([0], 0))
+                ctx.decode(batch.set([0], 0, seq=self.seq))
         try:
-            host_size = ctx.state_size(_FLAGS[CheckpointMode.HOST])
+            host_size = ctx.state_size(_FLAGS[CheckpointMode.HOST], self.seq)
             if self.mode is CheckpointMode.DEVICE:
                 try:
                     self._save_in(ctx, CheckpointMode.DEVICE)
-                    device_header = ctx.state_size(_FLAGS[CheckpointMode.DEVICE])
+                    device_header = ctx.state_size(_FLAGS[CheckpointMode.DEVICE], self.seq)
                     self._device_reserved = host_size - device_header
                     return self._device_reserved
                 except _SaveFailed as failure:
@@ -111,7 +116,7 @@ class CheckpointStore:
         finally:
             self._last = None
             if probe:
-                trim_tail(ctx, 0)
+                trim_tail(ctx, 0, self.seq)
 
     # -- per verify --------------------------------------------------------------------------
     def save(self, ctx: Context) -> Checkpoint:
@@ -134,7 +139,8 @@ class CheckpointStore:
         ckpt = self._last
         if ckpt is None:
             raise RollbackError("no checkpoint to restore: the verify was not prepared for it")
-        read = ctx.state_restore(self._buffers[ckpt.mode], ckpt.size, _FLAGS[ckpt.mode])
+        read = ctx.state_restore(self._buffers[ckpt.mode], ckpt.size, _FLAGS[ckpt.mode],
+                                 self.seq)
         if read != ckpt.size:
             raise RollbackError(
                 f"{ckpt.mode.value} checkpoint restore read {read} of {ckpt.size} bytes"
@@ -157,10 +163,10 @@ class CheckpointStore:
         flags = _FLAGS[mode]
         injected = mode is CheckpointMode.DEVICE and self.fail_device
         try:
-            need = ctx.state_size(flags)
+            need = ctx.state_size(flags, self.seq)
             if need > 0:
                 buf = _NO_ROOM if injected else self._buffer(mode, need)
-                written = ctx.state_save(buf, flags)
+                written = ctx.state_save(buf, flags, self.seq)
         except Exception as exc:  # a save that raises is a failed save, not a crash
             raise _SaveFailed(f"{type(exc).__name__}: {exc}", "error") from exc
         if need <= 0:
@@ -188,4 +194,4 @@ class CheckpointStore:
         self.fallbacks += 1
         self.fallback_reason = failure.kind
         log.warning("checkpoint.fallback", reason=str(failure), kind=failure.kind, phase=phase,
-                    to="host")
+                    to="host", seq=self.seq)

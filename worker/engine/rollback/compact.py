@@ -3,18 +3,25 @@
 Standard recurrent rollback keeps one state snapshot per draft position, so the recurrent
 memory grows with the draft maximum N (``1 live + N snapshots``). Here the target context is
 created with ``n_rs_seq = D`` and a draft longer than D is guarded by one ``PARTIAL_ONLY``
-checkpoint saved right before its verify decode (``1 live + D snapshots + 1 checkpoint``):
+checkpoint saved right before its verify decode (``1 live + D snapshots + 1 checkpoint``, per
+sequence):
 
 - a rejected suffix of depth <= D is rolled back directly through the snapshots;
 - a deeper one restores the checkpoint (the state before the verify), trims the KV and
-  replays the already-known tokens ``[last, accepted drafts]`` in one decode without logits.
-  Nothing is re-drafted or re-sampled: the verify's bonus token and its output rows stay the
-  ones the loop already read.
+  replays the already-known tokens ``[last, accepted drafts]`` without logits. Nothing is
+  re-drafted or re-sampled: the verify's bonus token and its output rows stay the ones the
+  loop already read.
+
+With several slots every sequence has its own checkpoint store (own storage mode, own sticky
+fallback) and its own counters. The deep rejections of one step are replayed together, in one
+decode, after every slot's direct rollbacks (snapshot rollback applies to the batch decoded
+last, which a replay would replace).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from shared.logs import get_logger
 from shared.protocol import CheckpointMode
@@ -26,60 +33,107 @@ from worker.llm import Batch, Context, LlamaError
 log = get_logger("rollback")
 
 
+@dataclass(frozen=True)
+class _Replay:
+    """A deep rejection waiting for :meth:`CompactRollback.settle`."""
+
+    seq: int
+    tokens: list[int]
+    pos0: int
+    depth: int
+
+
 class CompactRollback:
     """Bounded-depth recurrent rollback with checkpoint restore and replay (seed 003)."""
 
     def __init__(self, depth: int, draft_max: int, mode: CheckpointMode,
-                 fail_device: bool) -> None:
+                 fail_device: bool, slots: int = 1) -> None:
         if not 1 <= depth <= draft_max:
             raise ValueError(
                 f"rollback_depth ({depth}) must satisfy 1 <= rollback_depth <= draft_max "
                 f"({draft_max})"
             )
         self.n_rs_seq = depth
-        self.store = CheckpointStore(mode, fail_device)
-        self.replay_events = 0
-        self.replay_tokens = 0
-        self._replay = Batch(draft_max + 1)
+        #: One checkpoint store per sequence (slot), indexed by seq id.
+        self.stores = [CheckpointStore(mode, fail_device, seq) for seq in range(slots)]
+        self.replay_events = [0] * slots
+        self.replay_tokens = [0] * slots
+        self._pending: list[_Replay] = []
+        self._replay = Batch(slots * (draft_max + 1))
 
     def reserve(self, target: Context) -> int:
-        """Allocate checkpoint storage up front (the fitter calls this at worker start)."""
-        return self.store.reserve(target)
+        """Allocate every slot's checkpoint storage up front (the fitter calls this at worker
+        start); returns the bytes reserved per slot.
 
-    def prepare(self, target: Context, n_draft: int) -> None:
+        A device reservation that fails for one slot selects host storage for every slot: at
+        start-up a failure says the device cannot hold checkpoints this run (seed 003), and
+        one mode for all slots keeps the reservation one figure the fit can check. Later save
+        failures stay per slot (:class:`CheckpointStore`'s sticky fallback).
+        """
+        sizes = [store.reserve(target) for store in self.stores]
+        if any(store.mode is CheckpointMode.HOST for store in self.stores):
+            for i, store in enumerate(self.stores):
+                if store.mode is CheckpointMode.DEVICE:
+                    store.mode = CheckpointMode.HOST
+                    sizes[i] = store.reserve(target)
+        if len(set(sizes)) != 1:
+            raise RollbackError(f"the slots' checkpoint reservations differ: {sizes} bytes")
+        return sizes[0]
+
+    def prepare(self, target: Context, seq: int, n_draft: int) -> None:
         """Checkpoint the state before a verify only when its draft is longer than D: any
         rejection of a shorter one is shallow enough for the snapshots. Otherwise the old
         checkpoint is forgotten, so it can never be restored into a later verify."""
         if n_draft > self.n_rs_seq:
-            self.store.save(target)
+            self.stores[seq].save(target)
         else:
-            self.store.discard()
+            self.stores[seq].discard()
 
-    def rewind(self, target: Context, batch: Sequence[int], pos0: int, n_accepted: int) -> None:
-        """Drop ``batch[n_accepted + 1:]``. The caller must have read every output row it
-        needs first: a replay is a decode and replaces the context's outputs."""
+    def rewind(self, target: Context, seq: int, batch: Sequence[int], pos0: int,
+               n_accepted: int) -> None:
+        """Drop ``batch[n_accepted + 1:]`` of ``seq``: through the snapshots now, or by restore
+        and replay at :meth:`settle` when the rejected tail is deeper than D."""
         depth = len(batch) - 1 - n_accepted
         if depth <= self.n_rs_seq:
-            trim_tail(target, pos0 + n_accepted + 1)
+            trim_tail(target, pos0 + n_accepted + 1, seq)
             return
-        self.store.restore(target)
-        trim_tail(target, pos0)
-        kept = batch[: n_accepted + 1]
-        try:
-            target.decode(self._replay.set(kept, pos0))
-        except LlamaError as exc:
-            raise RollbackError(f"replay of {len(kept)} tokens failed: {exc}") from exc
-        self.replay_events += 1
-        self.replay_tokens += len(kept)
-        log.info("rollback.replay", depth=depth, tokens=len(kept), pos=pos0)
+        self._pending.append(_Replay(seq, list(batch[: n_accepted + 1]), pos0, depth))
 
-    def telemetry(self) -> dict[str, object]:
+    def settle(self, target: Context) -> None:
+        """Restore every deep rejection's checkpoint, trim its KV, and replay them all in one
+        decode without logits."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._replay.clear()
+        for r in pending:
+            self.stores[r.seq].restore(target)
+            trim_tail(target, r.pos0, r.seq)
+            self._replay.add(r.tokens, r.pos0, seq=r.seq)
+        try:
+            target.decode(self._replay)
+        except LlamaError as exc:
+            raise RollbackError(f"replay of {self._replay.n_tokens} tokens failed: {exc}") from exc
+        for r in pending:
+            self.replay_events[r.seq] += 1
+            self.replay_tokens[r.seq] += len(r.tokens)
+            log.info("rollback.replay", seq=r.seq, depth=r.depth, tokens=len(r.tokens),
+                     pos=r.pos0)
+
+    def release(self, seq: int) -> None:
+        """A finished slot's checkpoint must never be restored into the next request's."""
+        self.stores[seq].discard()
+
+    def telemetry(self, seq: int) -> dict[str, object]:
+        store = self.stores[seq]
         return {
-            "replay_events": self.replay_events,
-            "replay_tokens": self.replay_tokens,
-            "checkpoint_mode": self.store.mode.value,
-            "checkpoint_saves": self.store.saves,
-            "host_fallbacks": self.store.fallbacks,
+            "replay_events": self.replay_events[seq],
+            "replay_tokens": self.replay_tokens[seq],
+            "checkpoint_mode": store.mode.value,
+            "checkpoint_saves": store.saves,
+            "host_fallbacks": store.fallbacks,
+            "host_fallback_reason": store.fallback_reason,
+            "checkpoint_reservation_bytes": store.reserved_bytes(),
             "rollback_depth": self.n_rs_seq,
         }
 

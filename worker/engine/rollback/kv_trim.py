@@ -1,7 +1,8 @@
 """Rollback for pure-attention models: dropping the rejected positions from the KV cache.
 
-Attention state is just the cells of each position, so removing positions ``pos0+k+1..``
-leaves the context exactly as if only ``[last, d1..dk]`` had been decoded.
+Attention state is just the cells of each position, so removing positions ``pos0+k+1..`` of a
+sequence leaves it exactly as if only ``[last, d1..dk]`` had been decoded; the other
+sequences' cells are not touched.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from worker.engine.rollback.base import RollbackError
 from worker.llm import Context
 
 
-def trim_tail(target: Context, p0: int) -> None:
-    """Remove positions ``p0..`` of the target's sequence; a refusal is an error, because the
-    next decode would otherwise run on a state that still holds the rejected tokens."""
-    if not target.seq_rm(p0):
+def trim_tail(target: Context, p0: int, seq: int = 0) -> None:
+    """Remove positions ``p0..`` of sequence ``seq``; a refusal is an error, because the next
+    decode would otherwise run on a state that still holds the rejected tokens."""
+    if not target.seq_rm(p0, seq=seq):
         raise RollbackError(
-            f"llama.cpp refused to remove positions {p0}.. (memory_seq_rm returned False): "
-            "the target state was not rolled back"
+            f"llama.cpp refused to remove positions {p0}.. of sequence {seq} "
+            "(memory_seq_rm returned False): the target state was not rolled back"
         )
 
 
@@ -27,13 +28,20 @@ class KvTrimRollback:
 
     n_rs_seq = 0
 
-    def prepare(self, target: Context, n_draft: int) -> None:
+    def prepare(self, target: Context, seq: int, n_draft: int) -> None:
         """Nothing to save: attention cells of kept positions are never touched."""
 
-    def rewind(self, target: Context, batch: Sequence[int], pos0: int, n_accepted: int) -> None:
-        trim_tail(target, pos0 + n_accepted + 1)
+    def rewind(self, target: Context, seq: int, batch: Sequence[int], pos0: int,
+               n_accepted: int) -> None:
+        trim_tail(target, pos0 + n_accepted + 1, seq)
 
-    def telemetry(self) -> dict[str, object]:
+    def settle(self, target: Context) -> None:
+        """Every rewind was a trim, done already."""
+
+    def release(self, seq: int) -> None:
+        """No per-sequence state."""
+
+    def telemetry(self, seq: int) -> dict[str, object]:
         return {"rollback_depth": None}
 
     def close(self) -> None:

@@ -1,10 +1,11 @@
 """Rollback for recurrent/hybrid models with one snapshot per draft position (D = N).
 
 The target context is created with ``n_rs_seq = N``: llama.cpp then keeps N recurrent-state
-snapshots of the last decode and ``seq_rm`` of a tail up to N deep restores the state in
-place (the removal both trims the attention KV and rewinds the recurrent layers). Deeper
-removals, or a context that was granted fewer snapshots, are refused by llama.cpp with a
-``False`` that :func:`trim_tail` turns into a :class:`RollbackError`.
+snapshots of the last decode for every sequence, and ``seq_rm`` of a sequence's tail up to N
+deep restores its state in place (the removal both trims the attention KV and rewinds the
+recurrent layers). Deeper removals, or a context that was granted fewer snapshots, are
+refused by llama.cpp with a ``False`` that :func:`trim_tail` turns into a
+:class:`RollbackError`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class SnapshotRollback(KvTrimRollback):
     def __init__(self, depth: int) -> None:
         self.n_rs_seq = depth
 
-    def prepare(self, target: Context, n_draft: int) -> None:
+    def prepare(self, target: Context, seq: int, n_draft: int) -> None:
         """Refuse a draft whose rejection could not be rolled back, before it is decoded."""
         if n_draft > self.n_rs_seq:
             raise RollbackError(
@@ -28,5 +29,5 @@ class SnapshotRollback(KvTrimRollback):
                 "the target context was created with"
             )
 
-    def telemetry(self) -> dict[str, object]:
+    def telemetry(self, seq: int) -> dict[str, object]:
         return {"rollback_depth": self.n_rs_seq}
