@@ -18,7 +18,14 @@ from shared.protocol import GenerationRequest, WorkerInfo, describe_validation_e
 
 
 class SubmitError(ValueError):
-    """A request the coordinator refuses to queue; the message says what and why."""
+    """A request the coordinator refuses to queue; the message says what and why.
+
+    ``reason`` names the kind of refusal for callers that map it (the HTTP gateway's status
+    codes): ``invalid``, ``unknown_model``, ``no_worker``."""
+
+    def __init__(self, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def parse_request(request: GenerationRequest | dict[str, Any]) -> GenerationRequest:
@@ -47,12 +54,17 @@ def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
     ``known_models`` is only asked when no live worker serves the request's model."""
     if not workers and request.model not in (models := known_models()):
         known = ", ".join(sorted(models)) or "none"
-        raise SubmitError(f"unknown model '{request.model}' (models served: {known})")
+        raise SubmitError(f"unknown model '{request.model}' (models served: {known})",
+                          "unknown_model")
     if not workers:
         if require_live_worker:
             raise SubmitError(f"no live worker serves model '{request.model}' "
-                              "(start one, or set SPECFLEET_REQUIRE_LIVE_WORKER=false to queue)")
+                              "(start one, or set SPECFLEET_REQUIRE_LIVE_WORKER=false to queue)",
+                              "no_worker")
         return
+    if request.messages is not None and not any(w.chat_template for w in workers):
+        raise SubmitError(f"model '{request.model}' has no chat template: send a prompt, or "
+                          "start its workers with SPECFLEET_CHAT_TEMPLATE")
     largest = max(w.n_ctx for w in workers)
     lowest, _ = prompt_token_bounds(request)
     if lowest + request.max_tokens > largest:

@@ -87,15 +87,20 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``parse_special`` turns special-token text into those tokens
+        (only for text a model's own template wrote, never for user text)."""
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, False)
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special,
+                                     parse_special)
         if n < 0:
             cap = -n
             buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, False)
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special,
+                                         parse_special)
         if n < 0:
             raise LlamaError("tokenization failed")
         return list(buf[:n])

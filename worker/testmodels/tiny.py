@@ -56,11 +56,29 @@ def build_tiny_models(directory: Path, seed: int = 0) -> TinyModels:
     )
 
 
-def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = DEFAULT_STRENGTHS) -> Path:
-    """Write a 2-layer F32 ``llama`` model (about 430 KB); same seed, same bytes."""
+#: The chat variant's turn markers: control tokens (so only a template, never user text, can
+#: produce them) whose names llama.cpp does not take for end-of-generation tokens.
+CHAT_START = "<|sf_start|>"
+CHAT_END = "<|sf_end|>"
+CHAT_TOKENS = {CHAT_START: 253, CHAT_END: 254}
+#: A ChatML-like template over those markers (``tokenizer.chat_template`` of the chat variant).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}" + CHAT_START + "{{ m['role'] }}\n{{ m['content'] }}"
+    + CHAT_END + "\n{% endfor %}"
+    "{% if add_generation_prompt %}" + CHAT_START + "assistant\n{% endif %}"
+)
+
+
+def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = DEFAULT_STRENGTHS,
+                      chat: bool = False) -> Path:
+    """Write a 2-layer F32 ``llama`` model (about 430 KB); same seed, same bytes.
+
+    ``chat`` adds a chat template and makes its two turn markers control tokens; the weights
+    stay the same, so greedy token ids do too (only those two ids detokenize to nothing).
+    """
     recipe = Recipe(seed, strengths=strengths)
     d = recipe.dims
-    writer = _writer(path, "llama", d, n_blocks=DENSE_LAYERS)
+    writer = _writer(path, "llama", d, n_blocks=DENSE_LAYERS, chat=chat)
     writer.add_rope_dimension_count(d.head_dim)  # must equal the head size ("invalid n_rot")
     _add_tensors(writer, _skeleton(recipe))
     for il in range(DENSE_LAYERS):
@@ -104,7 +122,7 @@ def write_qwen35_hybrid(
 
 
 # -- GGUF plumbing ---------------------------------------------------------------------------
-def _writer(path: Path, arch: str, d: Dims, n_blocks: int) -> gguf.GGUFWriter:
+def _writer(path: Path, arch: str, d: Dims, n_blocks: int, chat: bool = False) -> gguf.GGUFWriter:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"specfleet tiny {arch}")
     writer.add_context_length(CONTEXT_LENGTH)
@@ -119,7 +137,14 @@ def _writer(path: Path, arch: str, d: Dims, n_blocks: int) -> gguf.GGUFWriter:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     # llama.cpp's built-in dummy tokenizer: no merges, no special tokens needed.
     writer.add_tokenizer_model("test")
-    writer.add_token_list([f"tok_{i}" for i in range(d.n_vocab)])
+    tokens = [f"tok_{i}" for i in range(d.n_vocab)]
+    if chat:
+        for text, token in CHAT_TOKENS.items():
+            tokens[token] = text
+        writer.add_token_types([gguf.TokenType.CONTROL if t in CHAT_TOKENS else
+                                gguf.TokenType.NORMAL for t in tokens])
+        writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * d.n_vocab)
     return writer
 
