@@ -153,9 +153,11 @@ def _apply(tally: Tally, record: dict[str, Any]) -> None:
 
 @dataclass
 class _Source:
-    """Per input: the worker its lines belong to, once a ``worker.registered`` names it."""
+    """Per input: the worker (and model) its lines belong to, once ``worker.registered``
+    names them."""
 
     worker: str | None = None
+    model: str | None = None
     pending: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -195,29 +197,30 @@ class LogSummary:
         src = self._sources.setdefault(source, _Source())
         if record["event"] == "worker.registered" and src.worker is None:
             src.worker = str(record.get("worker") or UNKNOWN)
+            src.model = record.get("model")
             for held in src.pending:
-                self._count(held, src.worker)
+                self._count(held, src.worker, src.model)
             src.pending.clear()
         if "worker" in record:
-            self._count(record, str(record["worker"]))
+            self._count(record, str(record["worker"]), src.model)
         elif src.worker is not None:
-            self._count(record, src.worker)
+            self._count(record, src.worker, src.model)
         elif len(src.pending) < _PENDING_MAX:
             src.pending.append(record)
         else:
-            self._count(record, UNKNOWN)
+            self._count(record, UNKNOWN, None)
 
     def close(self) -> None:
         """Count what no source ever attributed (a log without ``worker.registered``)."""
         for src in self._sources.values():
             for held in src.pending:
-                self._count(held, UNKNOWN)
+                self._count(held, UNKNOWN, None)
             src.pending.clear()
 
-    def _count(self, record: dict[str, Any], worker: str) -> None:
+    def _count(self, record: dict[str, Any], worker: str, source_model: str | None) -> None:
         self.records += 1
         groups = [self.total, self.workers.setdefault(worker, Tally())]
-        model = record.get("model")
+        model = record.get("model") or source_model
         if model:
             groups.append(self.models.setdefault(str(model), Tally()))
         job_id = record.get("job_id")

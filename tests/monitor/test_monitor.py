@@ -1,0 +1,122 @@
+"""``specfleet monitor`` over the real JSON log of the live run: its counts equal the engine
+telemetry of the same run; bad lines are counted, never fatal; alerts are exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from service.workers import SPECFLEET
+
+from .conftest import PROMPTS, WORKER, LiveRun
+
+FIELDS = ("drafts", "drafted", "accepted", "target_decodes", "generated_tokens",
+          "prompt_tokens", "replay_events", "replay_tokens", "checkpoint_saves")
+
+
+def monitor(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SPECFLEET, "monitor", *args], input=stdin, capture_output=True,
+                          text=True, timeout=60)
+
+
+def summary(*args: str, stdin: str | None = None) -> dict:
+    proc = monitor("--json", *args, stdin=stdin)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_per_worker_model_and_job_counts_equal_the_engine_telemetry(live_run: LiveRun) -> None:
+    out = summary(str(live_run.log))
+    lifetime = live_run.info.telemetry
+    assert lifetime is not None
+    for group in (out["workers"][WORKER], out["models"]["tiny"], out["total"]):
+        assert group["generations"] == len(PROMPTS)
+        for field in FIELDS:
+            assert group[field] == getattr(lifetime, field), field
+        assert group["accepted_per_position"] == lifetime.accepted_per_position
+        assert group["drafted_per_position"] == lifetime.drafted_per_position
+        assert group["tokens_per_verify"] == lifetime.tokens_per_verify
+        assert group["acceptance"] == lifetime.acceptance
+        assert group["jobs_started"] == group["jobs_finished"] == len(PROMPTS)
+        assert group["failures"] == group["refusals"] == group["requeues"] == 0
+        # The start-up fallback precedes worker.registered: it still belongs to the worker.
+        assert group["host_fallbacks_by_reason"] == {"fault_injection": 1}
+    jobs = {r.job_id: r for r in live_run.results}
+    assert set(out["jobs"]) == set(jobs)
+    for job_id, job in out["jobs"].items():
+        telemetry = jobs[job_id].telemetry
+        assert telemetry is not None
+        assert job["workers"] == [WORKER] and job["outcome"] == "finished"
+        assert job["attempts"] == 1
+        for field in FIELDS:
+            assert job[field] == getattr(telemetry, field), field
+
+
+def test_unparseable_lines_are_counted_and_skipped(live_run: LiveRun, tmp_path: Path) -> None:
+    clean = summary(str(live_run.log))
+    noisy = tmp_path / "noisy.log"
+    noisy.write_text("not json at all\n[1, 2]\n{\"no_event\": 1}\n"
+                     + live_run.log.read_text() + "{truncated")
+    out = summary(str(noisy))
+    assert out["unparseable"] == 4
+    assert out["workers"] == clean["workers"]
+    assert out["records"] == clean["records"]
+
+
+def test_globs_stdin_and_since(live_run: LiveRun, tmp_path: Path) -> None:
+    text = live_run.log.read_text()
+    (tmp_path / "a.log").write_text(text)
+    (tmp_path / "b.log").write_text(text)
+    both = summary(str(tmp_path / "*.log"))
+    once = summary(str(live_run.log))
+    assert both["total"]["generations"] == 2 * once["total"]["generations"]
+    piped = summary("-", stdin=text)
+    assert piped["workers"] == once["workers"]
+    last = max(json.loads(line)["timestamp"] for line in text.splitlines() if line.startswith("{"))
+    after = summary("--since", "2999-01-01T00:00:00Z", str(live_run.log))
+    assert after["records"] == 0 and after["before_since"] > 0
+    upto = summary("--since", last, str(live_run.log))
+    assert 0 < upto["records"] < once["records"]
+
+
+def test_fail_on_conditions_are_exit_codes(live_run: LiveRun) -> None:
+    log = str(live_run.log)
+    tripped = monitor("--json", "--fail-on", "host_fallbacks>0", log)
+    assert tripped.returncode == 1
+    assert "host_fallbacks>0 holds for total, m1" in tripped.stderr
+    assert json.loads(tripped.stdout)["alerts"] == ["host_fallbacks>0 holds for total, m1"]
+    clear = monitor("--fail-on", "replay_ratio>0.99", "--fail-on", "failures>0", log)
+    assert clear.returncode == 0, clear.stderr
+    assert "per worker" in clear.stdout
+    for bad in ("host_fallbacks", "nonsense>1", "acceptance<<1"):
+        proc = monitor("--fail-on", bad, log)
+        assert proc.returncode == 2 and "bad condition" in proc.stderr, bad
+    missing = monitor(str(live_run.log) + ".absent")
+    assert missing.returncode == 2 and "no log file matches" in missing.stderr
+
+
+def test_follow_reads_growing_files_and_exits_on_an_alert(live_run: LiveRun,
+                                                          tmp_path: Path) -> None:
+    growing = tmp_path / "growing.log"
+    growing.write_text("")
+    proc = subprocess.Popen([SPECFLEET, "monitor", "--follow", "--json", "--interval", "0.2",
+                             "--fail-on", "generations>=3", str(tmp_path / "*.log")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = live_run.log.read_text().splitlines(keepends=True)
+        with growing.open("a") as fh:
+            for line in lines:
+                fh.write(line)
+                fh.flush()
+        time.sleep(0.5)
+        assert proc.poll() is None or proc.returncode == 1
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["total"]["generations"] == len(PROMPTS)
+    assert "generations>=3 holds" in err
