@@ -21,6 +21,8 @@ from contextlib import contextmanager
 
 import redis
 
+from shared.redact import redact
+
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 HOW_TO_GET_REDIS = (
     "no Redis is reachable: set REDIS_URL to a running server, start one on 127.0.0.1:6379, "
@@ -54,7 +56,7 @@ def local_redis() -> Iterator[str]:
     env_url = os.environ.get("REDIS_URL")
     if env_url:
         if not answers(env_url):
-            raise RedisUnavailable(f"REDIS_URL={env_url} does not answer PING")
+            raise RedisUnavailable(f"REDIS_URL={redact(env_url)} does not answer PING")
         yield env_url
         return
     if answers(DEFAULT_URL):

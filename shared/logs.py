@@ -2,7 +2,9 @@
 
 Operators grep and ship these lines; every event name is a dotted noun.verb
 (``job.started``, ``rollback.replay``) and context such as job id, worker, model and attempt
-is bound once with ``bind_contextvars`` so every line of a job carries it.
+is bound once with ``bind_contextvars`` so every line of a job carries it. Every string in an
+event (fields, nested values, a formatted traceback) passes :func:`shared.redact.redact` last,
+so a Redis URL or an exception text that embeds one never ships a password.
 """
 
 from __future__ import annotations
@@ -13,8 +15,26 @@ from typing import IO, Any
 
 import structlog
 
+from shared.redact import redact
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redacted(v) for v in value]
+    return value
+
+
+def redact_secrets(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor: credentials in any string of the event are masked (the safety
+    net behind every call site that renders a URL itself)."""
+    return _redacted(event_dict)
 
 
 def configure_logging(
@@ -26,6 +46,7 @@ def configure_logging(
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.format_exc_info,
+        redact_secrets,
     ]
     renderer: Any = (
         structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()

@@ -9,6 +9,7 @@ import typer
 from pydantic import ValidationError
 
 from shared.protocol import describe_validation_error
+from shared.redact import redact
 from shared.settings import Settings, get_settings
 
 app = typer.Typer(
@@ -21,14 +22,20 @@ app = typer.Typer(
 
 
 def error_line(message: str) -> None:
-    """Write one CLI error line on stderr (what operators and scripts expect)."""
-    sys.stderr.write(f"specfleet: error: {' '.join(message.split())}\n")
+    """Write one CLI error line on stderr (what operators and scripts expect), credentials
+    masked: an exception's text may embed a Redis URL with its password."""
+    sys.stderr.write(f"specfleet: error: {redact(' '.join(message.split()))}\n")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Exit non-zero with a one-line message on stderr."""
     error_line(message)
     raise typer.Exit(code)
+
+
+def fail_redis(settings: Settings, exc: Exception) -> NoReturn:
+    """Exit 3 naming the Redis that failed (user and host kept, password masked) and why."""
+    fail(f"Redis at {redact(settings.redis_url)}: {exc}", code=3)
 
 
 def environment_settings() -> Settings:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from redis import RedisError
 
-from coordinator.cli.app import app, environment_settings, fail
+from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator
 from shared.logs import configure_logging
 
@@ -22,6 +22,6 @@ def cancel(job_id: Annotated[str, typer.Argument(help="id printed by submit")]) 
     except (LookupError, ValueError) as exc:
         fail(str(exc), code=1)
     except RedisError as exc:
-        fail(f"Redis at {settings.redis_url}: {exc}", code=3)
+        fail_redis(settings, exc)
     print(f"{job_id}: " + ("withdrawn from its queue" if withdrawn
                            else "cancel requested (a running job stops within one step)"))

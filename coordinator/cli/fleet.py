@@ -11,7 +11,7 @@ from redis import RedisError
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.cli.app import app, environment_settings, fail
+from coordinator.cli.app import app, environment_settings, fail_redis
 from coordinator.client import Coordinator
 from shared.logs import configure_logging
 
@@ -29,7 +29,7 @@ def fleet(
         models = sorted({w.model_name for w in workers} | coordinator.known_models())
         queues = {m: coordinator.queue_depths(m) for m in models}
     except RedisError as exc:
-        fail(f"Redis at {settings.redis_url}: {exc}", code=3)
+        fail_redis(settings, exc)
     if as_json:
         print(json.dumps({"workers": [w.model_dump(mode="json") for w in workers],
                           "queues": queues}))

@@ -10,7 +10,7 @@ import typer
 from redis import RedisError
 
 from coordinator.cli import options as opt
-from coordinator.cli.app import app, environment_settings, fail
+from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator, JobResult
 from coordinator.validation import SubmitError
 from shared.logs import configure_logging
@@ -70,5 +70,5 @@ def submit(
     except TimeoutError as exc:
         fail(str(exc), code=1)
     except RedisError as exc:
-        fail(f"Redis at {settings.redis_url}: {exc}", code=3)
+        fail_redis(settings, exc)
     print_result(result, as_json, streamed=stream)
