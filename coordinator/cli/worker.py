@@ -9,9 +9,11 @@ import typer
 from pydantic import ValidationError
 from redis import RedisError
 
-from coordinator.cli.app import app, environment_settings, fail
+from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from shared.logs import configure_logging
+from shared.outage import RedisOutage
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
+from shared.redact import RedisURL
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
 from worker.service.runner import serve
 from worker.service.startup import WorkerOptions
@@ -46,6 +48,9 @@ def worker(
     checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
     = CheckpointMode.DEVICE,
     threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
+    metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve Prometheus "
+                                                     "/metrics on this port (0: a free one, "
+                                                     "published in the registration)")] = None,
 ) -> None:
     """Run a resident-model worker: fit, load once, register, take jobs, heartbeat.
 
@@ -55,7 +60,7 @@ def worker(
     """
     settings = environment_settings()
     if redis is not None:
-        settings = settings.model_copy(update={"redis_url": redis})
+        settings = settings.model_copy(update={"redis_url": RedisURL(redis)})
     configure_logging(settings.log_level, settings.log_format)
     if not model.is_file():
         fail(f"model file not found: {model}")
@@ -69,8 +74,10 @@ def worker(
         device=device, name=name, n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train,
         budget_mib=budget_mib,
         fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, spec=spec_settings,
-        checkpoint=checkpoint)
+        checkpoint=checkpoint, metrics_port=metrics_port)
     try:
         serve(options, settings)
-    except (FitError, RedisError, RuntimeError, ValueError) as exc:
+    except (RedisError, RedisOutage) as exc:
+        fail_redis(settings, exc)
+    except (FitError, RuntimeError, ValueError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
