@@ -98,6 +98,44 @@ def _start(binary: str, args: list[str], log: Path) -> Node:
     return node
 
 
+def _stop(nodes: list[Node]) -> None:
+    for node in nodes:
+        if node.proc.poll() is None:
+            node.proc.terminate()
+    for node in nodes:
+        try:
+            node.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait()
+
+
+@contextmanager
+def redis_server(workdir: Path, *args: str, ready: bool = True) -> Iterator[Node]:
+    """One private ``redis-server ARGS --port P --dir WORKDIR`` on a free loopback port.
+
+    ``ready=False`` when an unauthenticated PING cannot answer (default user off)."""
+    port = free_port()
+    argv = [*args, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
+    if ready:
+        node = _start(redis_server_binary(), argv, workdir / "redis.log")
+    else:
+        proc = subprocess.Popen([redis_server_binary(), *argv],
+                                stdout=(workdir / "redis.log").open("ab"),
+                                stderr=subprocess.STDOUT)
+        node = Node(port, proc)
+        wait_until(lambda: _listening(port), 10, f"redis-server on port {port}")
+    try:
+        yield node
+    finally:
+        _stop([node])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @contextmanager
 def sentinel_group(workdir: Path) -> Iterator[SentinelGroup]:
     """Start a primary, a replica of it and a sentinel; yield once the sentinel knows both."""
@@ -131,12 +169,4 @@ def sentinel_group(workdir: Path) -> Iterator[SentinelGroup]:
         wait_until(lambda: _promotable(watcher), 30, "the sentinel to see a promotable replica")
         yield group
     finally:
-        for node in [*group.nodes, *([group.sentinel] if group.sentinel else [])]:
-            if node.proc.poll() is None:
-                node.proc.terminate()
-        for node in [*group.nodes, *([group.sentinel] if group.sentinel else [])]:
-            try:
-                node.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                node.proc.kill()
-                node.proc.wait()
+        _stop([*group.nodes, *([group.sentinel] if group.sentinel else [])])
