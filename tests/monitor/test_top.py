@@ -1,0 +1,107 @@
+"""``specfleet top --once --json`` and the fleet metrics, against a live two-worker fleet.
+
+Both workers are slowed (``SPECFLEET_STEP_DELAY_SECONDS``) so that, with three jobs for two
+workers, both are busy and one job waits: the snapshot must show both workers busy, a queue
+depth of one and a waiting time; once everything ran, it must show the lifetime telemetry the
+workers published equal to the jobs' own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis import Redis
+from service.conftest import _delete_namespace
+from service.workers import MODEL_NAME, SPECFLEET, Fleet
+
+from coordinator.client import Coordinator
+from coordinator.metrics import fleet_snapshot, render_fleet_metrics
+
+from .conftest import make_settings, wait_for
+from .scrape import total
+
+NAMES = ("top-a", "top-b")
+
+
+@pytest.fixture
+def two_workers(dense_model: Path, tmp_path: Path) -> Iterator[Fleet]:
+    settings = make_settings()
+    fleet = Fleet(settings, dense_model, tmp_path)
+    try:
+        for name in NAMES:
+            fleet.start(name, step_delay=0.1)
+        yield fleet
+    finally:
+        fleet.stop_all()
+        _delete_namespace(Redis.from_url(settings.redis_url), settings.prefix)
+
+
+def top_once(fleet: Fleet) -> dict:
+    proc = subprocess.run([SPECFLEET, "top", "--once", "--json"], capture_output=True, text=True,
+                          timeout=60, env=fleet.env(0.0, {}))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_top_once_json_shows_workers_queues_and_published_telemetry(two_workers: Fleet) -> None:
+    coordinator = Coordinator(two_workers.settings)
+    handles = [coordinator.submit({"model": MODEL_NAME, "prompt": f"count {i}:",
+                                   "max_tokens": 150, "speculative": {"method": "none"}})
+               for i in range(3)]
+
+    def all_busy_one_waiting(snap: dict) -> bool:
+        busy = [w for w in snap["workers"] if w["busy_slots"] == 1]
+        normal = [q for q in snap["queues"] if q["model"] == MODEL_NAME
+                  and q["tier"] == "normal"]
+        return len(busy) == 2 and bool(normal) and normal[0]["depth"] == 1
+
+    # Polled in-process (a CLI start costs seconds); then the CLI must show the same state,
+    # which lasts a whole job (150 steps of 0.1 s).
+    wait_for(lambda: all_busy_one_waiting(fleet_snapshot(coordinator).to_json()), timeout=60,
+             what="both workers busy, one job queued")
+    busy = top_once(two_workers)
+    assert all_busy_one_waiting(busy), busy
+    assert {w["name"] for w in busy["workers"]} == set(NAMES)
+    for w in busy["workers"]:
+        assert w["model"] == MODEL_NAME and w["device"] == "cpu"
+        assert w["slots"] == 1 and w["n_ctx"] == 512
+        assert w["current_job"] in {h.job_id for h in handles}
+        assert w["heartbeat_age_seconds"] >= 0
+    (normal,) = [q for q in busy["queues"] if q["tier"] == "normal"]
+    assert normal["oldest_wait_seconds"] > 0
+    (high,) = [q for q in busy["queues"] if q["tier"] == "high"]
+    assert high["depth"] == 0 and high["oldest_wait_seconds"] == 0
+    fleet_metrics = render_fleet_metrics(coordinator).decode()
+    assert total(fleet_metrics, "specfleet:queue_depth", model=MODEL_NAME, tier="normal") >= 0
+    assert total(fleet_metrics, "specfleet:workers_live", model=MODEL_NAME) == 2
+    assert total(fleet_metrics, "specfleet:fleet_slots", model=MODEL_NAME) == 2
+
+    results = [h.result(timeout=120) for h in handles]
+    by_worker: dict[str, int] = {}
+    for r in results:
+        assert r.telemetry is not None and r.worker is not None
+        by_worker[r.worker] = by_worker.get(r.worker, 0) + r.telemetry.generated_tokens
+
+    def published(snap: dict) -> bool:
+        got = {w["name"]: w["generated_tokens"] for w in snap["workers"]}
+        return got == {n: by_worker.get(n, 0) for n in NAMES}
+
+    wait_for(lambda: published(fleet_snapshot(coordinator).to_json()), timeout=30,
+             what="heartbeats carrying the jobs' telemetry")
+    done = top_once(two_workers)
+    assert published(done), done
+    for w in done["workers"]:
+        assert w["busy_slots"] == 0 and w["current_job"] is None
+        assert w["tokens_per_second"] > 0 and w["replays_per_second"] == 0
+        assert w["host_fallbacks"] == 0
+    assert all(q["depth"] == 0 for q in done["queues"])
+    text = subprocess.run([SPECFLEET, "top", "--once"], capture_output=True, text=True,
+                          timeout=60, env=two_workers.env(0.0, {}))
+    assert text.returncode == 0 and all(name in text.stdout for name in NAMES), text.stderr
+    idle_metrics = render_fleet_metrics(coordinator).decode()
+    assert total(idle_metrics, "specfleet:queue_depth", model=MODEL_NAME) == 0
+    assert total(idle_metrics, "specfleet:fleet_busy_slots", model=MODEL_NAME) == 0
