@@ -121,3 +121,26 @@ def test_a_stalled_worker_is_replaced_and_stands_down(fleet: Fleet,
     fleet.procs["w2"].wait(timeout=30)
     after = coordinator.submit({**REQUEST, "max_tokens": 4}).result(timeout=30)
     assert after.status is JobStatus.FINISHED and after.worker == "w1"
+
+
+def test_a_worker_restarted_under_its_name_after_kill_9_takes_over_at_once(
+        fleet: Fleet, coordinator: Coordinator) -> None:
+    """The dead holder's registration would live for the whole TTL (30 s here); its host is
+    ours and its pid is gone, so the new process registers at once and re-runs its job."""
+    long_ttl = {"SPECFLEET_WORKER_TTL_SECONDS": "30"}
+    fleet.start("w1", step_delay=STEP_DELAY, extra_env=long_ttl)
+    handle = coordinator.submit(REQUEST)
+    events = handle.stream(timeout=60)
+    for event in events:
+        if isinstance(event, TokenEvent):
+            break
+    fleet.kill("w1")
+    fleet.procs["w1"].wait(timeout=10)
+    killed_at = time.monotonic()
+    fleet.start("w1", step_delay=STEP_DELAY, extra_env=long_ttl)
+    registered_after = time.monotonic() - killed_at
+    final = list(events)[-1]
+    assert isinstance(final, FinalEvent) and final.status is JobStatus.FINISHED
+    assert final.attempt == 2 and final.worker == "w1"
+    assert registered_after < 15  # well inside the 30 s TTL the old registration had left
+    assert '"event": "worker.takeover"' in fleet.log("w1")

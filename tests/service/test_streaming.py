@@ -7,6 +7,7 @@ import threading
 from redis import Redis
 
 from coordinator.client import Coordinator
+from coordinator.events import StreamCursor
 from shared.protocol import FinalEvent, JobStatus, ProgressEvent, TokenEvent, parse_event
 
 from .workers import MODEL_NAME, Fleet
@@ -92,3 +93,20 @@ def test_pubsub_channel_fans_out_the_same_events(fleet: Fleet,
     listener.join(timeout=10)
     pubsub.close()
     assert [parse_event(r) for r in received] == replay
+
+
+def test_a_late_reader_of_a_trimmed_stream_is_told_and_still_gets_all_the_text(
+        fleet: Fleet, coordinator: Coordinator) -> None:
+    """SPECFLEET_STREAM_MAXLEN=10 trims the stream (XADD MAXLEN ~ drops whole nodes of 100
+    entries) long before a late reader arrives: the cursor reports the missing ``seq`` range,
+    and the text comes out whole, completed from the final event."""
+    fleet.start("w1", extra_env={"SPECFLEET_STREAM_MAXLEN": "10", "SPECFLEET_TOKEN_CHUNK": "1"})
+    request = {**LONG, "max_tokens": 300}
+    done = coordinator.submit(request).result(timeout=120)
+    assert done.status is JobStatus.FINISHED and len(done.tokens) > 200
+    late = coordinator.handle(done.job_id)
+    cursor = StreamCursor(done.job_id)
+    replayed = list(late.stream(timeout=10, cursor=cursor))
+    assert cursor.gaps and cursor.gaps[0][0] == 1  # the oldest events are gone
+    assert replayed[0].seq > 1
+    assert "".join(late.text_stream(timeout=10)) == done.text
