@@ -37,10 +37,35 @@ def redact_secrets(logger: Any, method: str, event_dict: dict[str, Any]) -> dict
     return _redacted(event_dict)
 
 
+class _StdlibBridge(logging.Handler):
+    """Libraries' ``logging`` records (rq's text logs, redis-py) as structlog events:
+    ``<library>.log`` (``rq.log``) with ``logger`` and ``message`` fields, at their own level,
+    so they reach the same JSON stream (redacted, filterable) instead of raw stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            library = record.name.split(".", 1)[0] or "root"
+            method = logging.getLevelName(min(record.levelno, logging.ERROR)).lower()
+            log = getattr(get_logger(library), method, None)
+            if log is not None:
+                log(f"{library}.log", logger=record.name, message=record.getMessage())
+        except Exception:  # a broken record must never take the process down
+            self.handleError(record)
+
+
+def _bridge_stdlib_logging(level: int) -> None:
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _StdlibBridge)]:
+        root.removeHandler(handler)
+    root.addHandler(_StdlibBridge())
+    root.setLevel(level)
+
+
 def configure_logging(
     level: str = "info", fmt: str = "json", stream: IO[str] | None = None
 ) -> None:
-    """Configure structlog for the process; safe to call more than once."""
+    """Configure structlog for the process (and route stdlib ``logging`` into it); safe to
+    call more than once."""
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -59,6 +84,7 @@ def configure_logging(
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
+    _bridge_stdlib_logging(_LEVELS.get(level.lower(), logging.INFO))
 
 
 def get_logger(component: str) -> structlog.typing.FilteringBoundLogger:

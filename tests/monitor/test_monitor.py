@@ -29,6 +29,7 @@ def summary(*args: str, stdin: str | None = None) -> dict:
 
 def test_per_worker_model_and_job_counts_equal_the_engine_telemetry(live_run: LiveRun) -> None:
     out = summary(str(live_run.log))
+    assert out["unparseable"] == 0, "a worker wrote a line that is not a JSON event"
     lifetime = live_run.info.telemetry
     assert lifetime is not None
     for group in (out["workers"][WORKER], out["models"]["tiny"], out["total"]):

@@ -3,6 +3,7 @@
 llama.cpp logs through one process-global callback. We install ours once, keep a reference
 to the ctypes object (if it were garbage-collected the next log line would crash the process),
 and let callers capture the lines they need (the fitter reads llama.cpp's own size reports).
+Every line also reaches the structured log as a ``llama.log`` event, never raw stderr.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from contextlib import contextmanager
 
 import llama_cpp
 
+from shared.logs import get_logger
+
 
 class LlamaError(RuntimeError):
     """A llama.cpp call failed; the message names the call and what it means for the user."""
@@ -23,18 +26,37 @@ _lock = threading.Lock()
 _initialised = False
 _captures: list[list[str]] = []
 _partial: list[str] = []
+_partial_level = [0]
+
+#: ggml_log_level (ggml.h: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR; 5 continues the previous line) to
+#: the structured log's level. llama.cpp's INFO is the loader's dump, hundreds of lines a load:
+#: it goes to ``debug`` (``SPECFLEET_LOG_LEVEL=debug`` shows it); warnings and errors stay.
+_LOG_METHODS = {1: "debug", 2: "debug", 3: "warning", 4: "error"}
+_GGML_LEVEL_NAMES = {1: "debug", 2: "info", 3: "warn", 4: "error"}
+_GGML_CONT = 5
+_llama_log = get_logger("llama")
 
 
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    if not _captures:
-        return
-    _partial.append(text.decode("utf-8", errors="replace"))
-    if _partial[-1].endswith("\n"):
+    """Every complete llama.cpp line becomes a ``llama.log`` event (and reaches the captures).
+    Runs inside C: it must never raise."""
+    try:
+        if level != _GGML_CONT or not _partial:
+            _partial_level[0] = level
+        _partial.append(text.decode("utf-8", errors="replace"))
+        if not _partial[-1].endswith("\n"):
+            return
         line = "".join(_partial).rstrip("\n")
         _partial.clear()
         for sink in _captures:
             sink.append(line)
+        if line.strip():
+            first = _partial_level[0]
+            getattr(_llama_log, _LOG_METHODS.get(first, "debug"))(
+                "llama.log", line=line.strip(), llama_level=_GGML_LEVEL_NAMES.get(first, "none"))
+    except Exception:  # a log line is never worth a crash inside llama.cpp
+        pass
 
 
 def init_backend() -> None:
