@@ -1,109 +1,326 @@
-"""Batch files: OpenAI-style JSONL in (``{"custom_id", "body": request}``), JSONL out.
+"""Batches that live in Redis (OpenAI's Batch API): files in, jobs, files out.
 
-Every valid line is queued at once (the fleet works on them in parallel); results are
-written in input order, each keeping its ``custom_id``. A bad line (not JSON, not a batch
-line, a request the coordinator refuses) is reported with its line number and does not stop
-the batch. The batch's status and counts are kept in a Redis hash (``keys.batch``).
+A batch advances with no client alive. Creating one turns every line of its input file into a
+job at once; each job's final event is accounted to the batch by the script that appends it
+(``worker.service.events``: counts, the line's result, the batch's end), whoever writes it (a
+worker, a cancel of a queued job, crash recovery). A line that cannot become a job (not UTF-8,
+not JSON, not a batch line, a request the coordinator refuses) gets a failed final event
+through the same script, so there is one way a line is accounted. Output and error files are
+assembled from Redis when they are read, in input order. The HTTP gateway and
+``specfleet batch`` both use :class:`BatchStore`; there is no other implementation.
+
+Redis keys (``shared.keys``): ``file:{id}`` (uploads), ``batch:{id}`` (status, counts, meta),
+``batch:{id}:jobs`` (line -> custom id, job id, model), ``batch:{id}:results`` (line -> final
+event), ``job:{id}:batch`` (a job's line reference, read by the script), ``batches`` (listing).
+Everything expires ``SPECFLEET_RESULT_TTL_SECONDS`` after the batch's last change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import IO, Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from coordinator.client import Coordinator, JobHandle
+from coordinator.client import Coordinator
+from coordinator.gateway import schemas
 from coordinator.validation import SubmitError
-from shared.protocol import BatchLine, JobStatus, describe_validation_error
+from shared.protocol import BatchLine, FinalEvent, JobStatus, describe_validation_error
+from worker.service.events import EventWriter
+
+#: Largest input file, in bytes, and most lines in one batch.
+MAX_FILE_BYTES = 32 * 1024 * 1024
+MAX_BATCH_LINES = 10_000
+#: The only completion window (OpenAI's); a batch not done by then is reported ``expired``.
+COMPLETION_WINDOW = "24h"
+WINDOW_SECONDS = 24 * 3600
+#: Statuses after which a batch never changes again.
+TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
+
+_TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+               "cancelling_at", "cancelled_at")
 
 
-@dataclass
-class BatchSummary:
-    """Counts of one batch run (also stored in Redis under the batch id)."""
+class BatchError(ValueError):
+    """A files/batches request that cannot be served; ``status`` is its HTTP status."""
 
-    batch_id: str
-    total: int = 0
-    completed: int = 0
-    failed: int = 0
-    invalid: int = 0
-    errors: list[str] = field(default_factory=list)
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
 
 
-def _parse_line(number: int, raw: str, model: str | None) -> BatchLine:
-    """One input line as a ``BatchLine``; ``ValueError`` naming the line otherwise."""
-    try:
-        line = BatchLine.model_validate_json(raw)
-    except ValidationError as exc:
-        raise ValueError(f"line {number}: {describe_validation_error(exc)}") from None
-    if model is not None:
-        line.body.setdefault("model", model)
-    return line
+def _text(raw: bytes | str | None) -> str | None:
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
-def run_batch(coordinator: Coordinator, lines: Iterable[str], out: IO[str],
-              errors: IO[str] | None = None, model: str | None = None,
-              timeout: float | None = None,
-              progress: Callable[[int, int], None] | None = None) -> BatchSummary:
-    """Submit every line, then write one output line per request as results arrive in order.
+class BatchStore:
+    """Files and batches of one deployment, kept in its Redis."""
 
-    ``errors`` receives the lines that failed (invalid or failed jobs); without it they go
-    to ``out`` too. ``progress(done, total)`` is called after each written result.
-    """
-    summary = BatchSummary(batch_id=uuid.uuid4().hex)
-    hash_key = coordinator.keys.batch(summary.batch_id)
-    ttl = coordinator.settings.result_ttl_seconds
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.conn = coordinator.connection
+        self.keys = coordinator.keys
+        self.ttl = coordinator.settings.result_ttl_seconds
 
-    def save(**fields: Any) -> None:
-        """Update the batch hash; it expires even when the run dies half-way (a timeout)."""
-        pipe = coordinator.connection.pipeline(transaction=False)
-        pipe.hset(hash_key, mapping=fields)
-        pipe.expire(hash_key, ttl)
+    # -- files -------------------------------------------------------------------------------
+    def upload(self, content: bytes, filename: str, purpose: str = "batch") -> dict[str, Any]:
+        """Store an input file; returns its OpenAI file object."""
+        if purpose != "batch":
+            raise BatchError(f"purpose must be 'batch', not {purpose!r}", param="purpose")
+        if len(content) > MAX_FILE_BYTES:
+            raise BatchError(f"file of {len(content)} bytes exceeds the limit of "
+                             f"{MAX_FILE_BYTES} bytes", status=413, param="file")
+        info = {"id": f"file-{uuid.uuid4().hex}", "object": "file", "bytes": len(content),
+                "created_at": int(time.time()), "filename": filename[:256], "purpose": purpose,
+                "status": "processed"}
+        pipe = self.conn.pipeline(transaction=True)
+        pipe.hset(self.keys.file(info["id"]), mapping={"meta": json.dumps(info),
+                                                        "content": content})
+        pipe.expire(self.keys.file(info["id"]), self.ttl)
         pipe.execute()
+        return info
 
-    save(status="validating")
-    error_out = errors or out
-    submitted: list[tuple[int, str, JobHandle]] = []
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        summary.total += 1
-        custom_id = None
-        try:
-            line = _parse_line(number, raw, model)
-            custom_id = line.custom_id
-            submitted.append((number, custom_id, coordinator.submit(line.body)))
-        except (ValueError, SubmitError) as exc:
-            message = str(exc) if str(exc).startswith("line ") else f"line {number}: {exc}"
-            summary.invalid += 1
-            summary.errors.append(message)
-            _write(error_out, {"custom_id": custom_id, "line": number, "job_id": None,
-                               "response": None, "error": {"message": message}})
-    save(status="in_progress", total=summary.total, invalid=summary.invalid,
-         job_ids=json.dumps([h.job_id for _, _, h in submitted]))
-    for done, (number, custom_id, handle) in enumerate(submitted, start=1):
-        result = handle.result(timeout)
-        ok = result.status is JobStatus.FINISHED
-        record: dict[str, Any] = {"custom_id": custom_id, "line": number,
-                                  "job_id": handle.job_id}
-        if ok:
-            summary.completed += 1
-            _write(out, {**record, "response": result.to_json(), "error": None})
-        else:
-            summary.failed += 1
-            message = f"line {number}: job {result.status}: {result.error or result.finish_reason}"
-            summary.errors.append(message)
-            _write(error_out, {**record, "response": None, "error": {"message": message}})
-        save(completed=summary.completed, failed=summary.failed)
-        if progress:
-            progress(done, len(submitted))
-    save(status="completed")
-    return summary
+    def file(self, file_id: str) -> dict[str, Any]:
+        """The file object of an upload or of a batch's output/error file."""
+        batch_id, kind = _result_file(file_id)
+        if batch_id is not None:
+            content = self.content(file_id)
+            batch = self.get(batch_id)
+            return {"id": file_id, "object": "file", "bytes": len(content),
+                    "created_at": batch.get("completed_at") or batch["created_at"],
+                    "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output",
+                    "status": "processed"}
+        raw = self.conn.hget(self.keys.file(file_id), "meta")
+        if raw is None:
+            raise BatchError(f"no such file: {file_id}", status=404, param="file_id")
+        return json.loads(raw)
+
+    def content(self, file_id: str) -> bytes:
+        """An upload's bytes, or a batch's output/error file assembled from its results."""
+        batch_id, kind = _result_file(file_id)
+        if batch_id is not None:
+            lines = self.result_lines(batch_id, "errors" if kind == "errors" else "output")
+            return "".join(json.dumps(line) + "\n" for line in lines).encode()
+        raw = self.conn.hget(self.keys.file(file_id), "content")
+        if raw is None:
+            raise BatchError(f"no such file: {file_id}", status=404, param="file_id")
+        return raw
+
+    # -- batches -----------------------------------------------------------------------------
+    def create(self, input_file_id: str, endpoint: str,
+               completion_window: str = COMPLETION_WINDOW,
+               metadata: dict[str, str] | None = None,
+               model: str | None = None) -> dict[str, Any]:
+        """Create a batch and queue every line of its input file as a job.
+
+        ``model`` fills in lines whose body names none (``specfleet batch --model``)."""
+        if endpoint not in schemas.ENDPOINTS:
+            raise BatchError(f"endpoint must be one of {', '.join(schemas.ENDPOINTS)}",
+                             param="endpoint")
+        if completion_window != COMPLETION_WINDOW:
+            raise BatchError(f"completion_window must be '{COMPLETION_WINDOW}'",
+                             param="completion_window")
+        if metadata is not None and not _valid_metadata(metadata):
+            raise BatchError("metadata: at most 16 string pairs (keys <= 64, values <= 512 "
+                             "characters)", param="metadata")
+        raw_lines = [line for line in self.content(input_file_id).split(b"\n") if line.strip()]
+        if not raw_lines:
+            raise BatchError(f"input file {input_file_id} has no lines", param="input_file_id")
+        if len(raw_lines) > MAX_BATCH_LINES:
+            raise BatchError(f"input file has {len(raw_lines)} lines; a batch holds at most "
+                             f"{MAX_BATCH_LINES}", param="input_file_id")
+        now = int(time.time())
+        batch_id = f"batch_{uuid.uuid4().hex}"
+        meta = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
+                "completion_window": completion_window, "metadata": metadata,
+                "created_at": now, "expires_at": now + WINDOW_SECONDS}
+        key = self.keys.batch(batch_id)
+        pipe = self.conn.pipeline(transaction=True)
+        pipe.hset(key, mapping={"meta": json.dumps(meta), "status": "in_progress",
+                                "in_progress_at": now, "total": len(raw_lines),
+                                "completed": 0, "failed": 0, "invalid": 0,
+                                "generated_tokens": 0})
+        pipe.expire(key, self.ttl)
+        pipe.zadd(self.keys.batches(), {batch_id: now})
+        pipe.execute()
+        for number, raw in enumerate(raw_lines, start=1):
+            self._queue_line(batch_id, endpoint, number, raw, model)
+        return self.get(batch_id)
+
+    def _queue_line(self, batch_id: str, endpoint: str, number: int, raw: bytes,
+                    model: str | None) -> None:
+        """Turn one input line into a job, or account it as failed with its reason."""
+        job_id = uuid.uuid4().hex
+        custom_id, request, error = _parse_line(endpoint, number, raw, model)
+        jobs = self.keys.batch_jobs(batch_id)
+        record = {"custom_id": custom_id, "job_id": None,
+                  "model": (request or {}).get("model")}
+        ref = {"line": number, "batch": self.keys.batch(batch_id), "ttl": self.ttl,
+               "results": self.keys.batch_results(batch_id),
+               "keep": [self.keys.batch(batch_id), self.keys.batch_results(batch_id), jobs]}
+        pipe = self.conn.pipeline(transaction=True)
+        pipe.set(self.keys.job_batch(job_id), json.dumps(ref),
+                 ex=self.coordinator.settings.stream_ttl_seconds)
+        pipe.hset(jobs, str(number), json.dumps(record))
+        pipe.expire(jobs, self.ttl)
+        pipe.execute()
+        if error is None:
+            try:
+                self.coordinator.submit(request, job_id=job_id)
+                self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
+                return
+            except SubmitError as exc:
+                error = f"line {number}: {exc}"
+        self.conn.hincrby(self.keys.batch(batch_id), "invalid", 1)
+        s = self.coordinator.settings
+        EventWriter(self.conn, self.keys, job_id, 1, maxlen=s.stream_maxlen,
+                    ttl_seconds=s.stream_ttl_seconds).final(status=JobStatus.FAILED,
+                                                            error=error)
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        """The batch object (OpenAI's shape, plus ``specfleet`` progress figures)."""
+        raw = {k.decode(): v.decode() for k, v in
+               self.conn.hgetall(self.keys.batch(batch_id)).items()}
+        if "meta" not in raw:
+            raise BatchError(f"no such batch: {batch_id}", status=404, param="batch_id")
+        meta = json.loads(raw["meta"])
+        status = raw["status"]
+        if status not in TERMINAL and time.time() > meta["expires_at"]:
+            status = "expired"
+        counts = {name: int(raw.get(name, 0)) for name in ("total", "completed", "failed")}
+        terminal = status in TERMINAL
+        has_output = terminal and counts["completed"] > 0
+        has_errors = terminal and counts["failed"] > 0
+        return {
+            "id": batch_id, "object": "batch", "endpoint": meta["endpoint"], "errors": None,
+            "input_file_id": meta["input_file_id"],
+            "completion_window": meta["completion_window"], "status": status,
+            "output_file_id": f"file-{batch_id}-output" if has_output else None,
+            "error_file_id": f"file-{batch_id}-errors" if has_errors else None,
+            "created_at": meta["created_at"], "expires_at": meta["expires_at"],
+            **{name: int(raw[name]) if name in raw else None for name in _TIMESTAMPS},
+            "request_counts": counts, "metadata": meta["metadata"],
+            "specfleet": {"invalid": int(raw.get("invalid", 0)),
+                          "generated_tokens": int(raw.get("generated_tokens", 0))},
+        }
+
+    def list(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
+        """Batches, newest first; ``after`` continues a listing after that batch."""
+        ids = [_text(i) for i in self.conn.zrevrange(self.keys.batches(), 0, -1)]
+        if after is not None and after in ids:
+            ids = ids[ids.index(after) + 1:]
+        found = []
+        for batch_id in ids:
+            if len(found) >= limit:
+                break
+            try:
+                found.append(self.get(batch_id))
+            except BatchError:  # expired: forget it
+                self.conn.zrem(self.keys.batches(), batch_id)
+        return found
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """Stop a batch: queued jobs are withdrawn, running ones stop at their next step; it
+        is ``cancelling`` until every line is accounted, then ``cancelled``."""
+        batch = self.get(batch_id)
+        if batch["status"] in TERMINAL or batch["status"] == "cancelling":
+            return batch
+        self.conn.hset(self.keys.batch(batch_id), mapping={"status": "cancelling",
+                                                           "cancelling_at": int(time.time())})
+        for record in self._records(batch_id).values():
+            if record["job_id"] is None:
+                continue
+            # a job that already ended has its final event accounted (or on its way)
+            with contextlib.suppress(LookupError, ValueError):
+                self.coordinator.cancel(record["job_id"])
+        return self.get(batch_id)
+
+    def _records(self, batch_id: str) -> dict[int, dict[str, Any]]:
+        return {int(k): json.loads(v)
+                for k, v in self.conn.hgetall(self.keys.batch_jobs(batch_id)).items()}
+
+    def result_lines(self, batch_id: str,
+                     which: Literal["output", "errors", "all"]) -> Iterator[dict[str, Any]]:
+        """The batch's output lines, error lines, or both, in input order."""
+        batch = self.get(batch_id)
+        records = self._records(batch_id)
+        results = {int(k): FinalEvent.model_validate_json(v)
+                   for k, v in self.conn.hgetall(self.keys.batch_results(batch_id)).items()}
+        for number in sorted(results):
+            final, record = results[number], records.get(number, {})
+            ok = final.status is JobStatus.FINISHED
+            if which != "all" and ok != (which == "output"):
+                continue
+            yield _output_line(batch["endpoint"], number, record, final)
 
 
-def _write(stream: IO[str], obj: dict[str, Any]) -> None:
-    stream.write(json.dumps(obj) + "\n")
-    stream.flush()
+def _valid_metadata(metadata: object) -> bool:
+    """OpenAI's rule: at most 16 string pairs, keys up to 64 and values up to 512 characters."""
+    return isinstance(metadata, dict) and len(metadata) <= 16 and all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+        for k, v in metadata.items())
+
+
+def _result_file(file_id: str) -> tuple[str | None, str]:
+    """``(batch id, "output" | "errors")`` for a batch's result file id, else ``(None, "")``."""
+    if file_id.startswith("file-batch_"):
+        batch_id, _, kind = file_id[len("file-"):].rpartition("-")
+        if kind in ("output", "errors"):
+            return batch_id, kind
+    return None, ""
+
+
+def _parse_line(endpoint: str, number: int, raw: bytes, model: str | None,
+                ) -> tuple[str | None, dict[str, Any] | None, str | None]:
+    """``(custom_id, request, None)`` for a line that can be submitted, else
+    ``(custom_id or None, None, "line N: why")``."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, None, f"line {number}: not valid UTF-8 (byte {exc.start})"
+    try:
+        line = BatchLine.model_validate_json(text)
+    except ValidationError as exc:
+        return None, None, f"line {number}: {describe_validation_error(exc)}"
+    if line.url is not None and line.url != endpoint:
+        return line.custom_id, None, (f"line {number}: url {line.url!r} differs from the "
+                                      f"batch's endpoint {endpoint!r}")
+    body = dict(line.body)
+    if model is not None:
+        body.setdefault("model", model)
+    try:
+        request, stream = schemas.parse_body(endpoint, body)
+    except ValidationError as exc:
+        return line.custom_id, None, f"line {number}: {describe_validation_error(exc)}"
+    if stream:
+        return line.custom_id, None, f"line {number}: a batch line cannot stream"
+    return line.custom_id, request, None
+
+
+def _output_line(endpoint: str, number: int, record: dict[str, Any],
+                 final: FinalEvent) -> dict[str, Any]:
+    """One line of an output or error file, in OpenAI's shape (plus the input ``line``)."""
+    job_id = record.get("job_id")
+    line: dict[str, Any] = {"id": f"batch_req_{final.job_id}",
+                            "custom_id": record.get("custom_id"), "line": number}
+    if final.status is JobStatus.FINISHED:
+        body = schemas.response_body(endpoint, record.get("model") or "", final)
+        return {**line, "response": {"status_code": 200, "request_id": job_id, "body": body},
+                "error": None}
+    if job_id is None:
+        code, status = "invalid_request", 400
+    elif final.status is JobStatus.CANCELLED:
+        code, status = "cancelled", 499
+    else:
+        code, status = "job_failed", 500
+    message = final.error or (f"line {number}: job {final.status}" if job_id else "")
+    if job_id and not message.startswith("line "):
+        message = f"line {number}: {message}"
+    error = {"code": code, "message": message}
+    return {**line, "response": {"status_code": status, "request_id": job_id,
+                                 "body": {"error": error}}, "error": error}

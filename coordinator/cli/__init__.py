@@ -18,6 +18,7 @@ from coordinator.cli import batch  # noqa: E402,F401  isort: skip
 from coordinator.cli import fit  # noqa: E402,F401  isort: skip
 from coordinator.cli import monitor  # noqa: E402,F401  isort: skip
 from coordinator.cli import top  # noqa: E402,F401  isort: skip
+from coordinator.cli import serve  # noqa: E402,F401  isort: skip
 
 #: click's ``UsageError`` (a bad option value, a missing or unknown option), reached through
 #: typer's public ``BadParameter`` because newer typers vendor click under a private module.

@@ -132,7 +132,7 @@ def test_batch_reports_bad_lines_and_keeps_going(fleet: Fleet, tmp_path: Path) -
     results = [json.loads(x) for x in out.read_text().splitlines()]
     failures = [json.loads(x) for x in errors.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == ["a", "c"]
-    assert all(len(r["response"]["tokens"]) == 8 for r in results)
+    assert all(len(r["response"]["body"]["tokens"]) == 8 for r in results)
     assert sorted(f["line"] for f in failures) == [2, 3, 5]
     assert all(f["error"]["message"].startswith(f"line {f['line']}:") for f in failures)
     assert "2 completed" in proc.stderr and "3 invalid" in proc.stderr

@@ -1,0 +1,83 @@
+"""The gateway's ASGI application: routes, errors, API keys, request size limits.
+
+Stateless: everything it knows is in Redis (jobs, streams, batches, files), so any number of
+gateways can serve one fleet, and a restarted one picks up where the last left off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from coordinator.batch import MAX_FILE_BYTES, BatchStore
+from coordinator.client import Coordinator
+from coordinator.gateway import batches, errors, routes
+from coordinator.gateway.auth import ApiKeys, GatewaySettings
+from coordinator.gateway.errors import APIError
+from coordinator.gateway.streaming import connect_async
+from shared.redis_client import connect
+from shared.settings import Settings
+
+
+class BodyLimit:
+    """413 for a body over the limit (uploads to ``/v1/files`` have the file limit), checked
+    on ``Content-Length`` first and on the bytes actually received for chunked bodies."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        # multipart framing around the file takes a little room of its own
+        limit = MAX_FILE_BYTES + 64 * 1024 if scope["path"] == "/v1/files" else self.limit
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _too_large(limit)(scope, receive, send)
+            return
+        received = 0
+
+        async def counting() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise APIError(413, f"request body exceeds {limit} bytes", code="too_large")
+            return message
+
+        await self.app(scope, counting, send)
+
+
+def _too_large(limit: int) -> ASGIApp:
+    return APIError(413, f"request body exceeds {limit} bytes", code="too_large").response()
+
+
+def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> FastAPI:
+    """The gateway app for one deployment (one Redis, one key prefix)."""
+    gateway = gateway or GatewaySettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        coordinator = Coordinator(settings, connect(settings.redis_url))
+        app.state.coordinator = coordinator
+        app.state.batches = BatchStore(coordinator)
+        app.state.redis = connect_async(settings.redis_url)
+        try:
+            yield
+        finally:
+            await app.state.redis.aclose()
+            coordinator.connection.close()
+
+    app = FastAPI(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
+    errors.install(app)
+    auth = [Depends(ApiKeys(gateway.keys()))]
+    app.include_router(routes.public)
+    app.include_router(routes.router, dependencies=auth)
+    app.include_router(batches.router, dependencies=auth)
+    app.add_middleware(BodyLimit, limit=gateway.max_request_bytes)
+    return app

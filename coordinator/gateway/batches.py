@@ -1,0 +1,88 @@
+"""``/v1/files`` and ``/v1/batches`` (OpenAI's Batch API) over ``coordinator.batch.BatchStore``.
+
+The routes only translate HTTP to the store (in a thread: it is synchronous Redis) and back;
+the batch itself lives in Redis and advances without this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.datastructures import UploadFile
+
+from coordinator.batch import MAX_FILE_BYTES, BatchError, BatchStore
+from coordinator.gateway.errors import APIError
+
+router = APIRouter()
+
+
+def _store(request: Request) -> BatchStore:
+    return request.app.state.batches
+
+
+async def _call(func: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return await asyncio.to_thread(func, *args, **kwargs)
+    except BatchError as exc:
+        type_ = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        raise APIError(exc.status, str(exc), type_, param=exc.param) from None
+
+
+@router.post("/v1/files")
+async def upload_file(request: Request) -> dict[str, Any]:
+    form = await request.form(max_part_size=MAX_FILE_BYTES)
+    upload, purpose = form.get("file"), form.get("purpose")
+    if not isinstance(upload, UploadFile):
+        raise APIError(400, "a multipart 'file' field is required", param="file")
+    content = await upload.read()
+    return await _call(_store(request).upload, content, upload.filename or "upload.jsonl",
+                       purpose if isinstance(purpose, str) else "")
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(request: Request, file_id: str) -> dict[str, Any]:
+    return await _call(_store(request).file, file_id)
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(request: Request, file_id: str) -> Response:
+    content = await _call(_store(request).content, file_id)
+    return Response(content, media_type="application/jsonl")
+
+
+@router.post("/v1/batches")
+async def create_batch(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict) or not isinstance(body.get("input_file_id"), str):
+        raise APIError(400, "input_file_id is required", param="input_file_id")
+    if not isinstance(body.get("endpoint"), str):
+        raise APIError(400, "endpoint is required", param="endpoint")
+    return await _call(_store(request).create, body["input_file_id"], body["endpoint"],
+                       body.get("completion_window", "24h"), body.get("metadata"))
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, limit: int = 20,
+                       after: str | None = None) -> dict[str, Any]:
+    batches = await _call(_store(request).list, max(1, min(limit, 100)), after)
+    return {"object": "list", "data": batches,
+            "first_id": batches[0]["id"] if batches else None,
+            "last_id": batches[-1]["id"] if batches else None,
+            "has_more": len(batches) == limit}
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    return await _call(_store(request).get, batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    return await _call(_store(request).cancel, batch_id)

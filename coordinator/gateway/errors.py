@@ -1,0 +1,99 @@
+"""Errors in OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``).
+
+Every refusal maps to one status here: 400 a request we cannot run (naming the field), 401 a
+missing or wrong API key, 404 an unknown model or object, 413 a body over the size limit, 503
+no live worker; anything unexpected is a 500 whose message names only its type (the log has
+the rest), so internals and secrets never reach a client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from coordinator.validation import SubmitError
+from shared.logs import get_logger
+
+log = get_logger("gateway")
+
+#: SubmitError.reason -> (status, OpenAI error type, code)
+_SUBMIT_STATUS = {
+    "invalid": (400, "invalid_request_error", None),
+    "unknown_model": (404, "invalid_request_error", "model_not_found"),
+    "no_worker": (503, "service_unavailable", "no_live_worker"),
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=error_body(
+            self.message, self.type, self.param, self.code))
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def from_submit(exc: SubmitError) -> APIError:
+    status, type_, code = _SUBMIT_STATUS.get(exc.reason, _SUBMIT_STATUS["invalid"])
+    return APIError(status, str(exc), type_, code=code)
+
+
+def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
+    """A 400 naming the first bad field (``param``) and every problem in the message."""
+    errors = exc.errors()
+    parts, first = [], None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+        where = ".".join(loc) or "body"
+        first = first or where
+        cause = err.get("ctx", {}).get("error") if err.get("type") == "value_error" else None
+        parts.append(f"{where}: {cause or err.get('msg', 'invalid')}")
+    return APIError(400, "; ".join(parts) or "invalid request", param=first)
+
+
+def install(app: FastAPI) -> None:
+    """Make every error the app raises answer in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(SubmitError)
+    async def _submit(_: Request, exc: SubmitError) -> JSONResponse:
+        return from_submit(exc).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic(_: Request, exc: ValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.error("gateway.error", error_type=type(exc).__name__, error=str(exc))
+        return APIError(500, f"internal error ({type(exc).__name__})", "server_error").response()

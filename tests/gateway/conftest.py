@@ -1,0 +1,88 @@
+"""Gateway fixtures: real Redis (own key prefix), real workers on the tiny chat model, a real
+``specfleet serve`` subprocess, driven with the real ``openai`` client.
+
+Most tests only read from the fleet, so they share one ``deployment`` (a worker and a gateway
+per module, under one prefix); tests that slow, kill or restart things get their own.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from redis import Redis
+
+from coordinator.redis_local import DEFAULT_URL, answers
+from shared.settings import Settings
+from worker.testmodels.tiny import write_dense_llama
+
+from .gateway import Gateway
+
+# tests/ is on sys.path (pytest's rootdir-relative import): the service tests' own fixtures.
+from service.conftest import _delete_namespace, settings  # noqa: F401  isort: skip
+from service.workers import Fleet  # isort: skip
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny dense model with a chat template and control-token turn markers."""
+    return write_dense_llama(tmp_path_factory.mktemp("chat") / "tiny-chat.gguf", chat=True)
+
+
+@dataclass
+class Deployment:
+    settings: Settings
+    fleet: Fleet
+    gateway: Gateway
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key="unused",
+                             max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def deployment(chat_model: Path, tmp_path_factory: pytest.TempPathFactory,
+               ) -> Iterator[Deployment]:
+    """One worker (``w1``) and one gateway shared by a module's read-only tests."""
+    url = os.environ.get("REDIS_URL", DEFAULT_URL)
+    if not answers(url):
+        pytest.skip(f"no Redis at {url} (make test starts one)")
+    s = Settings(redis_url=url, prefix=f"g{uuid.uuid4().hex[:12]}", heartbeat_seconds=0.25,
+                 worker_ttl_seconds=1.5, token_chunk=4, token_flush_seconds=0.0)
+    logs = tmp_path_factory.mktemp("deployment")
+    fleet = Fleet(s, chat_model, logs)
+    gateway = Gateway(s, logs)
+    try:
+        fleet.start("w1", wait=False)
+        gateway.start()
+        fleet.wait_registered("w1")
+        yield Deployment(s, fleet, gateway)
+    finally:
+        gateway.stop()
+        fleet.stop_all()
+        _delete_namespace(Redis.from_url(url), s.prefix)
+
+
+@pytest.fixture
+def fleet(settings: Settings, chat_model: Path, tmp_path: Path) -> Iterator[Fleet]:  # noqa: F811
+    f = Fleet(settings, chat_model, tmp_path)
+    yield f
+    f.stop_all()
+
+
+@pytest.fixture
+def gateway(settings: Settings, tmp_path: Path) -> Iterator[Gateway]:  # noqa: F811
+    g = Gateway(settings, tmp_path).start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture
+def client(gateway: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)

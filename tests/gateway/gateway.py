@@ -1,0 +1,78 @@
+"""A real ``specfleet serve`` process for the gateway tests (started, killed, restarted)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from shared.settings import Settings
+
+# tests/ is on sys.path (pytest's rootdir-relative import).
+from service.workers import SPECFLEET  # isort: skip
+
+
+def free_port() -> int:
+    """A port the kernel has just handed out (asked for at start, never fixed in advance)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Gateway:
+    """One ``specfleet serve`` subprocess on a free loopback port."""
+
+    def __init__(self, settings: Settings, logs: Path, env: dict[str, str] | None = None) -> None:
+        self.settings = settings
+        self.log_path = logs / f"gateway-{os.urandom(3).hex()}.log"
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> Gateway:
+        self.port = free_port()
+        env = {**os.environ, "REDIS_URL": self.settings.redis_url,
+               "SPECFLEET_PREFIX": self.settings.prefix,
+               "SPECFLEET_HEARTBEAT_SECONDS": str(self.settings.heartbeat_seconds),
+               "SPECFLEET_WORKER_TTL_SECONDS": str(self.settings.worker_ttl_seconds),
+               **self.extra_env}
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([SPECFLEET, "serve", "--port", str(self.port)], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"gateway exited: {self.log()[-2000:]}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "gateway did not answer /health"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up, no cancel of the jobs it was serving."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")

@@ -1,0 +1,142 @@
+"""Completions and chat through a live gateway and real workers, with the real openai client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from coordinator.client import Coordinator
+from shared.protocol import GenerationRequest, JobStatus
+from shared.settings import Settings
+from worker.engine.prompt import build_prompt
+from worker.llm.model import Model, ModelSpec
+
+from .conftest import Deployment
+from .gateway import Gateway
+
+from service.workers import MODEL_NAME, Fleet  # isort: skip
+
+PROMPT = [5, 17, 33, 2]
+
+
+def test_completion_is_the_fleets_own_result(deployment: Deployment) -> None:
+    client, settings = deployment.client(), deployment.settings
+    reply = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12)
+    direct = Coordinator(settings).submit(
+        {"model": MODEL_NAME, "prompt_tokens": PROMPT, "max_tokens": 12}).result(timeout=30)
+    assert reply.choices[0].text == direct.text
+    assert reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (4, 12)
+    job_id = reply.specfleet["job_id"]
+    assert reply.id == f"cmpl-{job_id}"
+    assert reply.specfleet["telemetry"]["generated_tokens"] == 12
+
+
+def test_chat_streamed_and_not_tell_the_same_story(deployment: Deployment,
+                                                   chat_model: Path) -> None:
+    client = deployment.client()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                           max_completion_tokens=10, seed=3)
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                            max_tokens=10, seed=3, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == "length" and set(finish[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # the prompt is the model's chat template rendered by the worker
+    with Model(ModelSpec(str(chat_model))) as model:
+        rendered = build_prompt(model, GenerationRequest(model=MODEL_NAME, messages=messages))
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == len(rendered)
+
+
+def test_refusals_are_openai_errors_with_the_right_status(deployment: Deployment) -> None:
+    client = deployment.client()
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert "unknown model 'nope'" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL_NAME, n=2,
+                                       messages=[{"role": "user", "content": "x"}])
+    assert bad.value.body["param"] == "n" and "only n = 1" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as strict:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=True)  # type: ignore[arg-type]
+    assert strict.value.body["param"] == "max_tokens"
+
+
+def test_a_model_without_a_chat_template_refuses_chat_before_queueing(
+        settings: Settings, dense_model: Path, tmp_path: Path, client: openai.OpenAI) -> None:
+    plain = Fleet(settings, dense_model, tmp_path)
+    try:
+        plain.start("plain")
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL_NAME,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert "has no chat template" in refused.value.message
+        queued = Coordinator(settings).queue_depths(MODEL_NAME)
+        assert sum(queued.values()) == 0
+        # a completion on the same model works
+        assert client.completions.create(model=MODEL_NAME, prompt=PROMPT,
+                                         max_tokens=3).usage.completion_tokens == 3
+    finally:
+        plain.stop_all()
+
+
+def test_no_live_worker_is_503(settings: Settings, client: openai.OpenAI) -> None:
+    Coordinator(settings).connection.sadd(settings.keys.models(), MODEL_NAME)
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    assert unavailable.value.status_code == 503
+    assert unavailable.value.body["code"] == "no_live_worker"
+
+
+def test_special_tokens_in_text_parse_only_when_asked(deployment: Deployment) -> None:
+    client = deployment.client()
+
+    def prompt_tokens(parse_special: bool) -> int:
+        reply = client.completions.create(model=MODEL_NAME, prompt="<|sf_start|>", max_tokens=1,
+                                          extra_body={"specfleet": {"parse_special":
+                                                                    parse_special}})
+        return reply.usage.prompt_tokens
+
+    assert prompt_tokens(True) == 1  # the control token itself
+    assert prompt_tokens(False) > 1  # plain text: several ordinary tokens
+
+
+def test_sse_framing(deployment: Deployment) -> None:
+    with httpx.stream("POST", deployment.gateway.url + "/v1/completions", timeout=30, json={
+            "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 9, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e and not e.startswith(":")]
+    assert events[-1] == "data: [DONE]" and raw.endswith("data: [DONE]\n\n")
+    shown = 0
+    for event in events[:-1]:
+        id_line, data_line = event.split("\n")
+        assert id_line.startswith("id: ") and data_line.startswith("data: ")
+        body = json.loads(data_line[len("data: "):])
+        assert body["object"] == "text_completion"
+        shown += len(body["choices"][0]["text"])
+        assert int(id_line[len("id: "):]) == shown  # the id counts characters delivered
+    assert json.loads(events[-2].split("data: ")[1])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_client_that_hangs_up_cancels_its_job(fleet: Fleet, gateway: Gateway,
+                                                settings: Settings) -> None:
+    fleet.start("w1", step_delay=0.05)
+    with httpx.stream("POST", gateway.url + "/v1/completions", timeout=30, json={
+            "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "stream": True,
+            "specfleet": {"speculative": {"method": "none"}}}) as r:
+        data = next(line for line in r.iter_lines() if line.startswith("data: "))
+    job_id = json.loads(data[len("data: "):])["id"].removeprefix("cmpl-")
+    result = Coordinator(settings).handle(job_id).result(timeout=30)
+    assert result.status is JobStatus.CANCELLED and len(result.tokens) < 400
