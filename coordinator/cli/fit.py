@@ -18,6 +18,7 @@ from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError, fit_worker
+from worker.fitter.fit import parse_slots
 from worker.fitter.report import render_table
 from worker.llm import LlamaError
 
@@ -30,7 +31,8 @@ def fit(
         help="memory to fit into, overriding what the device reports")] = None,
     fit_target_mib: Annotated[float, typer.Option(
         help="margin left free on the device")] = DEFAULT_FIT_TARGET_MIB,
-    slots: Annotated[int, typer.Option(min=1, help="sequences served at once")] = 1,
+    slots: Annotated[str, typer.Option(
+        help="sequences served at once, or 'auto': the most that fit --ctx-min each")] = "1",
     spec: Annotated[SpecMethod, typer.Option(help="drafting method")] = SpecMethod.AUTO,
     draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
     rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
@@ -49,7 +51,8 @@ def fit(
         fail(describe_validation_error(exc))
     try:
         result = fit_worker(str(model), device=device, budget_mib=budget_mib,
-                            fit_target_mib=fit_target_mib, slots=slots, spec=settings,
+                            fit_target_mib=fit_target_mib, slots=parse_slots(slots),
+                            spec=settings,
                             ctx_min=ctx_min, n_threads=threads, checkpoint=checkpoint)
     except (FitError, LlamaError, ValueError) as exc:
         fail(str(exc))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Literal
 
 from shared.protocol import CheckpointMode, DeviceFit, FitReport, SpecSettings
 from worker.engine.config import EngineConfig, model_spec
@@ -34,6 +35,10 @@ CTX_STEP = 256
 #: llama.cpp's own default ``--fit-target``: memory left free on the device.
 DEFAULT_FIT_TARGET_MIB = 1024.0
 DEFAULT_CTX_MIN = 1024
+#: ``--slots auto``: the worker serves as many sequences as still fit ``--ctx-min`` each.
+AUTO_SLOTS = "auto"
+#: The most slots ``--slots auto`` considers (llama.cpp's LLAMA_MAX_SEQ).
+MAX_SLOTS = 256
 #: Extra context the marginal KV bytes per token are measured over (no_alloc: free).
 _KV_PROBE_SPAN = 4096
 #: Log lines carry 0.01 MiB: how far llama.cpp's recurrent buffer may sit from the exact sum.
@@ -185,8 +190,9 @@ class _Sizer:
 
 
 def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = None,
-               fit_target_mib: float = DEFAULT_FIT_TARGET_MIB, slots: int = 1,
-               spec: SpecSettings | None = None, ctx_min: int = DEFAULT_CTX_MIN,
+               fit_target_mib: float = DEFAULT_FIT_TARGET_MIB,
+               slots: int | Literal["auto"] = 1, spec: SpecSettings | None = None,
+               ctx_min: int = DEFAULT_CTX_MIN,
                n_threads: int = 2,
                checkpoint: CheckpointMode = CheckpointMode.DEVICE,
                n_ctx: int | None = None, allow_ctx_above_train: bool = False) -> FitResult:
@@ -200,17 +206,24 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     Raises :class:`FitError` (with the breakdown) when nothing safe fits: the device cannot
     be used, the weights alone or the context (``ctx_min``, or ``n_ctx``) exceed
     ``free - margin``.
+
+    ``slots`` sequences share the worker's context, each with the fitted ``n_ctx`` (the
+    report's per-slot context); ``"auto"`` picks the most slots that still fit ``ctx_min``
+    each (:func:`_most_slots`).
     """
-    if slots < 1:
-        raise FitError(f"slots must be at least 1, got {slots}")
+    if slots != AUTO_SLOTS and not (isinstance(slots, int) and 1 <= slots <= MAX_SLOTS):
+        raise FitError(f"slots must be 'auto' or 1..{MAX_SLOTS}, got {slots!r}")
     if fit_target_mib < 0:
         raise FitError(f"--fit-target-mib must not be negative, got {fit_target_mib}")
     ref = parse_device(device)
     require_device(ref)
     budget = _Budget(device_memory(ref, budget_mib), round(fit_target_mib * MIB))
     config = EngineConfig(model_path=model_path, n_threads=n_threads,
-                          n_gpu_layers=-1 if ref.is_cuda else 0, slots=slots,
+                          n_gpu_layers=-1 if ref.is_cuda else 0,
                           spec=spec or SpecSettings(), checkpoint=checkpoint)
+    if slots == AUTO_SLOTS:
+        slots = _most_slots(config, ref.name, ctx_min, budget)
+    config = replace(config, slots=slots)
     sizer = _Sizer(config, ref.name)
     try:
         if n_ctx is None:
@@ -277,6 +290,44 @@ def _search(sizer: _Sizer, ctx_min: int, budget: _Budget) -> int:
         else:
             hi = mid - 1
     return lo * CTX_STEP
+
+
+def parse_slots(text: str) -> int | Literal["auto"]:
+    """A ``--slots`` value: ``auto`` or a count in 1..MAX_SLOTS; anything else is a FitError."""
+    value = text.strip().lower()
+    if value == AUTO_SLOTS:
+        return AUTO_SLOTS
+    if value.isdigit() and 1 <= int(value) <= MAX_SLOTS:
+        return int(value)
+    raise FitError(f"--slots must be 'auto' or a number 1..{MAX_SLOTS}, got {text!r}")
+
+
+def _most_slots(config: EngineConfig, device: str, ctx_min: int, budget: _Budget) -> int:
+    """The largest slot count whose engine still fits with ``ctx_min`` tokens per slot.
+
+    Memory grows with the slot count (KV, recurrent groups, checkpoints, verify rows), so
+    doubling finds a bound and a binary search the answer, each probe one measurement at
+    ``ctx_min``. One slot that does not fit is left to the normal search, which names why.
+    """
+    n_ctx = -(-max(ctx_min, 1) // CTX_STEP) * CTX_STEP
+
+    def fits(slots: int) -> bool:
+        sizer = _Sizer(replace(config, slots=slots), device)
+        try:
+            return n_ctx <= sizer.n_ctx_cap and sizer.at(n_ctx).total <= budget.available
+        finally:
+            sizer.close()
+
+    if not fits(1):
+        return 1
+    lo, hi = 1, 2
+    while hi <= MAX_SLOTS and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, MAX_SLOTS + 1)
+    while hi - lo > 1:  # invariant: lo fits, hi does not (or is past the maximum)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _check_fixed(sizer: _Sizer, n_ctx: int, allow_above_train: bool, budget: _Budget) -> None:
