@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -24,6 +24,7 @@ from coordinator.client import Coordinator
 from coordinator.gateway import schemas
 from coordinator.gateway.errors import APIError
 from coordinator.gateway.streaming import final_or_disconnect, sse_chunks
+from coordinator.metrics import METRICS_CONTENT_TYPE, render_fleet_metrics
 from shared.logs import get_logger
 from shared.protocol import JobStatus
 
@@ -141,6 +142,13 @@ async def resume_stream(request: Request, completion_id: str,
                        param="Last-Event-ID")
     return _sse(request, endpoint, job_id, (job.meta or {}).get("model", ""), include_usage,
                 shown=int(last))
+
+
+@public.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """The fleet's and queues' Prometheus metrics (``coordinator.metrics``)."""
+    body = await asyncio.to_thread(render_fleet_metrics, _coordinator(request))
+    return Response(body, media_type=METRICS_CONTENT_TYPE)
 
 
 @public.get("/health")
