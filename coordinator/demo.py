@@ -4,6 +4,8 @@ Finds or starts a Redis, starts one worker process on the embedded default model
 270M Q4_K_M from the ``demo`` extra), submits a small batch through the coordinator, streams
 each job's tokens to the terminal as they are decoded, prints the speculative telemetry, writes
 the batch results as JSONL and stops the worker with SIGTERM. Exits non-zero on any failure.
+Whatever happened, it deletes every Redis key it created (its jobs, results, queues and
+namespace), so a shared Redis is left as the demo found it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import suppress
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.queue import Queue
+from rq.results import Result
+from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator, JobResult
 from coordinator.redis_local import RedisUnavailable, local_redis
@@ -47,16 +55,18 @@ PROMPTS: list[tuple[str, str, int]] = [
 ]
 
 
-def _batch() -> list[GenerationRequest]:
+def _batch(prompts: list[tuple[str, str, int]]) -> list[GenerationRequest]:
     spec = SpecSettings(method="auto", draft_max=16, adaptive=True)
     return [GenerationRequest(model=MODEL_NAME, prompt=prompt, max_tokens=n, custom_id=cid,
-                              speculative=spec) for cid, prompt, n in PROMPTS]
+                              speculative=spec) for cid, prompt, n in prompts]
 
 
-def _start_worker(model: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def _start_worker(model: Path, env: dict[str, str], log_path: Path,
+                  prefix: str) -> subprocess.Popen[bytes]:
+    # Named inside the demo's namespace, so rq's worker keys are cleaned up with it.
     cmd = [sys.executable, "-m", "coordinator.cli", "worker", "--model", str(model),
            "--model-name", MODEL_NAME, "--device", "cpu", "--draft-max", "16",
-           "--threads", str(min(4, os.cpu_count() or 2)), "--name", "demo-worker-0"]
+           "--threads", str(min(4, os.cpu_count() or 2)), "--name", f"{prefix}-worker-0"]
     with log_path.open("wb") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -64,7 +74,7 @@ def _start_worker(model: Path, env: dict[str, str], log_path: Path) -> subproces
 def _wait_registered(coordinator: Coordinator, proc: subprocess.Popen[bytes],
                      console: Console, log_path: Path) -> None:
     deadline = time.monotonic() + REGISTER_TIMEOUT_S
-    with console.status("worker: fitting memory and loading Gemma 3 270M ..."):
+    with console.status("worker: fitting memory and loading the model ..."):
         while not coordinator.registry.live_workers(MODEL_NAME):
             if proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-3000:]
@@ -77,9 +87,14 @@ def _wait_registered(coordinator: Coordinator, proc: subprocess.Popen[bytes],
                   f"fitted context {info.n_ctx} tokens")
 
 
-def _stream(coordinator: Coordinator, requests: list[GenerationRequest],
-            console: Console) -> list[JobResult]:
-    handles = [coordinator.submit(r) for r in requests]
+def _stream(coordinator: Coordinator, requests: list[GenerationRequest], console: Console,
+            submitted: list[str]) -> list[JobResult]:
+    """Submit the batch (recording each job id in ``submitted`` for the clean-up, even if a
+    later step fails) and stream every job's tokens in turn."""
+    handles = []
+    for request in requests:
+        handles.append(coordinator.submit(request))
+        submitted.append(handles[-1].job_id)
     console.print(f"submitted a batch of {len(handles)} requests to queue "
                   f"[bold]{coordinator.keys.queue(MODEL_NAME)}[/]\n")
     results = []
@@ -115,23 +130,46 @@ def _telemetry_table(requests: list[GenerationRequest], results: list[JobResult]
     return table
 
 
-def run(console: Console) -> int:
-    """Run the demo; returns the process exit code."""
-    model = gemma_q4_path()
-    workdir = Path(tempfile.mkdtemp(prefix="specfleet-demo-"))
+def _clean_up(coordinator: Coordinator, job_ids: list[str]) -> None:
+    """Leave Redis as the demo found it, through rq's own deletions: each job's hash and its
+    results (``rq:job:*``, ``rq:results:*``, kept for the result TTL otherwise), the queues
+    and their ``rq:queues`` entries (kept forever otherwise), then the demo's namespace
+    (event streams, registry, rq's per-queue registries and its worker's keys)."""
+    conn = coordinator.connection
+    for job_id in job_ids:
+        conn.delete(Result.get_key(job_id))
+        with suppress(NoSuchJobError):  # its TTL already removed it
+            Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()
+    for name in coordinator.keys.queues(MODEL_NAME):
+        Queue(name, connection=conn, serializer=JSONSerializer).delete(delete_jobs=True)
+    for key in conn.scan_iter(f"*{coordinator.settings.prefix}*"):
+        conn.delete(key)
+
+
+def run(console: Console, model: Path | None = None,
+        prompts: list[tuple[str, str, int]] = PROMPTS, workdir: Path | None = None,
+        prefix: str | None = None) -> int:
+    """Run the demo; returns the process exit code.
+
+    The defaults are ``make demo``'s (Gemma, the three prompts, a fresh temporary directory
+    and namespace); tests run the same demo on a tiny model and short prompts.
+    """
+    model = model or gemma_q4_path()
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="specfleet-demo-"))
     log_path = workdir / "worker.log"
+    prefix = prefix or f"specfleet-demo-{uuid.uuid4().hex[:8]}"
     with local_redis() as url:
-        prefix = f"specfleet-demo-{uuid.uuid4().hex[:8]}"
         env = {**os.environ, "REDIS_URL": url, "SPECFLEET_PREFIX": prefix}
         settings = Settings(redis_url=url, prefix=prefix)
         coordinator = Coordinator(settings)
         console.print(f"redis {url}  namespace {prefix}\nmodel {model}\n"
                       f"worker log (structured JSON) {log_path}")
-        proc = _start_worker(model, env, log_path)
+        proc = _start_worker(model, env, log_path, prefix)
+        submitted: list[str] = []
         try:
             _wait_registered(coordinator, proc, console, log_path)
-            requests = _batch()
-            results = _stream(coordinator, requests, console)
+            requests = _batch(prompts)
+            results = _stream(coordinator, requests, console, submitted)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -139,8 +177,7 @@ def run(console: Console) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            for key in coordinator.connection.scan_iter(f"*{prefix}*"):
-                coordinator.connection.delete(key)
+            _clean_up(coordinator, submitted)
     console.print(_telemetry_table(requests, results))
     out = workdir / "results.jsonl"
     out.write_text("".join(json.dumps({"custom_id": req.custom_id, **r.to_json()}) + "\n"
