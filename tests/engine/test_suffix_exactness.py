@@ -98,7 +98,7 @@ def test_suffix_needs_an_engine_loaded_for_it(dense_model: Path) -> None:
     """A request may narrow, never widen: suffix on an n-gram engine names the fix."""
     with open_engine(dense_model, SpecMethod.NGRAM) as engine:
         assert engine.suffix is None
-        with pytest.raises(ValueError, match="restart it with --spec suffix"):
+        with pytest.raises(ValueError, match="--spec suffix"):
             engine.generate(PROMPT, 4, SpecSettings(method=SpecMethod.SUFFIX))
 
 

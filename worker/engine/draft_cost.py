@@ -35,8 +35,17 @@ class RowCosts:
 
     @classmethod
     def measure(cls, target: Context, batch: Batch, max_rows: int) -> RowCosts:
-        """Time 1..``max_rows``-row decodes on an idle ``target`` (it is cleared afterwards)."""
-        return cls(measure_costs(target, batch, max_rows, CALIBRATION_REPS))
+        """Time 1..``max_rows``-row decodes on an idle ``target`` (it is cleared afterwards).
+
+        A row count timed during a spike would look dearer than a wider verify, never be
+        chosen, and so never be re-measured; since more rows are never cheaper to compute, no
+        entry is kept above the next wider one (tile effects make a few widths slightly
+        cheaper than their narrower neighbours: those are re-measured as soon as they run).
+        """
+        seconds = measure_costs(target, batch, max_rows, CALIBRATION_REPS)
+        for rows in range(max_rows - 1, 0, -1):
+            seconds[rows] = min(seconds[rows], seconds[rows + 1])
+        return cls(seconds)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A verify decode of ``rows`` rows just took ``seconds``."""

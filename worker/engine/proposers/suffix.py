@@ -88,9 +88,14 @@ class SuffixProposer:
 
     def observe(self, outcome: VerifyOutcome) -> None:
         """Learn the verify's cost and how each of our verified tokens went; record the
-        committed tokens in the request's index and in this output's cache entry."""
+        committed tokens in the request's index and in this output's cache entry.
+
+        The time since :meth:`stamp` is this verify's cost when its rows opened the step's
+        batch; with several slots it still includes the rows of slots verified after it (a
+        step's cost, which is what those slots pay together)."""
         shared = self._shared
-        shared.costs.observe(len(outcome.draft) + 1, perf_counter() - self._proposed_at)
+        if outcome.row0 == 0:  # rows after a prefill chunk or another slot's: not ours alone
+            shared.costs.observe(len(outcome.draft) + 1, perf_counter() - self._proposed_at)
         for i, (mine, verified) in enumerate(zip(self._draft, outcome.draft, strict=False)):
             if mine != verified or i > outcome.n_accepted:
                 break  # another drafter's token, or past the first rejection: no evidence
