@@ -190,7 +190,10 @@ class Coordinator:
         check_admission(req, workers, self.known_models, self.settings.require_live_worker)
         job_id = job_id or uuid.uuid4().hex
         queue = self._queue(self.keys.queue(req.model, req.priority))
-        queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json"), job_id=job_id,
+        # Only what the request set travels: an unset speculative field means "the worker's
+        # capacity" (shared/capacity.py), which a filled-in default would override.
+        queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json", exclude_unset=True),
+                      job_id=job_id,
                       job_timeout=self.settings.job_timeout_seconds,
                       result_ttl=self.settings.result_ttl_seconds,
                       failure_ttl=self.settings.result_ttl_seconds,

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from shared.capacity import capacity_refusal
 from shared.protocol import GenerationRequest, WorkerInfo, describe_validation_error
 
 
@@ -65,6 +66,11 @@ def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
     if request.messages is not None and not any(w.chat_template for w in workers):
         raise SubmitError(f"model '{request.model}' has no chat template: send a prompt, or "
                           "start its workers with SPECFLEET_CHAT_TEMPLATE")
+    refusals = [(w.name, why) for w in workers if w.capacity is not None
+                and (why := capacity_refusal(request.speculative, w.capacity))]
+    if refusals:  # any live worker of the model may take the job, so each must serve it
+        name, why = refusals[0]
+        raise SubmitError(f"speculative: {why} (worker {name} of model '{request.model}')")
     largest = max(w.n_ctx for w in workers)
     lowest, _ = prompt_token_bounds(request)
     if lowest + request.max_tokens > largest:

@@ -124,6 +124,15 @@ class SpecSettings(_Strict):
         return self.method is not SpecMethod.NONE
 
 
+class WorkerCapacity(_Strict):
+    """What a worker was loaded with (see ``shared/capacity.py``): requests may narrow it."""
+
+    method: SpecMethod = Field(description="the concrete drafting method the engine loaded")
+    draft_max: int = Field(ge=0, le=MAX_DRAFT, description="draft width N the contexts hold")
+    rollback_depth: int | None = Field(
+        default=None, description="recurrent snapshots D per sequence; None: not recurrent")
+
+
 class ChatMessage(_Strict):
     """One chat turn; the worker renders the turns with its model's chat template."""
 
@@ -342,6 +351,7 @@ class WorkerInfo(_Strict):
     current_job: str | None = None
     spec_methods: list[str] = Field(default_factory=list)
     chat_template: bool = Field(default=False, description="can render chat messages")
+    capacity: WorkerCapacity | None = None
     fit: FitReport | None = None
     metrics_port: int | None = Field(default=None, description="Prometheus port (None: off)")
     telemetry: Telemetry | None = Field(
@@ -365,12 +375,18 @@ class BatchLine(_Strict):
         return v
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line naming every bad field and why (``speculative.draft_max: ...; prompt: ...``)."""
+def describe_validation_error(exc: ValidationError, subject: str | None = "request") -> str:
+    """One line naming every bad field and why (``speculative.draft_max: ...; prompt: ...``).
+
+    Every place that shows a ValidationError to a person renders it here, so messages read
+    the same everywhere. ``subject`` names what a rule about the whole value (no field) is
+    about; ``None`` leaves it out, for a caller that already names it (a CLI option).
+    """
     parts = []
     for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err.get("loc", ())) or "request"
+        where = ".".join(str(p) for p in err.get("loc", ())) or subject
         # Our own rules raise ValueError; show their sentence without pydantic's prefix.
         cause = err.get("ctx", {}).get("error") if err.get("type") == "value_error" else None
-        parts.append(f"{where}: {cause or err.get('msg', 'invalid')}")
+        message = cause or err.get("msg", "invalid")
+        parts.append(f"{where}: {message}" if where else str(message))
     return "; ".join(parts)

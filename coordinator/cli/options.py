@@ -35,6 +35,11 @@ DraftMin = Annotated[int, typer.Option(help="shorter drafts are dropped")]
 PMin = Annotated[float, typer.Option(help="stop drafting below this confidence")]
 Adaptive = Annotated[bool, typer.Option(help="adapt the draft width (seed 003 rule)")]
 RollbackDepth = Annotated[int | None, typer.Option(help="direct rollback depth D")]
+#: ``submit`` runs on a worker whose N and D were fixed when it loaded: unset = the worker's.
+WorkerDraftMax = Annotated[int | None, typer.Option(
+    "--draft-max", help="draft width ceiling N, at most the worker's (default: the worker's)")]
+WorkerRollbackDepth = Annotated[int | None, typer.Option(
+    "--rollback-depth", help="require workers loaded with this rollback depth D")]
 Temperature = Annotated[float, typer.Option(help="sampling temperature (needs --spec none)")]
 Seed = Annotated[int, typer.Option(help="sampling seed")]
 
@@ -51,19 +56,23 @@ def parse_tokens(raw: str) -> list[int]:
 
 
 def build_request(*, prompt: str | None, prompt_tokens: str | None, max_tokens: int,
-                  spec: SpecMethod, draft_max: int, draft_min: int, p_min: float,
+                  spec: SpecMethod, draft_max: int | None, draft_min: int, p_min: float,
                   adaptive: bool, rollback_depth: int | None, temperature: float, seed: int,
                   model: str = "default", stop: Sequence[str] = (),
                   priority: Priority = Priority.NORMAL) -> GenerationRequest:
-    """The options as a request, or a one-line error naming every bad field."""
+    """The options as a request, or a one-line error naming every bad field.
+
+    ``draft_max`` and ``rollback_depth`` left None stay unset in the request, which means
+    "the worker's" (``shared/capacity.py``)."""
+    capacity = {k: v for k, v in (("draft_max", draft_max), ("rollback_depth", rollback_depth))
+                if v is not None}
     try:
         return GenerationRequest(
             model=model, prompt=prompt,
             prompt_tokens=parse_tokens(prompt_tokens) if prompt_tokens is not None else None,
             max_tokens=max_tokens, temperature=temperature, seed=seed, stop=list(stop),
             priority=priority,
-            speculative=SpecSettings(method=spec, draft_max=draft_max, draft_min=draft_min,
-                                     p_min=p_min, adaptive=adaptive,
-                                     rollback_depth=rollback_depth))
+            speculative=SpecSettings(method=spec, draft_min=draft_min, p_min=p_min,
+                                     adaptive=adaptive, **capacity))
     except ValidationError as exc:
         fail(describe_validation_error(exc))

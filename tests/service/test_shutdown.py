@@ -6,6 +6,9 @@ import json
 import signal
 import time
 
+from rq.command import send_shutdown_command, send_stop_job_command
+from rq.serializers import JSONSerializer
+
 from coordinator.client import Coordinator, JobHandle
 from shared.protocol import JobStatus, ProgressEvent, TokenEvent
 
@@ -64,3 +67,18 @@ def test_second_sigterm_requeues_the_job_for_another_worker(fleet: Fleet,
     assert requeued["job_id"] == handle.job_id and requeued["worker"] == "w1"
     assert requeued["attempt"] == 1 and requeued["next_attempt"] == 2
     assert requeued["reason"] == "shutdown" and requeued["model"]
+
+
+def test_rq_commands_reach_the_worker(fleet: Fleet, coordinator: Coordinator) -> None:
+    """rq's own tools still work on a specfleet worker: ``send_stop_job_command`` cancels the
+    running job, ``send_shutdown_command`` stops the worker cleanly (exit 0, deregistered)."""
+    fleet.start("w1", step_delay=0.05)
+    handle = coordinator.submit({**REQUEST, "max_tokens": 200})
+    for event in handle.stream(timeout=60):
+        if isinstance(event, TokenEvent):
+            break
+    send_stop_job_command(coordinator.connection, handle.job_id, serializer=JSONSerializer)
+    assert handle.result(timeout=30).status is JobStatus.CANCELLED
+    send_shutdown_command(coordinator.connection, "w1")
+    assert _wait_exit(fleet, "w1") == 0
+    assert not coordinator.registry.is_alive("w1")

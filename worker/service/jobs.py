@@ -21,6 +21,7 @@ import structlog
 from pydantic import ValidationError
 from redis import Redis
 
+from shared.capacity import capacity_refusal, effective_spec
 from shared.keys import Keys
 from shared.logs import get_logger
 from shared.outage import ride_out
@@ -28,6 +29,7 @@ from shared.protocol import (
     FinishReason,
     GenerationRequest,
     JobStatus,
+    WorkerCapacity,
     describe_validation_error,
 )
 from shared.settings import Settings
@@ -73,6 +75,7 @@ class WorkerRuntime:
     model_name: str
     n_ctx: int
     cancels: CancelWatch
+    capacity: WorkerCapacity
     metrics: WorkerMetrics
     #: Set by a second SIGTERM: stop the running generation at its next step.
     interrupt: threading.Event = field(default_factory=threading.Event)
@@ -157,6 +160,10 @@ def _admit(rt: WorkerRuntime, writer: EventWriter,
     if req.model != rt.model_name:
         _reject(rt, writer, f"this worker serves model '{rt.model_name}', not '{req.model}'",
                 "wrong_model")
+    refusal = capacity_refusal(req.speculative, rt.capacity)
+    if refusal is not None:
+        _reject(rt, writer, f"speculative: {refusal}", "capacity")
+    req = req.model_copy(update={"speculative": effective_spec(req.speculative, rt.capacity)})
     from worker.engine.prompt import build_prompt  # loads llama.cpp: worker processes only
     prompt = build_prompt(rt.engine.model, req, rt.settings.chat_template)
     if len(prompt) + req.max_tokens > rt.n_ctx:

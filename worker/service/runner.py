@@ -27,19 +27,20 @@ from types import FrameType
 from typing import TypeVar
 
 from redis import Redis
+from rq.command import parse_payload
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
 from shared.logs import get_logger
 from shared.outage import RedisOutage, ride_out
-from shared.protocol import FitReport, WorkerInfo
+from shared.protocol import FitReport, WorkerCapacity, WorkerInfo
 from shared.redis_client import connect
 from shared.settings import Settings
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.prompt import chat_template
 from worker.fitter.devices import parse_device
-from worker.service.cancel import CancelWatch
+from worker.service.cancel import CancelWatch, request_cancel
 from worker.service.intake import JobIntake, Taken
 from worker.service.jobs import (
     Interruption,
@@ -76,12 +77,12 @@ T = TypeVar("T")
 class ServingLoop:
     """Takes one job at a time from the worker's queues and runs it to an outcome."""
 
-    def __init__(self, runtime: WorkerRuntime, intake: JobIntake, presence: SimpleWorker,
-                 queues: list[Queue]) -> None:
+    def __init__(self, runtime: WorkerRuntime, intake: JobIntake, queues: list[Queue]) -> None:
         self.runtime = runtime
         self.intake = intake
-        self.presence = presence
         self.queues = queues
+        #: rq's record of this worker, marked busy or idle per job (set once it is started).
+        self.presence: SimpleWorker | None = None
         self.stopping = threading.Event()
         self.current_job_id: str | None = None
 
@@ -122,7 +123,7 @@ class ServingLoop:
         ttl = (job.timeout or rt.settings.job_timeout_seconds) + 60
         execution = self._ride(lambda: mark_started(conn, job, rt.worker_name, ttl),
                                "job.start")
-        self.presence.set_state(WorkerStatus.BUSY)
+        self._set_state(WorkerStatus.BUSY)
         try:
             result = run_generation(rt, job.id, request)
         except JobInterrupted as exc:
@@ -142,7 +143,7 @@ class ServingLoop:
                                                  rt.worker_name))
         finally:
             self.current_job_id = None
-            self.presence.set_state(WorkerStatus.IDLE)
+            self._set_state(WorkerStatus.IDLE)
 
     def _refuse(self, taken: Taken, exc: PoisonedJob) -> None:
         """A poisoned or foreign entry: a final event on its stream, rq's failed record when
@@ -189,8 +190,20 @@ class ServingLoop:
                     reason="shutdown")
         rt.metrics.job_requeued("shutdown")
 
+    def _set_state(self, state: WorkerStatus) -> None:
+        presence = self.presence
+        if presence is not None:
+            self._ride(lambda: presence.set_state(state), "rq.state")
+
     def _ride(self, operation: Callable[[], T], what: str) -> T:
         return ride_out(operation, self.runtime.settings.redis_outage_seconds, what)
+
+
+def loaded_capacity(engine: SpeculativeEngine) -> WorkerCapacity:
+    """What this worker's engine was loaded with, published for admission at submit."""
+    return WorkerCapacity(method=engine.method, draft_max=engine.draft_max,
+                          rollback_depth=(engine.target.n_rs_seq if engine.model.is_recurrent
+                                          else None))
 
 
 def _package_version() -> str:
@@ -254,12 +267,13 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     runtime = WorkerRuntime(engine=engine, connection=connection, settings=settings,
                             worker_name=name, model_name=options.model_name,
                             n_ctx=engine.config.n_ctx, cancels=CancelWatch(connection, keys),
-                            metrics=metrics)
+                            capacity=loaded_capacity(engine), metrics=metrics)
     info = WorkerInfo(
         name=name, model_name=options.model_name, model_path=options.model_path,
         device=device, n_ctx=runtime.n_ctx, slots=1, version=_package_version(),
         pid=os.getpid(), host=socket.gethostname(), started_at=time.time(),
         heartbeat_at=time.time(), spec_methods=[str(engine.method)], fit=fit,
+        capacity=runtime.capacity,
         chat_template=chat_template(engine.model, settings.chat_template) is not None,
         metrics_port=metrics.port)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
@@ -268,8 +282,12 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     queues = [Queue(q, connection=connection, serializer=JSONSerializer,
                     default_timeout=settings.job_timeout_seconds)
               for q in keys.queues(options.model_name)]
-    presence = _rq_presence(connection, name, queues)
-    loop = ServingLoop(runtime, JobIntake(connection, keys, name, queues), presence, queues)
+    loop = ServingLoop(runtime, JobIntake(connection, keys, name, queues), queues)
+    presence = RqPresence.start(
+        connection, name, queues, on_shutdown=loop.stopping.set,
+        on_stop_job=lambda job_id: request_cancel(connection, keys, job_id,
+                                                  settings.stream_ttl_seconds))
+    loop.presence = presence
 
     def current_info() -> WorkerInfo:
         info.current_job = loop.current_job_id
@@ -306,21 +324,51 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         runtime.cancels.close()
         try:
             registry.deregister(name)
-            presence.register_death()
+            presence.stop()
         except Exception as exc:  # Redis gone for good: the TTL and recovery take over
             log.warning("worker.deregister_failed", worker=name, error=repr(exc))
         else:
             log.info("worker.deregistered", worker=name, model=options.model_name)
 
 
-def _rq_presence(connection: Redis, name: str, queues: list[Queue]) -> SimpleWorker:
-    """rq's record of this worker (``rq info`` lists it, busy or idle); rq never runs jobs
-    here. A record left by a previous process under this name is that process's: retire it."""
-    stale = SimpleWorker.find_by_key(f"rq:worker:{name}", connection=connection,
-                                     serializer=JSONSerializer)
-    if stale is not None:
-        stale.register_death()
-    presence = SimpleWorker(queues, name=name, connection=connection, serializer=JSONSerializer)
-    presence.register_birth()
-    presence.set_state(WorkerStatus.IDLE)
-    return presence
+class RqPresence(SimpleWorker):
+    """rq's record of this worker (``rq info`` lists it, busy or idle) and its command
+    channel, so rq's own tools still reach it: ``shutdown`` stops the loop gracefully (as a
+    first SIGTERM) and ``stop-job`` cancels that job. rq never runs a job here."""
+
+    def __init__(self, queues: list[Queue], name: str, connection: Redis,
+                 on_shutdown: Callable[[], None], on_stop_job: Callable[[str], None]) -> None:
+        super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer)
+        self._on_shutdown = on_shutdown
+        self._on_stop_job = on_stop_job
+
+    def handle_payload(self, message: dict[str, object]) -> None:
+        payload = parse_payload(message)
+        command = payload.get("command")
+        log.info("worker.rq_command", worker=self.name, command=command,
+                 job_id=payload.get("job_id"))
+        if command == "shutdown":
+            self._on_shutdown()
+        elif command == "stop-job" and payload.get("job_id"):
+            self._on_stop_job(str(payload["job_id"]))
+
+    @classmethod
+    def start(cls, connection: Redis, name: str, queues: list[Queue],
+              on_shutdown: Callable[[], None],
+              on_stop_job: Callable[[str], None]) -> RqPresence:
+        """Register with rq (retiring a record a previous process under this name left) and
+        listen on rq's command channel."""
+        stale = SimpleWorker.find_by_key(f"rq:worker:{name}", connection=connection,
+                                         serializer=JSONSerializer)
+        if stale is not None:
+            stale.register_death()
+        presence = cls(queues, name, connection, on_shutdown, on_stop_job)
+        presence.register_birth()
+        presence.set_state(WorkerStatus.IDLE)
+        presence.subscribe()
+        return presence
+
+    def stop(self) -> None:
+        """Leave rq's registry and its command channel."""
+        self.unsubscribe()
+        self.register_death()

@@ -8,6 +8,7 @@ engine was built for is an error with a message, never a silent fallback to some
 
 from __future__ import annotations
 
+from shared.capacity import narrow_method
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import Proposer
@@ -18,16 +19,6 @@ from worker.engine.proposers.none import NoDraft
 from worker.engine.proposers.output_cache import OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
 from worker.llm import Batch, Context, Model
-
-#: What a request may ask of an engine loaded for each method (narrowing, never widening).
-SERVES = {
-    SpecMethod.NONE: (SpecMethod.NONE,),
-    SpecMethod.NGRAM: (SpecMethod.NGRAM, SpecMethod.NONE),
-    SpecMethod.SUFFIX: (SpecMethod.SUFFIX, SpecMethod.NGRAM, SpecMethod.NONE),
-    SpecMethod.MTP: (SpecMethod.MTP, SpecMethod.NGRAM, SpecMethod.NONE),
-    SpecMethod.MTP_SUFFIX: (SpecMethod.MTP_SUFFIX, SpecMethod.MTP, SpecMethod.SUFFIX,
-                            SpecMethod.NGRAM, SpecMethod.NONE),
-}
 
 
 def uses_mtp(method: SpecMethod) -> bool:
@@ -50,15 +41,9 @@ def resolve_engine_method(method: SpecMethod, model: Model) -> SpecMethod:
 
 
 def resolve_request_method(requested: SpecMethod, engine: SpecMethod) -> SpecMethod:
-    """A request may narrow the engine's method (:data:`SERVES`), never widen it."""
-    if requested is SpecMethod.AUTO:
-        return engine
-    if requested in SERVES[engine]:
-        return requested
-    raise ValueError(
-        f"speculative method '{requested}' is not available: this engine was loaded for "
-        f"'{engine}' (restart it with --spec {requested} to serve it)"
-    )
+    """A request may narrow the engine's method, never widen it (``shared.capacity``: the
+    same rule the coordinator applies at submit)."""
+    return narrow_method(requested, engine)
 
 
 def make_suffix_shared(method: SpecMethod, target: Context, batch: Batch, draft_max: int,

@@ -1,0 +1,65 @@
+"""What a worker can do (its capacity, fixed at load) against what a request asks of it.
+
+A worker is loaded for one drafting method, a draft width N and a rollback depth D: they size
+its contexts and its recurrent memory, so no request can change them. A request may only
+*narrow* them: a method the loaded one also serves (:data:`SERVES`), a smaller ``draft_max``;
+its ``rollback_depth``, when given, must be the worker's own. A field the request does not set
+means "the worker's". The coordinator checks this at submit against the live workers'
+published capacity, and the worker checks it again before generating: a request asking for
+what its worker cannot do is refused with the reason, never served with a silent substitute.
+"""
+
+from __future__ import annotations
+
+from shared.protocol import SpecMethod, SpecSettings, WorkerCapacity
+
+#: What a request may ask of an engine loaded for each method (narrowing, never widening).
+SERVES: dict[SpecMethod, tuple[SpecMethod, ...]] = {
+    SpecMethod.NONE: (SpecMethod.NONE,),
+    SpecMethod.NGRAM: (SpecMethod.NGRAM, SpecMethod.NONE),
+    SpecMethod.SUFFIX: (SpecMethod.SUFFIX, SpecMethod.NGRAM, SpecMethod.NONE),
+    SpecMethod.MTP: (SpecMethod.MTP, SpecMethod.NGRAM, SpecMethod.NONE),
+    SpecMethod.MTP_SUFFIX: (SpecMethod.MTP_SUFFIX, SpecMethod.MTP, SpecMethod.SUFFIX,
+                            SpecMethod.NGRAM, SpecMethod.NONE),
+}
+
+
+def narrow_method(requested: SpecMethod, loaded: SpecMethod) -> SpecMethod:
+    """The method a request runs with on an engine loaded for ``loaded``; ``ValueError``
+    when it would widen it."""
+    if requested is SpecMethod.AUTO:
+        return loaded
+    if requested in SERVES[loaded]:
+        return requested
+    raise ValueError(
+        f"speculative method '{requested}' is not available: the worker was loaded for "
+        f"'{loaded}' (start one with --spec {requested} to serve it)")
+
+
+def capacity_refusal(spec: SpecSettings, capacity: WorkerCapacity) -> str | None:
+    """Why a worker of ``capacity`` cannot serve ``spec`` (only the fields the request set
+    count), or None when it can."""
+    given = spec.model_fields_set
+    try:
+        narrow_method(spec.method, capacity.method)
+    except ValueError as exc:
+        return str(exc)
+    if "draft_max" in given and spec.draft_max > capacity.draft_max:
+        return (f"draft_max {spec.draft_max} exceeds the worker's draft width "
+                f"{capacity.draft_max}, fixed when it loaded (--draft-max)")
+    if "rollback_depth" in given and spec.rollback_depth is not None:
+        if capacity.rollback_depth is None:
+            return ("rollback_depth does not apply: the model is not recurrent (rejected "
+                    "drafts are trimmed from the KV cache)")
+        if spec.rollback_depth != capacity.rollback_depth:
+            return (f"rollback_depth {spec.rollback_depth} is not the worker's "
+                    f"{capacity.rollback_depth}: it is fixed when a worker loads "
+                    "(--rollback-depth); omit it, or start a worker with that depth")
+    return None
+
+
+def effective_spec(spec: SpecSettings, capacity: WorkerCapacity) -> SpecSettings:
+    """The request's settings with every field it left unset taken from the worker."""
+    given = spec.model_fields_set
+    filled = {"draft_max": capacity.draft_max, "rollback_depth": capacity.rollback_depth}
+    return spec.model_copy(update={k: v for k, v in filled.items() if k not in given})
