@@ -212,7 +212,8 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     each (:func:`_most_slots`).
     """
     if slots != AUTO_SLOTS and not (isinstance(slots, int) and 1 <= slots <= MAX_SLOTS):
-        raise FitError(f"slots must be 'auto' or 1..{MAX_SLOTS}, got {slots!r}")
+        raise FitError(f"slots must be at least 1 and at most {MAX_SLOTS} (or 'auto'), "
+                       f"got {slots!r}")
     if fit_target_mib < 0:
         raise FitError(f"--fit-target-mib must not be negative, got {fit_target_mib}")
     ref = parse_device(device)
