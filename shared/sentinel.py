@@ -22,6 +22,12 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelManagedConnection
+from redis.asyncio.sentinel import (
+    SentinelManagedSSLConnection as AsyncSentinelManagedSSLConnection,
+)
 from redis.sentinel import Sentinel
 
 #: URL schemes that name sentinels instead of one Redis server.
@@ -86,6 +92,52 @@ def parse_sentinel_url(url: str) -> SentinelURL:
 def sentinel_client(url: str, **options: Any) -> Redis:
     """A client of the primary that ``url``'s sentinels name, built with ``options`` (the
     retry, timeout and health-check options every specfleet client uses)."""
+    target, sentinel_options, primary_options = _split_options(url, options)
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
+    return sentinel.master_for(target.service, **primary_options)
+
+
+class _AsksSentinelOnReconnect:
+    """redis-py's asyncio connection reconnects a dropped socket through
+    ``connect_check_health``, which skips the sentinel lookup ``connect`` does (redis-py issue
+    #3874, open in 8.1): every retry after a failover went back to the demoted primary. Ask the
+    sentinels there too."""
+
+    connection_pool: Any
+    host: str
+    port: int
+    is_connected: bool
+
+    async def connect_check_health(self, check_health: bool = True,
+                                   retry_socket_connect: bool = True) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(  # type: ignore[misc]
+            check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
+class _AsyncPrimaryConnection(_AsksSentinelOnReconnect, AsyncSentinelManagedConnection):
+    pass
+
+
+class _AsyncPrimaryTLSConnection(_AsksSentinelOnReconnect, AsyncSentinelManagedSSLConnection):
+    pass
+
+
+def async_sentinel_client(url: str, **options: Any) -> AsyncRedis:
+    """:func:`sentinel_client` for ``redis.asyncio`` (the HTTP gateway); ``options`` carry an
+    asyncio ``Retry``."""
+    target, sentinel_options, primary_options = _split_options(url, options)
+    tls = primary_options.pop("ssl", False)
+    sentinel = AsyncSentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
+    return sentinel.master_for(
+        target.service, **primary_options,
+        connection_class=_AsyncPrimaryTLSConnection if tls else _AsyncPrimaryConnection)
+
+
+def _split_options(url: str, options: dict[str, Any]
+                   ) -> tuple[SentinelURL, dict[str, Any], dict[str, Any]]:
+    """The parsed URL, the sentinels' connection options and the primary's."""
     target = parse_sentinel_url(url)
     credentials = {"username": target.username, "password": target.password}
     tls = {"ssl": True} if target.tls else {}
@@ -93,8 +145,7 @@ def sentinel_client(url: str, **options: Any) -> Redis:
     sentinel_options.update(tls)
     if target.sentinel_auth:
         sentinel_options.update(credentials)
-    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
-    return sentinel.master_for(target.service, db=target.db, **credentials, **tls, **options)
+    return target, sentinel_options, {"db": target.db, **credentials, **tls, **options}
 
 
 def _credentials(userinfo: str) -> tuple[str | None, str | None]:

@@ -26,6 +26,7 @@ from coordinator.gateway import schemas
 from shared.keys import Keys
 from shared.protocol import AnyEvent, FinalEvent, JobStatus
 from shared.redis_client import COMMAND_RETRIES, HEALTH_CHECK_SECONDS, SOCKET_TIMEOUT
+from shared.sentinel import async_sentinel_client, is_sentinel_url
 
 #: How long one XREAD blocks; also how often a waiting reader notices it should stop.
 BLOCK_MS = 500
@@ -33,12 +34,15 @@ BLOCK_MS = 500
 
 def connect_async(url: str) -> aioredis.Redis:
     """An async client with the same retry and health-check policy as every other client
-    (``shared.redis_client``)."""
-    return aioredis.Redis.from_url(
-        url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), COMMAND_RETRIES),
+    (``shared.redis_client``), also for a ``redis+sentinel://`` URL."""
+    options: dict[str, Any] = dict(
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), COMMAND_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
         socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
         socket_keepalive=True, health_check_interval=HEALTH_CHECK_SECONDS)
+    if is_sentinel_url(url):
+        return async_sentinel_client(url, **options)
+    return aioredis.Redis.from_url(url, **options)
 
 
 async def job_events(redis: aioredis.Redis, keys: Keys,

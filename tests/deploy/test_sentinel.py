@@ -6,6 +6,7 @@ real ``specfleet worker`` processes, the real coordinator.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import uuid
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from redis import Redis
 
 from coordinator.client import Coordinator
+from coordinator.gateway.streaming import connect_async
 from shared.protocol import JobStatus
 from shared.redis_client import connect
 from shared.sentinel import parse_sentinel_url
@@ -81,6 +83,26 @@ def test_a_client_follows_the_primary_to_the_promoted_replica(group: SentinelGro
     new = group.node(group.primary_port()).client()
     assert new.get("before") == b"1" and new.get("after") == b"2"
     assert conn.connection_pool.get_master_address()[1] == group.primary_port()
+
+
+def test_the_gateways_async_client_follows_a_switchover(group: SentinelGroup) -> None:
+    old = group.primary_port()
+
+    async def scenario() -> bytes | None:
+        conn = connect_async(group.url)
+        try:
+            await conn.set("before", "1")
+            group.sentinel.client().execute_command("SENTINEL", "FAILOVER", SERVICE)
+            wait_until(lambda: _failed_over(group, old), 30, "the promotion")
+            demoted = group.node(old).client()
+            wait_until(lambda: demoted.info("replication")["role"] == "slave", 30, "demotion")
+            await conn.set("after", "2")
+            return await conn.get("before")
+        finally:
+            await conn.aclose()
+
+    assert asyncio.run(scenario()) == b"1"
+    assert group.node(group.primary_port()).client().get("after") == b"2"
 
 
 def test_a_batch_loses_nothing_when_the_primary_is_killed_mid_batch(
