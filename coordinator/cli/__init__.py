@@ -5,8 +5,10 @@ from __future__ import annotations
 import sys
 
 import typer
+from pydantic import ValidationError
 
 from coordinator.cli.app import app, error_line
+from shared.protocol import describe_validation_error
 
 # Each import registers its sub-commands on ``app``.
 from coordinator.cli import generate  # noqa: E402,F401  isort: skip
@@ -37,6 +39,8 @@ def main() -> None:
         if type(exc).__name__ == "NoArgsIsHelpError":
             exc.show()  # type: ignore[attr-defined]
         else:
+            if isinstance(exc.__cause__, ValidationError):  # typer coerces through pydantic
+                exc.message = describe_validation_error(exc.__cause__, subject=None)  # type: ignore[attr-defined]
             ctx = getattr(exc, "ctx", None)
             where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
             error_line(exc.format_message() + where)  # type: ignore[attr-defined]
