@@ -60,7 +60,9 @@ def top(
                 time.sleep(interval)
                 snapshot = fleet_snapshot(coordinator)
         if once:
-            Console().print(render(snapshot))
+            # Piped output has no terminal width: do not squeeze names into 80 columns.
+            console = Console()
+            Console(width=None if console.is_terminal else 160).print(render(snapshot))
             return
         with Live(render(snapshot), auto_refresh=False) as live:
             while True:

@@ -102,6 +102,12 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(two_workers:
     text = subprocess.run([SPECFLEET, "top", "--once"], capture_output=True, text=True,
                           timeout=60, env=two_workers.env(0.0, {}))
     assert text.returncode == 0 and all(name in text.stdout for name in NAMES), text.stderr
+    fleet = subprocess.run([SPECFLEET, "fleet", "--json"], capture_output=True, text=True,
+                           timeout=60, env=two_workers.env(0.0, {}))
+    assert fleet.returncode == 0, fleet.stderr
+    published = {w["name"]: w["telemetry"]["generated_tokens"]
+                 for w in json.loads(fleet.stdout)["workers"]}
+    assert published == {n: by_worker.get(n, 0) for n in NAMES}
     idle_metrics = render_fleet_metrics(coordinator).decode()
     assert total(idle_metrics, "specfleet:queue_depth", model=MODEL_NAME) == 0
     assert total(idle_metrics, "specfleet:fleet_busy_slots", model=MODEL_NAME) == 0
