@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 
@@ -137,19 +138,30 @@ class WorkerMetrics:
             self.jobs.labels(*self._base, outcome)
 
     # -- the worker's capacity ------------------------------------------------------------
-    def worker_loaded(self, n_ctx: int, fit: FitReport | None,
-                      checkpoint_mode: CheckpointMode | str | None) -> None:
-        """What start-up decided: fitted context, checkpoint storage, reservation per device."""
-        self.fitted_ctx.labels(*self._base).set(n_ctx)
-        if checkpoint_mode is not None:
-            self._set_mode(str(checkpoint_mode))
-        for device in fit.devices if fit else ():
-            reserved = device.components.get("checkpoint_reservation", 0)
-            self.reservation.labels(*self._base, device.device).set(reserved)
+    def worker_loaded(self, n_ctx: int, fit: FitReport | None, method: str,
+                      configured: CheckpointMode) -> None:
+        """What start-up decided: fitted context, checkpoint storage and its reservation.
 
-    def _set_mode(self, mode: str) -> None:
+        A device reservation that fell back to the host (``configured`` device, reserved
+        host) happened before any job, so no job's telemetry carries it: it is counted here,
+        once per slot, with reason ``reserve`` (the ``checkpoint.fallback`` event says why)."""
+        self.fitted_ctx.labels(*self._base).set(n_ctx)
+        details = fit.details if fit else {}
+        mode = details.get("checkpoint_mode")
+        if mode is None:
+            return
+        self._set_checkpoint(str(mode), details.get("checkpoint_reserved_bytes"))
+        if configured is CheckpointMode.DEVICE and mode == CheckpointMode.HOST:
+            self.host_fallbacks.labels(*self._base, method, "reserve").inc(fit.slots if fit else 1)
+
+    def _set_checkpoint(self, mode: str, reserved: object) -> None:
+        """The storage in force, and its reservation where it lives (device or ``host``)."""
         for m in CheckpointMode:
             self.checkpoint_mode.labels(*self._base, m.value).set(1 if m.value == mode else 0)
+        if isinstance(reserved, int):
+            here = self._device if mode == CheckpointMode.DEVICE else "host"
+            for where in {self._device, "host"}:
+                self.reservation.labels(*self._base, where).set(reserved if where == here else 0)
 
     # -- the job code's calls -------------------------------------------------------------
     def job_started(self, job_id: str) -> None:
@@ -171,6 +183,14 @@ class WorkerMetrics:
             else:
                 clock.gaps.append(now - (clock.last_token or now))
             clock.last_token = now
+
+    def token_sink(self, job_id: str,
+                   forward: Callable[[list[int], str], None]) -> Callable[[list[int], str], None]:
+        """The engine's ``on_tokens`` for ``job_id``: times each delivery, then forwards it."""
+        def sink(tokens: list[int], text: str) -> None:
+            self.tokens(job_id, len(tokens))
+            forward(tokens, text)
+        return sink
 
     def job_finished(self, job_id: str, telemetry: Telemetry | None, outcome: str) -> None:
         """A run of ``job_id`` ended with ``outcome`` (one of :data:`OUTCOMES`); ``telemetry``
@@ -211,10 +231,7 @@ class WorkerMetrics:
         self.decode_seconds.labels(*spec).inc(t.decode_seconds)
         self.wall_seconds.labels(*spec).inc(t.wall_seconds)
         if t.checkpoint_mode is not None:
-            self._set_mode(t.checkpoint_mode)
-            if t.checkpoint_reservation_bytes is not None:
-                here = self._device if t.checkpoint_mode == CheckpointMode.DEVICE else "host"
-                self.reservation.labels(*self._base, here).set(t.checkpoint_reservation_bytes)
+            self._set_checkpoint(t.checkpoint_mode, t.checkpoint_reservation_bytes)
 
     def job_refused(self) -> None:
         """A queue entry this worker will not run (foreign function, not JSON)."""
