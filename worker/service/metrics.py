@@ -146,6 +146,8 @@ class WorkerMetrics:
         host) happened before any job, so no job's telemetry carries it: it is counted here,
         once per slot, with reason ``reserve`` (the ``checkpoint.fallback`` event says why)."""
         self.fitted_ctx.labels(*self._base).set(n_ctx)
+        if fit is not None:
+            self.slots.labels(*self._base).set(fit.slots)
         details = fit.details if fit else {}
         mode = details.get("checkpoint_mode")
         if mode is None:
