@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import redis
 
 from shared.redact import redact
+from shared.sentinel import is_sentinel_url, sentinel_client
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 HOW_TO_GET_REDIS = (
@@ -36,10 +37,10 @@ class RedisUnavailable(RuntimeError):
 
 
 def answers(url: str, timeout: float = 1.0) -> bool:
-    """True when a Redis at ``url`` answers PING."""
+    """True when a Redis at ``url`` (for a sentinel URL: its current primary) answers PING."""
+    build = sentinel_client if is_sentinel_url(url) else redis.Redis.from_url
     try:
-        return bool(redis.Redis.from_url(url, socket_timeout=timeout,
-                                         socket_connect_timeout=timeout).ping())
+        return bool(build(url, socket_timeout=timeout, socket_connect_timeout=timeout).ping())
     except (redis.RedisError, OSError, ValueError):
         return False
 

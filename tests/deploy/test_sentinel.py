@@ -7,7 +7,10 @@ real ``specfleet worker`` processes, the real coordinator.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -24,7 +27,8 @@ from shared.settings import Settings
 # tests/ is on sys.path (pytest's rootdir-relative import); Fleet starts real worker processes.
 from service.workers import MODEL_NAME, Fleet  # isort: skip
 
-from .redis_nodes import SERVICE, SentinelGroup, sentinel_group, wait_until
+from .files import ROOT
+from .redis_nodes import SERVICE, SentinelGroup, free_port, sentinel_group, wait_until
 
 JOBS = 12
 MAX_TOKENS = 24
@@ -103,6 +107,34 @@ def test_the_gateways_async_client_follows_a_switchover(group: SentinelGroup) ->
 
     assert asyncio.run(scenario()) == b"1"
     assert group.node(group.primary_port()).client().get("after") == b"2"
+
+
+def test_the_gateway_stays_healthy_across_a_killed_primary(group: SentinelGroup,
+                                                           tmp_path: Path) -> None:
+    """The gateway image's health check (GET /health: Redis ping + fleet read) through the
+    real ``specfleet serve`` on a sentinel URL, before and after the primary is lost."""
+    port = free_port()
+    env = {**os.environ, "REDIS_URL": group.url, "SPECFLEET_PREFIX": f"t{uuid.uuid4().hex[:8]}"}
+    log = (tmp_path / "gateway.log").open("wb")
+    gateway = subprocess.Popen([str(Path(sys.executable).with_name("specfleet")), "serve",
+                                "--host", "127.0.0.1", "--port", str(port)],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
+    check = [sys.executable, str(ROOT / "docker/healthcheck.py"), "http",
+             f"http://127.0.0.1:{port}/health"]
+
+    def healthy() -> bool:
+        assert gateway.poll() is None, (tmp_path / "gateway.log").read_text()[-3000:]
+        return subprocess.run(check, capture_output=True, timeout=30).returncode == 0
+
+    try:
+        wait_until(healthy, 60, "the gateway to answer /health")
+        old = group.primary_port()
+        group.node(old).proc.send_signal(signal.SIGKILL)
+        wait_until(lambda: _failed_over(group, old), 30, "the sentinel to promote the replica")
+        wait_until(healthy, 30, "the gateway to be healthy on the new primary")
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=20)
 
 
 def test_a_batch_loses_nothing_when_the_primary_is_killed_mid_batch(
