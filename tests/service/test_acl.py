@@ -2,7 +2,8 @@
 
 A private ``redis-server`` loads the template rendered for this test's prefix: the default
 user is off, workers and clients connect as their restricted users. The core paths run through
-it (submit + stream, cancel of a running job, batch, fleet, recovery after ``kill -9``), and
+it (submit + stream, cancel of a running job, batch, fleet and top, the HTTP gateway, recovery
+after ``kill -9``), and
 after each one Redis's own ``ACL LOG`` holds no denial and no worker log holds a ``NOPERM`` or a
 traceback (rq's pub/sub thread dies with one when its channel is denied).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+import httpx
 import pytest
 from redis import Redis, RedisError
 from redis.exceptions import NoPermissionError
@@ -28,6 +30,9 @@ from shared.settings import Settings
 
 from .private_redis import private_redis
 from .workers import MODEL_NAME, SPECFLEET, Fleet
+
+# tests/ is on sys.path (pytest's rootdir-relative import): the gateway tests' process helper.
+from gateway.gateway import Gateway  # isort: skip
 
 ACL_TEMPLATE = Path(__file__).parents[2] / "docker" / "redis" / "users.acl.template"
 STEP_DELAY = 0.05  # slow enough that a cancel and a kill land mid-generation
@@ -178,7 +183,9 @@ def test_batch(acl: AclDeployment, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["custom_id"] for r in results) == [f"r{i}" for i in range(4)]
-    assert all(r["error"] is None and r["response"]["status"] == "finished" for r in results)
+    assert all(r["error"] is None for r in results)
+    listed = acl.cli("batch", "list")
+    assert listed.returncode == 0, listed.stderr
     acl.assert_no_denials()
 
 
@@ -186,6 +193,23 @@ def test_fleet(acl: AclDeployment) -> None:
     shown = acl.cli("fleet", "--json")
     assert shown.returncode == 0, shown.stderr
     assert {w["name"] for w in json.loads(shown.stdout)["workers"]} == set(acl.workers)
+    top = acl.cli("top", "--once", "--json")
+    assert top.returncode == 0, top.stderr
+    acl.assert_no_denials()
+
+
+def test_gateway(acl: AclDeployment, tmp_path: Path) -> None:
+    """``specfleet serve`` as the client user: a completion, and the fleet's metrics."""
+    gateway = Gateway(acl.client.settings, tmp_path).start()
+    try:
+        reply = httpx.post(gateway.url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 6})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 6
+        assert httpx.get(gateway.url + "/metrics", timeout=10).status_code == 200
+    finally:
+        gateway.stop()
+    assert "NOPERM" not in gateway.log() and "Traceback" not in gateway.log()
     acl.assert_no_denials()
 
 
