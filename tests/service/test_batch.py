@@ -16,7 +16,8 @@ from pathlib import Path
 from coordinator.batch import BatchStore
 from coordinator.client import Coordinator
 from coordinator.gateway.schemas import NATIVE
-from shared.protocol import ProgressEvent, TokenEvent, WorkerInfo
+from shared.protocol import JobStatus, ProgressEvent, TokenEvent, WorkerInfo
+from worker.service.events import EventWriter
 
 from .workers import MODEL_NAME, SPECFLEET, Fleet
 
@@ -40,10 +41,7 @@ def _wait_ended(store: BatchStore, batch_id: str, timeout: float = 60) -> dict:
 
 
 def test_cancelling_a_queued_batch_accounts_every_line(coordinator: Coordinator) -> None:
-    now = time.time()  # a registered worker that never takes the jobs: they stay queued
-    coordinator.registry.register(WorkerInfo(
-        name="w", model_name=MODEL_NAME, model_path="/m.gguf", device="cpu", n_ctx=512,
-        version="test", pid=1, host="h", started_at=now, heartbeat_at=now))
+    _idle_worker(coordinator)
     store = BatchStore(coordinator)
     upload = store.upload(_lines(_request(1), _request(2), b"\xff oops"), "in.jsonl")
     batch = store.create(upload["id"], NATIVE)
@@ -59,6 +57,36 @@ def test_cancelling_a_queued_batch_accounts_every_line(coordinator: Coordinator)
     for key in (coordinator.keys.batch(batch["id"]), coordinator.keys.batch_results(batch["id"]),
                 coordinator.keys.batch_jobs(batch["id"])):
         assert 0 < coordinator.connection.ttl(key) <= coordinator.settings.result_ttl_seconds
+
+
+def _idle_worker(coordinator: Coordinator) -> None:
+    """A registered worker that never takes jobs: submitted lines stay queued."""
+    now = time.time()
+    coordinator.registry.register(WorkerInfo(
+        name="w", model_name=MODEL_NAME, model_path="/m.gguf", device="cpu", n_ctx=512,
+        version="test", pid=1, host="h", started_at=now, heartbeat_at=now))
+
+
+def test_a_repeated_or_stale_final_event_counts_once(coordinator: Coordinator) -> None:
+    _idle_worker(coordinator)
+    store = BatchStore(coordinator)
+    batch = store.create(store.upload(_lines(_request(1)), "in.jsonl")["id"], NATIVE)
+    job_id = json.loads(coordinator.connection.hget(coordinator.keys.batch_jobs(batch["id"]),
+                                                    "1"))["job_id"]
+
+    def final(attempt: int, status: JobStatus, tokens: list[int]) -> None:
+        EventWriter(coordinator.connection, coordinator.keys, job_id, attempt).final(
+            status=status, tokens=tokens)
+
+    final(2, JobStatus.FINISHED, [4, 5, 6])
+    final(2, JobStatus.FINISHED, [4, 5, 6])  # the same append retried through an outage
+    final(1, JobStatus.FAILED, [])  # a stalled first attempt reporting late
+    batch = store.get(batch["id"])
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    assert batch["specfleet"]["generated_tokens"] == 3
+    [line] = store.result_lines(batch["id"], "all")
+    assert line["response"]["body"]["tokens"] == [4, 5, 6]
 
 
 def test_a_killed_workers_line_is_accounted_once(fleet: Fleet, coordinator: Coordinator) -> None:
