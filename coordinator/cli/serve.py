@@ -12,6 +12,7 @@ from coordinator.gateway.app import create_app
 from coordinator.gateway.auth import GatewaySettings
 from coordinator.redis_local import answers
 from shared.logs import configure_logging
+from shared.redact import redact
 
 
 @app.command()
@@ -27,6 +28,6 @@ def serve(
     except ValueError as exc:
         fail(f"invalid SPECFLEET_* environment: {exc}")
     if not answers(settings.redis_url):
-        fail("Redis does not answer at REDIS_URL", code=3)
+        fail(f"Redis at {redact(settings.redis_url)} does not answer", code=3)
     uvicorn.run(create_app(settings, gateway), host=host, port=port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)

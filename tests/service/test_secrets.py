@@ -1,4 +1,5 @@
-"""No command prints the Redis password: every CLI command against a Redis that refuses it.
+"""No command prints the Redis password: each CLI command that talks to Redis, against a Redis
+that refuses it.
 
 Two real failures: a private ``redis-server`` with ``requirepass`` that rejects the URL's
 credentials, and a port nothing listens on. Each command must fail with its one-line Redis
@@ -29,6 +30,8 @@ COMMANDS = {
     "batch": ("batch", "{requests}", "--model", MODEL_NAME, "--out", "{out}"),
     "worker": ("worker", "--model", "{model}", "--model-name", MODEL_NAME, "--ctx", "64",
                "--threads", "1", "--name", "secrets-w"),
+    "top": ("top", "--once", "--json"),
+    "serve": ("serve", "--port", "0"),
 }
 
 
