@@ -19,6 +19,7 @@ from datetime import UTC
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.queue import Queue
@@ -31,6 +32,12 @@ from shared.protocol import Priority, WorkerInfo
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: Every fleet metric's name starts with this (the worker's own metrics share it).
 PREFIX = "specfleet:"
+#: Lifetime telemetry fields each worker publishes with its heartbeat, re-exported by the
+#: gateway as ``specfleet:worker_telemetry_<field>_total`` (a worker's own ``/metrics`` has the
+#: same counts under its names, for a Prometheus that can reach the workers).
+PUBLISHED_COUNTS = ("generated_tokens", "prompt_tokens", "drafts", "drafted", "accepted",
+                    "target_decodes", "replay_events", "replay_tokens", "checkpoint_saves",
+                    "host_fallbacks")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,9 @@ class WorkerRow:
     replays_per_second: float
     host_fallbacks: int
     checkpoint_mode: str | None
+    #: The whole lifetime telemetry the worker published (None before its first heartbeat
+    #: with one).
+    telemetry: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -95,7 +105,8 @@ def worker_row(info: WorkerInfo, now: float) -> WorkerRow:
         acceptance=t.acceptance if t else 0.0, replay_events=replays,
         replays_per_second=replays / wall if wall > 0 else 0.0,
         host_fallbacks=t.host_fallbacks if t else 0,
-        checkpoint_mode=t.checkpoint_mode if t else None)
+        checkpoint_mode=t.checkpoint_mode if t else None,
+        telemetry=t.model_dump(mode="json") if t else None)
 
 
 def _oldest_wait(queue: Queue, now: float) -> float:
@@ -163,7 +174,28 @@ def render_fleet_metrics(coordinator: Coordinator) -> bytes:
                 ("worker", "model", "device"))
     for w in snapshot.workers:
         age.labels(w.name, w.model, w.device).set(w.heartbeat_age_seconds)
+    registry.register(_PublishedTelemetry(snapshot.workers))
     return generate_latest(registry)
+
+
+class _PublishedTelemetry:
+    """A collector of the counts in the workers' published telemetry (counters: they only
+    grow during a worker's life and restart at 0 with it, as Prometheus counters do)."""
+
+    def __init__(self, workers: list[WorkerRow]) -> None:
+        self._workers = workers
+
+    def collect(self) -> list[CounterMetricFamily]:
+        families = []
+        for field in PUBLISHED_COUNTS:
+            family = CounterMetricFamily(f"{PREFIX}worker_telemetry_{field}",
+                                         f"Lifetime telemetry {field} a worker published",
+                                         labels=["worker", "model", "device"])
+            for w in self._workers:
+                if w.telemetry is not None:
+                    family.add_metric([w.name, w.model, w.device], w.telemetry[field])
+            families.append(family)
+        return families
 
 
 __all__ = ["METRICS_CONTENT_TYPE", "FleetSnapshot", "QueueRow", "WorkerRow", "fleet_snapshot",

@@ -111,3 +111,9 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(two_workers:
     idle_metrics = render_fleet_metrics(coordinator).decode()
     assert total(idle_metrics, "specfleet:queue_depth", model=MODEL_NAME) == 0
     assert total(idle_metrics, "specfleet:fleet_busy_slots", model=MODEL_NAME) == 0
+    for name in NAMES:  # the gateway re-exports what the workers published: the jobs' sums
+        assert total(idle_metrics, "specfleet:worker_telemetry_generated_tokens_total",
+                     worker=name) == by_worker.get(name, 0)
+        assert total(idle_metrics, "specfleet:worker_telemetry_target_decodes_total",
+                     worker=name) == sum(r.telemetry.target_decodes for r in results
+                                         if r.telemetry and r.worker == name)
