@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
 from service.workers import SPECFLEET
+
+from coordinator.monitor import parse_since
 
 from .conftest import PROMPTS, WORKER, LiveRun
 
@@ -121,3 +125,13 @@ def test_follow_reads_growing_files_and_exits_on_an_alert(live_run: LiveRun,
     final = json.loads(out.strip().splitlines()[-1])
     assert final["total"]["generations"] == len(PROMPTS)
     assert "generations>=3 holds" in err
+
+
+def test_since_takes_iso_times_and_durations() -> None:
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    assert parse_since("15m", now) == now - timedelta(minutes=15)
+    assert parse_since("2h", now) == now - timedelta(hours=2)
+    assert parse_since("90s", now) == now - timedelta(seconds=90)
+    assert parse_since("2026-12-01T09:00:00Z") == datetime(2026, 12, 1, 9, tzinfo=UTC)
+    with pytest.raises(ValueError, match="bad --since"):
+        parse_since("yesterday")
