@@ -8,10 +8,15 @@ draft can ever pay).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from worker.engine.draft_cost import RISE, RowCosts
+from shared.protocol import SpecMethod
+from worker.engine.draft_cost import RISE, RowCosts, calibrated_widths
 from worker.engine.draft_length_policy import best_draft_length
+
+from .conftest import open_engine
 
 FLAT = [0.0] + [1.0] * 17
 GEMMA_CPU = [0.0, 1.0, 1.96, 3.49, 2.69, 4.10, 4.3, 4.5, 4.7, 4.01, 5.63, 5.7, 5.8, 5.9, 6.0,
@@ -66,3 +71,16 @@ def test_row_costs_follow_faster_at_once_and_slower_slowly() -> None:
     assert len(costs.seconds) == 3
     with pytest.raises(ValueError):
         RowCosts([0.0, 0.0])
+
+
+def test_calibration_times_narrow_widths_and_a_sparse_ladder(dense_model: Path) -> None:
+    """At load every narrow row count is timed, wider ones sparsely; an untimed count costs
+    what the next wider timed one does, and no entry exceeds a wider one."""
+    assert calibrated_widths(5) == [1, 2, 3, 4, 5]
+    assert calibrated_widths(65) == [*range(1, 18), 25, 33, 41, 49, 57, 65]
+    with open_engine(dense_model, SpecMethod.SUFFIX, draft_max=30) as engine:
+        assert engine.suffix is not None
+        seconds = engine.suffix.costs.seconds
+        assert len(seconds) == 32 and seconds[0] == 0.0
+        assert all(0 < seconds[r] <= seconds[r + 1] for r in range(1, 31))
+        assert seconds[18] <= seconds[25] and seconds[26] <= seconds[31]

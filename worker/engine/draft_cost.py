@@ -19,6 +19,17 @@ from worker.llm import Batch, Context
 CALIBRATION_REPS = 3
 #: How far a slower observation moves its entry (a faster one replaces it).
 RISE = 0.05
+#: Every row count up to this is timed at load; wider ones every :data:`WIDE_STEP` rows.
+NARROW_ROWS = 17
+WIDE_STEP = 8
+
+
+def calibrated_widths(max_rows: int) -> list[int]:
+    """Row counts timed at load: all narrow ones (where tile effects make neighbours differ
+    most), then a sparse ladder, so a capacity of 64 drafts costs a few seconds, not tens; the
+    counts between get the next wider one's cost until a verify of that width measures them."""
+    ladder = range(NARROW_ROWS + WIDE_STEP, max_rows + WIDE_STEP, WIDE_STEP)
+    return [*range(1, min(NARROW_ROWS, max_rows) + 1), *(min(w, max_rows) for w in ladder)]
 
 
 class RowCosts:
@@ -42,7 +53,8 @@ class RowCosts:
         entry is kept above the next wider one (tile effects make a few widths slightly
         cheaper than their narrower neighbours: those are re-measured as soon as they run).
         """
-        seconds = measure_costs(target, batch, max_rows, CALIBRATION_REPS)
+        seconds = measure_costs(target, batch, max_rows, CALIBRATION_REPS,
+                                calibrated_widths(max_rows))
         for rows in range(max_rows - 1, 0, -1):
             seconds[rows] = min(seconds[rows], seconds[rows + 1])
         return cls(seconds)

@@ -11,6 +11,7 @@ the identity.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from time import perf_counter
 
 from worker.llm import Batch, Context
@@ -19,19 +20,27 @@ from worker.llm import Batch, Context
 REPS = 2
 
 
-def measure_costs(target: Context, batch: Batch, max_rows: int, reps: int = REPS) -> list[float]:
+def measure_costs(target: Context, batch: Batch, max_rows: int, reps: int = REPS,
+                  widths: Sequence[int] | None = None) -> list[float]:
     """``costs[k]``: seconds of a ``k``-row decode with logits on every row (``costs[0] = 0``).
 
     Decodes dummy tokens at the start of an empty context and clears it again afterwards.
+    ``widths`` (default: every row count) limits the timing to those row counts; a count
+    between them gets the cost of the next wider one timed (an upper bound).
     """
+    timed = sorted({w for w in (widths or range(1, max_rows + 1)) if 0 < w < max_rows}
+                   | {max_rows})
     costs = [0.0] + [float("inf")] * max_rows
     for _ in range(reps):
-        for rows in range(1, max_rows + 1):
+        for rows in timed:
             target.clear()
             t0 = perf_counter()
             target.decode(batch.set([0] * rows, 0, True))
             costs[rows] = min(costs[rows], perf_counter() - t0)
     target.clear()
+    for rows in range(max_rows - 1, 0, -1):
+        if rows not in timed:
+            costs[rows] = costs[rows + 1]
     return costs
 
 
