@@ -13,9 +13,10 @@ import signal
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from redis import Redis
@@ -31,6 +32,7 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 8, 61], [7, 7, 31, 2, 99, 64], [120, 3, 3, 45
 MAX_TOKENS = 80
 WORKER = "m1"
 SPEC = {"method": "mtp", "draft_max": 5, "rollback_depth": 1}
+T = TypeVar("T")
 
 
 @dataclass
@@ -53,7 +55,8 @@ def make_settings() -> Settings:
                     worker_ttl_seconds=1.5, token_chunk=4, token_flush_seconds=0.0)
 
 
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):  # noqa: ANN001,ANN201
+def wait_for(predicate: Callable[[], T], timeout: float = 60.0, what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy; that is the result."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
