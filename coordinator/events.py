@@ -107,7 +107,7 @@ class TextDeltas:
     def __init__(self, cursor: StreamCursor, shown: int = 0) -> None:
         self.cursor = cursor
         self.shown = shown
-        self._text: dict[int, str] = {}
+        self._chars: dict[int, int] = {}  # characters of each attempt's text so far
         self._tokens: dict[int, int] = {}
         self._newest = 0
 
@@ -118,15 +118,18 @@ class TextDeltas:
             if event.index < self._tokens.get(event.attempt, 0):
                 return ""
             self._tokens[event.attempt] = event.index + len(event.tokens)
-            text = self._text.get(event.attempt, "") + event.text
-            self._text[event.attempt] = text
-            return self._beyond(text)
+            end = self._chars.get(event.attempt, 0) + len(event.text)
+            self._chars[event.attempt] = end
+            return self._beyond(event.text, end)
         if isinstance(event, FinalEvent) and event.attempt >= self._newest:
-            return self._beyond(event.text)
+            return self._beyond(event.text, len(event.text))
         return ""
 
-    def _beyond(self, text: str) -> str:
-        if len(text) <= self.shown:
+    def _beyond(self, piece: str, end: int) -> str:
+        """The part of ``piece`` (which ends at character ``end``) not handed out yet; only
+        lengths are kept, so a long stream costs no memory."""
+        if end <= self.shown:
             return ""
-        delta, self.shown = text[self.shown:], len(text)
+        delta = piece[max(0, len(piece) - (end - self.shown)):]
+        self.shown = end
         return delta
