@@ -141,8 +141,8 @@ def _apply(tally: Tally, record: dict[str, Any]) -> None:
         tally.jobs_cancelled += 1
     elif event == "job.interrupted":
         tally.interruptions += 1
-    elif event in ("job.failed", "job.crashed"):
-        tally.failures[str(record.get("error_type") or "crash")] += 1
+    elif event == "job.failed":  # (a crash's job.crashed only adds the traceback to it)
+        tally.failures[str(record.get("error_type") or "unknown")] += 1
     elif event == "job.refused":
         tally.refusals += 1
     elif event == "job.requeued":
