@@ -33,6 +33,7 @@ MAX_TOKENS = 80
 WORKER = "m1"
 SPEC = {"method": "mtp", "draft_max": 5, "rollback_depth": 1}
 T = TypeVar("T")
+REJECTED_PROMPT = " ".join(f"word{i} and more" for i in range(40))
 
 
 @dataclass
@@ -80,6 +81,12 @@ def live_run(hybrid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                                        "max_tokens": MAX_TOKENS, "speculative": SPEC})
                    for p in PROMPTS]
         results = [h.result(timeout=120) for h in handles]
+        # Fits at submit (a text prompt is at least one token) but not on the worker, which
+        # counts its tokens exactly: a rejected job (a ``context`` failure, no telemetry).
+        rejected = coordinator.submit({"model": MODEL_NAME, "prompt": REJECTED_PROMPT,
+                                       "max_tokens": 500}).result(timeout=60)
+        assert rejected.status == "failed" and "context" in (rejected.error or ""), rejected
+        results.append(rejected)
         generated = sum(r.telemetry.generated_tokens for r in results if r.telemetry)
 
         def registration() -> WorkerInfo | None:

@@ -69,6 +69,7 @@ def test_jobs_latencies_and_capacity(live_run: LiveRun) -> None:
     n = len(PROMPTS)
     assert total(text, f"{P}jobs_total", outcome="finished") == n
     assert total(text, f"{P}jobs_total", outcome="failed") == 0
+    assert total(text, f"{P}jobs_total", outcome="rejected") == 1  # the too-long prompt
     assert total(text, f"{P}time_to_first_token_seconds_count") == n
     assert total(text, f"{P}e2e_request_latency_seconds_count") == n
     # One inter-token gap per delivery after the first: at most one per generated token.

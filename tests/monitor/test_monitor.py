@@ -44,17 +44,22 @@ def test_per_worker_model_and_job_counts_equal_the_engine_telemetry(live_run: Li
         assert group["drafted_per_position"] == lifetime.drafted_per_position
         assert group["tokens_per_verify"] == lifetime.tokens_per_verify
         assert group["acceptance"] == lifetime.acceptance
-        assert group["jobs_started"] == group["jobs_finished"] == len(PROMPTS)
-        assert group["failures"] == group["refusals"] == group["requeues"] == 0
+        assert group["jobs_finished"] == len(PROMPTS)
+        assert group["jobs_started"] == len(PROMPTS) + 1  # and the rejected one
+        assert group["failures_by_type"] == {"context": 1}
+        assert group["refusals"] == group["requeues"] == 0
         # The start-up fallback precedes worker.registered: it still belongs to the worker.
         assert group["host_fallbacks_by_reason"] == {"fault_injection": 1}
     jobs = {r.job_id: r for r in live_run.results}
     assert set(out["jobs"]) == set(jobs)
     for job_id, job in out["jobs"].items():
+        assert job["workers"] == [WORKER] and job["attempts"] == 1
         telemetry = jobs[job_id].telemetry
-        assert telemetry is not None
-        assert job["workers"] == [WORKER] and job["outcome"] == "finished"
-        assert job["attempts"] == 1
+        if telemetry is None:  # the rejected job
+            assert job["outcome"] == "failed" and job["failures"] == 1
+            assert job["generations"] == 0
+            continue
+        assert job["outcome"] == "finished"
         for field in FIELDS:
             assert job[field] == getattr(telemetry, field), field
 
@@ -92,7 +97,7 @@ def test_fail_on_conditions_are_exit_codes(live_run: LiveRun) -> None:
     assert tripped.returncode == 1
     assert "host_fallbacks>0 holds for total, m1" in tripped.stderr
     assert json.loads(tripped.stdout)["alerts"] == ["host_fallbacks>0 holds for total, m1"]
-    clear = monitor("--fail-on", "replay_ratio>0.99", "--fail-on", "failures>0", log)
+    clear = monitor("--fail-on", "replay_ratio>0.99", "--fail-on", "refusals>0", log)
     assert clear.returncode == 0, clear.stderr
     assert "per worker" in clear.stdout
     for bad in ("host_fallbacks", "nonsense>1", "acceptance<<1"):
