@@ -35,6 +35,7 @@ class WorkerOptions:
     threads: int = 2
     spec: SpecSettings = field(default_factory=SpecSettings)
     checkpoint: CheckpointMode = CheckpointMode.DEVICE
+    metrics_port: int | None = None  # Prometheus /metrics port; 0 = a free one; None = off
 
 
 def pin_device(device: DeviceRef) -> int:
