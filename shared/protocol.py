@@ -349,6 +349,7 @@ class WorkerInfo(_Strict):
     started_at: float
     heartbeat_at: float
     current_job: str | None = None
+    current_jobs: list[str] = Field(default_factory=list, description="one per busy slot")
     spec_methods: list[str] = Field(default_factory=list)
     chat_template: bool = Field(default=False, description="can render chat messages")
     capacity: WorkerCapacity | None = None

@@ -14,6 +14,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from coordinator.cli import options as opt
 from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
@@ -31,8 +32,7 @@ def fit(
         help="memory to fit into, overriding what the device reports")] = None,
     fit_target_mib: Annotated[float, typer.Option(
         help="margin left free on the device")] = DEFAULT_FIT_TARGET_MIB,
-    slots: Annotated[str, typer.Option(
-        help="sequences served at once, or 'auto': the most that fit --ctx-min each")] = "1",
+    slots: opt.Slots = "1",
     spec: Annotated[SpecMethod, typer.Option(help="drafting method")] = SpecMethod.AUTO,
     draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
     rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,

@@ -35,6 +35,8 @@ DraftMin = Annotated[int, typer.Option(help="shorter drafts are dropped")]
 PMin = Annotated[float, typer.Option(help="stop drafting below this confidence")]
 Adaptive = Annotated[bool, typer.Option(help="adapt the draft width (seed 003 rule)")]
 RollbackDepth = Annotated[int | None, typer.Option(help="direct rollback depth D")]
+Slots = Annotated[str, typer.Option(
+    help="sequences served at once, or 'auto': the most that fit --ctx-min each")]
 #: ``submit`` runs on a worker whose N and D were fixed when it loaded: unset = the worker's.
 WorkerDraftMax = Annotated[int | None, typer.Option(
     "--draft-max", help="draft width ceiling N, at most the worker's (default: the worker's)")]

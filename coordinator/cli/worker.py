@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from pydantic import ValidationError
 from redis import RedisError
 
+from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from shared.logs import configure_logging
 from shared.outage import RedisOutage
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
 from shared.redact import RedisURL
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
+from worker.fitter.fit import parse_slots
 from worker.service.runner import serve
 from worker.service.startup import WorkerOptions
 
@@ -48,6 +50,7 @@ def worker(
     checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
     = CheckpointMode.DEVICE,
     threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
+    slots: opt.Slots = "1",
     metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve Prometheus "
                                                      "/metrics on this port (0: a free one, "
                                                      "published in the registration)")] = None,
@@ -74,10 +77,17 @@ def worker(
         device=device, name=name, n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train,
         budget_mib=budget_mib,
         fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, spec=spec_settings,
-        checkpoint=checkpoint, metrics_port=metrics_port)
+        checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots))
     try:
         serve(options, settings)
     except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
     except (FitError, RuntimeError, ValueError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def _slots(text: str) -> int | Literal["auto"]:
+    try:
+        return parse_slots(text)
+    except FitError as exc:
+        fail(str(exc))

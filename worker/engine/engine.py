@@ -24,6 +24,7 @@ from worker.engine.config import (
     model_spec,
     target_spec,
 )
+from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
 from worker.engine.proposers.base import Draft, Proposer
 from worker.engine.proposers.factory import (
@@ -35,6 +36,7 @@ from worker.engine.proposers.factory import (
 )
 from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
 from worker.engine.rollback import make_rollback
+from worker.engine.row_budget import plan_widths, reach
 from worker.engine.sampling import make_picker
 from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
 from worker.engine.telemetry import SpecCounters
@@ -92,6 +94,8 @@ class SpeculativeEngine:
                           else list(range(self.draft_max + 1)))
             self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
                                              self.draft_max, config.lookup_cache_bytes)
+            self.step_costs = (self._measure_step_costs()
+                               if config.slots > 1 and self.draft_max else None)
         except BaseException:
             self.close()
             raise
@@ -232,11 +236,18 @@ class SpeculativeEngine:
         decoding = [s for s in self.active if s.phase is Phase.DECODE]
         chunks = self._chunks([s for s in self.active if s.phase is Phase.PREFILL])
         drafts = self._draft(decoding)
+        if self.step_costs is not None and len(decoding) > 1:
+            widths = plan_widths([reach(s.counters, len(d)) for s, d in zip(decoding, drafts,
+                                                                          strict=True)],
+                                 self.step_costs.seconds)
+            drafts = [d[:w] for d, w in zip(drafts, widths, strict=True)]
         jobs = [VerifyJob(s.seq, s.history[-1], d, len(s.history) - 1, s.pick, s.proposer)
                 for s, d in zip(decoding, drafts, strict=True)]
         if not jobs and not chunks:
             return updates
         outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
+        if self.step_costs is not None and not chunks:
+            self.step_costs.observe(sum(len(j.draft) + 1 for j in jobs), times.decode)
         for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
             c = slot.counters
             c.draft_seconds += times.observe
@@ -249,6 +260,17 @@ class SpeculativeEngine:
             else:
                 updates.append(SlotUpdate(slot, committed, slot.stream.take(final=False), True))
         return updates
+
+    def _measure_step_costs(self) -> RowCosts:
+        """Seconds of a verify decode of 1 .. slots x (draft_max + 1) rows, for the row budget
+        of steps with several slots (:mod:`worker.engine.row_budget`): the widths a step of
+        S slots typically decodes are timed, the others take the next wider one's cost until
+        a step of that width measures them."""
+        slots = self.config.slots
+        top = slots * (self.draft_max + 1)
+        widths = {1, 2, top, *(slots * 2**k for k in range(top.bit_length()) if slots * 2**k < top)}
+        return RowCosts(measure_costs(self.target, self.verifier.batch, top,
+                                      widths=sorted(widths)))
 
     def _chunks(self, loading: list[Slot]) -> list[PrefillChunk]:
         """This step's prompt slices: up to :data:`PREFILL_CHUNK` tokens, oldest slot first.
@@ -332,7 +354,8 @@ class SpeculativeEngine:
         telemetry = c.to_telemetry()
         text = slot.stream.take(final=True)
         result = GenerationResult(slot.generated, slot.stream.text, reason, telemetry)
-        log.info("generation.finished", seq=slot.seq, finish_reason=str(reason),
+        log.info("generation.finished", **slot.request.log_fields, seq=slot.seq,
+                 finish_reason=str(reason),
                  method=str(slot.method), prompt_tokens=len(slot.request.prompt_tokens),
                  generated=len(slot.generated), acceptance=round(telemetry.acceptance, 4),
                  tokens_per_verify=round(telemetry.tokens_per_verify, 3),

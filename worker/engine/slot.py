@@ -8,7 +8,7 @@ sees slots, so one request's state can never leak into another's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from time import perf_counter
@@ -27,7 +27,9 @@ class SlotRequest:
     """What a caller asks one slot to generate (see :meth:`SpeculativeEngine.admit`).
 
     ``spec`` narrows the engine's capacity (None: the engine's own); ``proposer`` replaces the
-    drafter ``spec`` selects (tests drive rollback with an oracle).
+    drafter ``spec`` selects (tests drive rollback with an oracle). ``log_fields`` go on the
+    engine's own log events of this slot (a worker running several jobs at once passes the
+    job id, so ``generation.finished`` names the job it belongs to).
     """
 
     prompt_tokens: Sequence[int]
@@ -37,6 +39,7 @@ class SlotRequest:
     seed: int = 0
     stop: Sequence[str] = ()
     proposer: Proposer | None = None
+    log_fields: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass

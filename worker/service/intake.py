@@ -62,10 +62,12 @@ class JobIntake:
         self._idle_poll = idle_poll
         self._take = connection.register_script(_TAKE_LUA)
 
-    def take(self) -> Taken | None:
-        """The next job, moved into the in-flight list; None after ``idle_poll`` of nothing."""
+    def take(self, block: bool = True) -> Taken | None:
+        """The next job, moved into the in-flight list; None when there is none (after
+        ``idle_poll`` seconds of waiting when ``block``: an idle worker waits, a busy one
+        only looks, so its running slots are not held up)."""
         taken = self._take_any()
-        if taken is not None:
+        if taken is not None or not block:
             return taken
         try:
             raw = self._conn.blmove(self._queue_keys[-1], self.inflight_key,

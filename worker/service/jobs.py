@@ -2,9 +2,9 @@
 
 A job is an rq job whose function is ``JOB_FUNCTION`` and whose single argument is a plain
 JSON ``GenerationRequest`` dict, so nothing is unpickled. The worker's own loop
-(``runner.py``) takes it from its queue and calls :func:`run_generation` with the worker's
-:class:`WorkerRuntime`: the model lives on the worker, never in the job, and rq never imports
-or calls the function itself. Each run is one *attempt* (an ``INCR`` on the job's attempt
+(``runner.py``) takes it from its queue and opens a :class:`JobRun` on the worker's
+:class:`WorkerRuntime`: the model lives on the worker, never in the job, and rq never calls
+the function itself. Each run is one *attempt* (an ``INCR`` on the job's attempt
 counter): crash recovery or a shutdown requeue makes the next run attempt + 1, and the stream
 shows it.
 """
@@ -12,7 +12,6 @@ shows it.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -33,6 +32,7 @@ from shared.protocol import (
     describe_validation_error,
 )
 from shared.settings import Settings
+from worker.engine.slot import GenerationResult, SlotRequest
 from worker.service.cancel import CancelWatch
 from worker.service.events import EventWriter, TokenChunker
 
@@ -103,35 +103,106 @@ class WorkerRuntime:
         return ride_out(incr, self.settings.redis_outage_seconds, "job.attempt")
 
 
-def run_generation(rt: WorkerRuntime, job_id: str, request: Any) -> dict[str, Any]:
-    """Validate one request, generate on the resident engine, stream every event.
+def run_generation(request: Any) -> None:
+    """The function every specfleet job names (``JOB_FUNCTION``): its identity on the queue.
 
-    Returns the final event as a dict (also rq's job result). Raises ``RequestRejected`` for
-    requests that cannot run (rq records the job failed) and ``JobInterrupted`` when the
-    worker stops the generation (shutdown, or declared lost).
+    Generation needs the model the worker holds, so only ``specfleet worker`` runs these jobs
+    (through :class:`JobRun`); a foreign rq worker that imports and calls this fails the job
+    with this message instead of doing anything."""
+    raise RuntimeError("specfleet jobs run only inside 'specfleet worker', which holds the "
+                       f"model; got a request for {type(request).__name__}")
+
+
+class JobRun:
+    """One attempt of one job on this worker, from admission to its final event.
+
+    The serving loop opens a run per job it takes (:meth:`open`: attempt, events, validation,
+    prompt), hands :meth:`slot_request` to the engine, feeds each step's tokens to
+    :meth:`tokens`, and ends it with :meth:`finish` (or :meth:`fail`). Several runs are open
+    at once on a worker with several slots; each logs with its own job fields.
     """
-    attempt = rt.next_attempt(job_id)
-    writer = rt.writer(job_id, attempt)
-    structlog.contextvars.bind_contextvars(job_id=job_id, attempt=attempt,
-                                           worker=rt.worker_name, model=rt.model_name)
-    try:
-        log.info("job.started")
+
+    def __init__(self, rt: WorkerRuntime, job_id: str, writer: EventWriter,
+                 req: GenerationRequest, prompt: list[int],
+                 logger: structlog.typing.FilteringBoundLogger) -> None:
+        self.rt = rt
+        self.job_id = job_id
+        self.writer = writer
+        self.req = req
+        self.prompt = prompt
+        self.log = logger
+        self._cancel = rt.cancels.begin(job_id)
+        self._chunker = TokenChunker(writer, rt.settings.token_chunk,
+                                     rt.settings.token_flush_seconds)
+        self.tokens = rt.metrics.token_sink(job_id, self._chunker.add)
+
+    @classmethod
+    def open(cls, rt: WorkerRuntime, job_id: str, request: Any) -> JobRun:
+        """Start an attempt: count it, say so, validate the request against the protocol and
+        this worker. Raises ``RequestRejected`` (already on the job's stream)."""
+        attempt = rt.next_attempt(job_id)
+        writer = rt.writer(job_id, attempt)
+        logger = log.bind(job_id=job_id, attempt=attempt, worker=rt.worker_name,
+                          model=rt.model_name)
+        logger.info("job.started")
         rt.metrics.job_started(job_id)
         writer.progress("started", worker=rt.worker_name)
-        req, prompt = _admit(rt, writer, request)
+        req, prompt = _admit(rt, writer, logger, request)
         # done/total for progress bars; each token event's ``index`` then advances ``done``.
         writer.progress("generating", done=0, total=req.max_tokens, worker=rt.worker_name)
-        return _generate(rt, writer, job_id, req, prompt)
-    except (RequestRejected, JobInterrupted):
-        raise
-    except Exception as exc:  # the engine failed: say so on the stream, then let rq record it
-        writer.error(str(exc) or repr(exc), error_type=type(exc).__name__)
-        writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=str(exc) or repr(exc))
-        log.error("job.failed", error_type=type(exc).__name__, error=str(exc))
-        rt.metrics.job_finished(job_id, None, "failed")
-        raise
-    finally:
-        structlog.contextvars.unbind_contextvars("job_id", "attempt", "worker", "model")
+        return cls(rt, job_id, writer, req, prompt, logger)
+
+    def slot_request(self) -> SlotRequest:
+        req = self.req
+        return SlotRequest(self.prompt, req.max_tokens, req.speculative, req.temperature,
+                           req.seed, req.stop,
+                           log_fields={"job_id": self.job_id, "attempt": self.writer.attempt})
+
+    def should_stop(self) -> bool:
+        """Checked once per engine step: a cancel, a second SIGTERM, or this worker lost."""
+        rt = self.rt
+        return rt.interrupt.is_set() or rt.lost.is_set() or self._cancel.cancelled()
+
+    def reject(self, message: str) -> NoReturn:
+        """The engine refused the request at admission (a prompt it cannot hold, ...)."""
+        _reject(self.rt, self.writer, self.log, message, "request")
+
+    def finish(self, result: GenerationResult) -> dict[str, Any]:
+        """The final event of a finished (or cancelled) generation; rq's result.
+
+        Raises ``JobInterrupted`` when the worker itself stopped it (shutdown, lost)."""
+        rt = self.rt
+        self._chunker.flush()
+        if result.finish_reason is FinishReason.CANCELLED and (rt.interrupt.is_set()
+                                                               or rt.lost.is_set()):
+            reason = Interruption.SHUTDOWN if rt.interrupt.is_set() else Interruption.LOST
+            self.writer.progress("interrupted", worker=rt.worker_name)
+            self.log.warning("job.interrupted", reason=str(reason))
+            rt.metrics.job_finished(self.job_id, result.telemetry, "interrupted")
+            raise JobInterrupted(reason)
+        self.writer.emit("telemetry", telemetry=result.telemetry)
+        cancelled = result.finish_reason is FinishReason.CANCELLED
+        final = self.writer.final(
+            status=JobStatus.CANCELLED if cancelled else JobStatus.FINISHED,
+            finish_reason=result.finish_reason, tokens=result.tokens, text=result.text,
+            telemetry=result.telemetry, worker=rt.worker_name)
+        self.log.info("job.cancelled" if cancelled else "job.finished",
+                      finish_reason=str(result.finish_reason), tokens=len(result.tokens),
+                      effective_tps=round(result.telemetry.effective_tokens_per_second, 2))
+        rt.metrics.job_finished(self.job_id, result.telemetry,
+                                "cancelled" if cancelled else "finished")
+        return final.model_dump(mode="json")
+
+    def fail(self, exc: BaseException) -> None:
+        """The engine failed under this job: say so on its stream (rq records it after)."""
+        message = str(exc) or repr(exc)
+        self.writer.error(message, error_type=type(exc).__name__)
+        self.writer.final(status=JobStatus.FAILED, worker=self.rt.worker_name, error=message)
+        self.log.error("job.failed", error_type=type(exc).__name__, error=str(exc))
+        self.rt.metrics.job_finished(self.job_id, None, "failed")
+
+    def close(self) -> None:
+        self.rt.cancels.end(self.job_id)
 
 
 def refuse(rt: WorkerRuntime, job_id: str, reason: str) -> None:
@@ -142,72 +213,35 @@ def refuse(rt: WorkerRuntime, job_id: str, reason: str) -> None:
     writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=reason)
 
 
-def _reject(rt: WorkerRuntime, writer: EventWriter, message: str, error_type: str) -> NoReturn:
+def _reject(rt: WorkerRuntime, writer: EventWriter,
+            logger: structlog.typing.FilteringBoundLogger, message: str,
+            error_type: str) -> NoReturn:
     writer.error(message, error_type=error_type)
     writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=message)
-    log.warning("job.failed", error_type=error_type, error=message)
+    logger.warning("job.failed", error_type=error_type, error=message)
     rt.metrics.job_finished(writer.job_id, None, "rejected")
     raise RequestRejected(message)
 
 
-def _admit(rt: WorkerRuntime, writer: EventWriter,
+def _admit(rt: WorkerRuntime, writer: EventWriter, logger: structlog.typing.FilteringBoundLogger,
            request: Any) -> tuple[GenerationRequest, list[int]]:
     """Validate the request against the protocol and this worker; returns it and its prompt."""
     try:
         req = GenerationRequest.model_validate(request)
     except ValidationError as exc:
-        _reject(rt, writer, f"invalid request: {describe_validation_error(exc)}", "validation")
+        _reject(rt, writer, logger, f"invalid request: {describe_validation_error(exc)}",
+                "validation")
     if req.model != rt.model_name:
-        _reject(rt, writer, f"this worker serves model '{rt.model_name}', not '{req.model}'",
-                "wrong_model")
+        _reject(rt, writer, logger,
+                f"this worker serves model '{rt.model_name}', not '{req.model}'", "wrong_model")
     refusal = capacity_refusal(req.speculative, rt.capacity)
     if refusal is not None:
-        _reject(rt, writer, f"speculative: {refusal}", "capacity")
+        _reject(rt, writer, logger, f"speculative: {refusal}", "capacity")
     req = req.model_copy(update={"speculative": effective_spec(req.speculative, rt.capacity)})
     from worker.engine.prompt import build_prompt  # loads llama.cpp: worker processes only
     prompt = build_prompt(rt.engine.model, req, rt.settings.chat_template)
     if len(prompt) + req.max_tokens > rt.n_ctx:
-        _reject(rt, writer, f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) "
-                f"exceeds the worker's context of {rt.n_ctx} tokens", "context")
+        _reject(rt, writer, logger,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                f"worker's context of {rt.n_ctx} tokens", "context")
     return req, prompt
-
-
-def _generate(rt: WorkerRuntime, writer: EventWriter, job_id: str, req: GenerationRequest,
-              prompt: list[int]) -> dict[str, Any]:
-    chunker = TokenChunker(writer, rt.settings.token_chunk, rt.settings.token_flush_seconds)
-    delay = rt.settings.step_delay_seconds
-    cancel = rt.cancels.begin(job_id)
-
-    def should_stop() -> bool:
-        if delay:
-            time.sleep(delay)
-        return rt.interrupt.is_set() or rt.lost.is_set() or cancel.cancelled()
-
-    on_tokens = rt.metrics.token_sink(job_id, chunker.add)
-    try:
-        result = rt.engine.generate(
-            prompt, req.max_tokens, req.speculative, temperature=req.temperature,
-            seed=req.seed, stop=req.stop, on_tokens=on_tokens, should_stop=should_stop)
-    except ValueError as exc:
-        _reject(rt, writer, str(exc), "request")
-    finally:
-        rt.cancels.end(job_id)
-    chunker.flush()
-    if result.finish_reason is FinishReason.CANCELLED and (rt.interrupt.is_set()
-                                                           or rt.lost.is_set()):
-        reason = Interruption.SHUTDOWN if rt.interrupt.is_set() else Interruption.LOST
-        writer.progress("interrupted", worker=rt.worker_name)
-        log.warning("job.interrupted", reason=str(reason))
-        rt.metrics.job_finished(job_id, result.telemetry, "interrupted")
-        raise JobInterrupted(reason)
-    writer.emit("telemetry", telemetry=result.telemetry)
-    cancelled = result.finish_reason is FinishReason.CANCELLED
-    final = writer.final(
-        status=JobStatus.CANCELLED if cancelled else JobStatus.FINISHED,
-        finish_reason=result.finish_reason, tokens=result.tokens, text=result.text,
-        telemetry=result.telemetry, worker=rt.worker_name)
-    log.info("job.cancelled" if cancelled else "job.finished",
-             finish_reason=str(result.finish_reason), tokens=len(result.tokens),
-             effective_tps=round(result.telemetry.effective_tokens_per_second, 2))
-    rt.metrics.job_finished(job_id, result.telemetry, "cancelled" if cancelled else "finished")
-    return final.model_dump(mode="json")

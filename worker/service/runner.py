@@ -22,12 +22,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
 from typing import TypeVar
 
 from redis import Redis
+from redis.client import Pipeline
 from rq.command import parse_payload
+from rq.executions import Execution
+from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
@@ -39,16 +43,17 @@ from shared.redis_client import connect
 from shared.settings import Settings
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.prompt import chat_template
+from worker.engine.slot import GenerationResult, Slot
 from worker.fitter.devices import parse_device
 from worker.service.cancel import CancelWatch, request_cancel
 from worker.service.intake import JobIntake, Taken
 from worker.service.jobs import (
     Interruption,
     JobInterrupted,
+    JobRun,
     RequestRejected,
     WorkerRuntime,
     refuse,
-    run_generation,
 )
 from worker.service.metrics import start_worker_metrics
 from worker.service.recovery import RecoveryMonitor, requeue_front
@@ -74,38 +79,70 @@ log = get_logger("worker")
 T = TypeVar("T")
 
 
+@dataclass
+class _Running:
+    """A job in one of the engine's slots: rq's records of its run, and the run itself."""
+
+    job: Job
+    execution: Execution
+    run: JobRun
+    slot: Slot
+
+
 class ServingLoop:
-    """Takes one job at a time from the worker's queues and runs it to an outcome."""
+    """Feeds the engine's slots from the worker's queues and steps them all together.
+
+    Each pass takes jobs while a slot is free (blocking only when the worker is idle), opens
+    a :class:`JobRun` for each and admits it to the engine, then runs ONE engine step for
+    every active slot and hands each slot's tokens and result to its run. A finished slot is
+    refilled at the next pass (continuous batching). A poisoned entry, a rejected request or
+    a failing job never stops the others.
+    """
 
     def __init__(self, runtime: WorkerRuntime, intake: JobIntake, queues: list[Queue]) -> None:
         self.runtime = runtime
         self.intake = intake
         self.queues = queues
-        #: rq's record of this worker, marked busy or idle per job (set once it is started).
+        #: rq's record of this worker, marked busy or idle (set once it is started).
         self.presence: SimpleWorker | None = None
         self.stopping = threading.Event()
-        self.current_job_id: str | None = None
+        self._running: dict[int, _Running] = {}
+
+    @property
+    def current_jobs(self) -> list[str]:
+        """The jobs in the engine's slots right now, in slot order."""
+        return [r.job.id for _, r in sorted(self._running.items())]
 
     def run(self) -> None:
-        """Serve until asked to stop; raises :class:`RedisOutage` past the outage deadline."""
-        while not self.stopping.is_set():
-            taken = self._ride(self.intake.take, "intake.take")
-            if taken is not None:
-                self._serve(taken)
+        """Serve until asked to stop and every slot is done; raises :class:`RedisOutage` past
+        the outage deadline (the held jobs stay in the in-flight list for recovery)."""
+        engine = self.runtime.engine
+        while not (self.stopping.is_set() and not self._running):
+            while (engine.free_slots and not self.stopping.is_set()
+                   and not self.runtime.lost.is_set()):
+                taken = self._ride(lambda: self.intake.take(block=not self._running),
+                                   "intake.take")
+                if taken is None:
+                    break
+                self._start(taken)
+            if self._running:
+                self._step()
+            elif self.runtime.lost.is_set():
+                self.runtime.lost.clear()  # every stale run has stood down
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
-        """SIGTERM/SIGINT: the first finishes the running job; a second interrupts it."""
-        if self.stopping.is_set() and self.current_job_id is not None:
+        """SIGTERM/SIGINT: the first finishes the running jobs; a second interrupts them."""
+        if self.stopping.is_set() and self._running:
             log.warning("worker.interrupting", worker=self.runtime.worker_name,
-                        job_id=self.current_job_id)
+                        jobs=self.current_jobs)
             self.runtime.interrupt.set()
             return
         log.info("worker.stopping", worker=self.runtime.worker_name, signal=signum,
-                 job_id=self.current_job_id)
+                 jobs=self.current_jobs)
         self.stopping.set()
 
-    # -- one job ---------------------------------------------------------------------------
-    def _serve(self, taken: Taken) -> None:
+    # -- a job enters a slot ---------------------------------------------------------------
+    def _start(self, taken: Taken) -> None:
         rt = self.runtime
         conn = rt.connection
         try:
@@ -118,32 +155,82 @@ class ServingLoop:
                      status=str(job.get_status(refresh=False)))
             self._ride(lambda: self.intake.release(job.id), "intake.release")
             return
-        self.current_job_id = job.id
-        rt.lost.clear()
         ttl = (job.timeout or rt.settings.job_timeout_seconds) + 60
         execution = self._ride(lambda: mark_started(conn, job, rt.worker_name, ttl),
                                "job.start")
         self._set_state(WorkerStatus.BUSY)
+        run: JobRun | None = None
         try:
-            result = run_generation(rt, job.id, request)
-        except JobInterrupted as exc:
-            self._end(lambda pipe: end_execution(pipe, job, execution),
-                      release=exc.reason is Interruption.SHUTDOWN)
-            if exc.reason is Interruption.SHUTDOWN:
-                self._requeue(job.id)
+            run = JobRun.open(rt, job.id, request)
+            try:
+                slot = rt.engine.admit(run.slot_request())
+            except ValueError as exc:
+                run.reject(str(exc))
         except RedisOutage:
             raise
-        except Exception as exc:  # rejected or failed: already on the job's stream
-            self._end(lambda pipe, e=exc: mark_failed(pipe, job, execution, e, rt.worker_name))
-            if not isinstance(exc, RequestRejected):
-                log.error("job.crashed", job_id=job.id, worker=rt.worker_name, exc_info=exc)
-        else:
-            self._end(lambda pipe: mark_finished(pipe, job, execution, result,
-                                                 rt.settings.result_ttl_seconds,
-                                                 rt.worker_name))
-        finally:
-            self.current_job_id = None
+        except Exception as exc:  # rejected (already on its stream) or failed to start
+            if run is not None and not isinstance(exc, RequestRejected):
+                run.fail(exc)
+            self._end(job, lambda pipe, e=exc: mark_failed(pipe, job, execution, e,
+                                                            rt.worker_name))
+            if run is not None:
+                run.close()
+            self._log_crash(job.id, exc)
+            return
+        self._running[slot.seq] = _Running(job, execution, run, slot)
+
+    # -- one engine step for every slot ----------------------------------------------------
+    def _step(self) -> None:
+        rt = self.runtime
+        for r in self._running.values():
+            if r.run.should_stop():
+                rt.engine.cancel(r.slot)
+        if rt.settings.step_delay_seconds:
+            time.sleep(rt.settings.step_delay_seconds)  # test/drill only: a slower worker
+        try:
+            updates = rt.engine.step()
+        except Exception as exc:  # the engine dropped every active slot: each job failed
+            for r in list(self._running.values()):
+                r.run.fail(exc)
+                self._close(r, lambda pipe, r=r, e=exc: mark_failed(
+                    pipe, r.job, r.execution, e, rt.worker_name))
+            self._log_crash(None, exc)
+            return
+        for update in updates:
+            r = self._running[update.slot.seq]
+            if update.verified:
+                r.run.tokens(update.tokens, update.text)
+            if update.result is not None:
+                self._complete(r, update.result)
+
+    def _complete(self, r: _Running, result: GenerationResult) -> None:
+        rt = self.runtime
+        try:
+            final = r.run.finish(result)
+        except JobInterrupted as exc:
+            shutdown = exc.reason is Interruption.SHUTDOWN
+            self._close(r, lambda pipe: end_execution(pipe, r.job, r.execution),
+                        release=shutdown)
+            if shutdown:
+                self._requeue(r.job.id)
+            return
+        self._close(r, lambda pipe: mark_finished(pipe, r.job, r.execution, final,
+                                                  rt.settings.result_ttl_seconds,
+                                                  rt.worker_name))
+
+    def _close(self, r: _Running, record: Callable[[Pipeline], None],
+               release: bool = True) -> None:
+        """A slot's run is over: its outcome into rq's records, the slot and flag freed."""
+        self._end(r.job, record, release)
+        r.run.close()
+        del self._running[r.slot.seq]
+        if not self._running:
             self._set_state(WorkerStatus.IDLE)
+
+    def _log_crash(self, job_id: str | None, exc: BaseException) -> None:
+        if not isinstance(exc, RequestRejected):
+            log.error("job.crashed", job_id=job_id, worker=self.runtime.worker_name,
+                      exc_info=exc)
 
     def _refuse(self, taken: Taken, exc: PoisonedJob) -> None:
         """A poisoned or foreign entry: a final event on its stream, rq's failed record when
@@ -169,15 +256,13 @@ class ServingLoop:
                 log.warning("job.refused_unrecorded", job_id=taken.job_id, error=repr(err))
         self._ride(lambda: self.intake.quarantine(taken.job_id, reason), "intake.quarantine")
 
-    def _end(self, record: Callable[[object], None], release: bool = True) -> None:
+    def _end(self, job: Job, record: Callable[[Pipeline], None], release: bool = True) -> None:
         """Write a run's outcome in rq's records and leave the in-flight list, atomically."""
-        job_id = self.current_job_id
-
         def write() -> None:
             with self.runtime.connection.pipeline() as pipe:
                 record(pipe)
                 if release:
-                    pipe.lrem(self.intake.inflight_key, 1, job_id)
+                    pipe.lrem(self.intake.inflight_key, 1, job.id)
                 pipe.execute()
         self._ride(write, "job.end")
 
@@ -270,7 +355,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
                             capacity=loaded_capacity(engine), metrics=metrics)
     info = WorkerInfo(
         name=name, model_name=options.model_name, model_path=options.model_path,
-        device=device, n_ctx=runtime.n_ctx, slots=1, version=_package_version(),
+        device=device, n_ctx=runtime.n_ctx, slots=engine.config.slots, version=_package_version(),
         pid=os.getpid(), host=socket.gethostname(), started_at=time.time(),
         heartbeat_at=time.time(), spec_methods=[str(engine.method)], fit=fit,
         capacity=runtime.capacity,
@@ -290,12 +375,14 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     loop.presence = presence
 
     def current_info() -> WorkerInfo:
-        info.current_job = loop.current_job_id
+        jobs = loop.current_jobs
+        info.current_job = jobs[0] if jobs else None
+        info.current_jobs = jobs
         info.telemetry = engine.telemetry()
         return info
 
     def on_lost() -> None:
-        log.error("worker.declared_lost", worker=name, job_id=loop.current_job_id)
+        log.error("worker.declared_lost", worker=name, jobs=loop.current_jobs)
         runtime.lost.set()
 
     def on_tick() -> None:
@@ -316,7 +403,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         loop.run()
     except RedisOutage as exc:
         log.error("worker.redis_gave_up", worker=name, error=str(exc),
-                  held=loop.current_job_id)
+                  held=loop.current_jobs)
         raise
     finally:
         heartbeat.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from shared.protocol import CheckpointMode, FitReport, SpecSettings
 from shared.settings import Settings
@@ -36,6 +37,7 @@ class WorkerOptions:
     spec: SpecSettings = field(default_factory=SpecSettings)
     checkpoint: CheckpointMode = CheckpointMode.DEVICE
     metrics_port: int | None = None  # Prometheus /metrics port; 0 = a free one; None = off
+    slots: int | Literal["auto"] = 1  # sequences served at once; auto = most that fit ctx_min
 
 
 def pin_device(device: DeviceRef) -> int:
@@ -69,7 +71,7 @@ def load_engine(options: WorkerOptions, n_gpu_layers: int,
     same, so ``specfleet fleet`` shows every worker's fit as it was really reserved.
     """
     fit = fit_worker(options.model_path, device=options.device, budget_mib=options.budget_mib,
-                     fit_target_mib=options.fit_target_mib, slots=1, spec=options.spec,
+                     fit_target_mib=options.fit_target_mib, slots=options.slots, spec=options.spec,
                      ctx_min=options.ctx_min, n_threads=options.threads,
                      checkpoint=options.checkpoint, n_ctx=options.n_ctx,
                      allow_ctx_above_train=options.allow_ctx_above_train)
