@@ -119,6 +119,7 @@ def test_gateway_killed_mid_batch_and_mid_stream_loses_nothing(
     with httpx.stream("POST", gateway.url + "/v1/chat/completions", timeout=30, json={
             "model": MODEL_NAME, "max_tokens": 60, "stream": True,
             "messages": [{"role": "user", "content": "tell me"}]}) as r:
+        assert r.status_code == 200, r.read()
         lines = r.iter_lines()
         while len(received) < 10:
             line = next(lines)
