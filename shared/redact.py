@@ -23,8 +23,8 @@ MASK = "***"
 # ``/`` inside a password is still hidden (at worst more than the password is masked).
 _USERINFO = re.compile(
     r"(?P<head>\b[a-z][a-z0-9+.\-]*://[^:@/?#\s'\"]*):(?P<secret>[^\s'\"]*)@", re.IGNORECASE)
-# ``?password=...`` / ``&password=...``: redis-py also takes the password as a query argument.
-_QUERY = re.compile(r"(?P<head>[?&]password=)(?P<secret>[^&#\s'\"]*)", re.IGNORECASE)
+# ``?password=...``, ``&ssl_password=...``: redis-py also takes passwords as query arguments.
+_QUERY = re.compile(r"(?P<head>[?&][\w.\-]*password=)(?P<secret>[^&#\s'\"]*)", re.IGNORECASE)
 
 
 def redact(text: str) -> str:

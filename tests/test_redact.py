@@ -22,6 +22,7 @@ SECRET = "s3cr:et@pw"  # an unencoded ':' and '@' inside the password too
     ("unix://user:pw@/run/redis.sock?db=1", "unix://user:***@/run/redis.sock?db=1"),
     (f"redis://user:{SECRET}@host/0", "redis://user:***@host/0"),
     ("redis://host:6379/0?password=pw&db=1", "redis://host:6379/0?password=***&db=1"),
+    ("rediss://h/0?ssl_keyfile=k.pem&ssl_password=pw", "rediss://h/0?ssl_keyfile=k.pem&ssl_password=***"),
     ("redis://user@host:6379/0", "redis://user@host:6379/0"),
     ("redis://host:6379/0", "redis://host:6379/0"),
 ])
