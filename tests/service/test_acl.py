@@ -34,6 +34,8 @@ from .workers import MODEL_NAME, SPECFLEET, Fleet
 # tests/ is on sys.path (pytest's rootdir-relative import): the gateway tests' process helper.
 from gateway.gateway import Gateway  # isort: skip
 
+pytestmark = pytest.mark.timeout(120)  # each path, the module's start-up included
+
 ACL_TEMPLATE = Path(__file__).parents[2] / "docker" / "redis" / "users.acl.template"
 STEP_DELAY = 0.05  # slow enough that a cancel and a kill land mid-generation
 LONG = {"model": MODEL_NAME, "prompt_tokens": [2, 7, 1, 8], "max_tokens": 300,
