@@ -2,7 +2,7 @@
 ``specfleet serve`` subprocess, driven with the real ``openai`` client.
 
 Most tests only read from the fleet, so they share one ``deployment`` (a worker and a gateway
-per module, under one prefix); tests that slow, kill or restart things get their own.
+for the package, under one prefix); tests that slow, kill or restart things get their own.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ class Deployment:
                              max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def deployment(chat_model: Path, tmp_path_factory: pytest.TempPathFactory,
                ) -> Iterator[Deployment]:
-    """One worker (``w1``) and one gateway shared by a module's read-only tests."""
+    """One worker (``w1``) and one gateway shared by the read-only tests."""
     url = os.environ.get("REDIS_URL", DEFAULT_URL)
     if not answers(url):
         pytest.skip(f"no Redis at {url} (make test starts one)")
