@@ -1,4 +1,4 @@
-"""``specfleet top --once --json`` and the fleet metrics, against a live two-worker fleet.
+"""``specfleet top --once --json`` and the gateway's fleet metrics, against a live two-worker fleet.
 
 Both workers are slowed (``SPECFLEET_STEP_DELAY_SECONDS``) so that, with three jobs for two
 workers, both are busy and one job waits: the snapshot must show both workers busy, a queue
@@ -13,13 +13,15 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from gateway.gateway import Gateway
 from redis import Redis
 from service.conftest import _delete_namespace
 from service.workers import MODEL_NAME, SPECFLEET, Fleet
 
 from coordinator.client import Coordinator
-from coordinator.metrics import fleet_snapshot, render_fleet_metrics
+from coordinator.metrics import fleet_snapshot
 
 from .conftest import make_settings, wait_for
 from .scrape import total
@@ -28,16 +30,26 @@ NAMES = ("top-a", "top-b")
 
 
 @pytest.fixture
-def two_workers(dense_model: Path, tmp_path: Path) -> Iterator[Fleet]:
+def two_workers(dense_model: Path, tmp_path: Path) -> Iterator[tuple[Fleet, Gateway]]:
+    """Two slowed workers and a gateway (``specfleet serve``) in front of them."""
     settings = make_settings()
     fleet = Fleet(settings, dense_model, tmp_path)
+    gateway = Gateway(settings, tmp_path)
     try:
         for name in NAMES:
             fleet.start(name, step_delay=0.1)
-        yield fleet
+        gateway.start()
+        yield fleet, gateway
     finally:
+        gateway.stop()
         fleet.stop_all()
         _delete_namespace(Redis.from_url(settings.redis_url), settings.prefix)
+
+
+def gateway_metrics(gateway: Gateway) -> str:
+    response = httpx.get(gateway.url + "/metrics", timeout=30)
+    assert response.status_code == 200
+    return response.text
 
 
 def top_once(fleet: Fleet) -> dict:
@@ -47,8 +59,10 @@ def top_once(fleet: Fleet) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_top_once_json_shows_workers_queues_and_published_telemetry(two_workers: Fleet) -> None:
-    coordinator = Coordinator(two_workers.settings)
+def test_top_once_json_shows_workers_queues_and_published_telemetry(
+        two_workers: tuple[Fleet, Gateway]) -> None:
+    fleet, gateway = two_workers
+    coordinator = Coordinator(fleet.settings)
     handles = [coordinator.submit({"model": MODEL_NAME, "prompt": f"count {i}:",
                                    "max_tokens": 150, "speculative": {"method": "none"}})
                for i in range(3)]
@@ -63,7 +77,7 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(two_workers:
     # which lasts a whole job (150 steps of 0.1 s).
     wait_for(lambda: all_busy_one_waiting(fleet_snapshot(coordinator).to_json()), timeout=60,
              what="both workers busy, one job queued")
-    busy = top_once(two_workers)
+    busy = top_once(fleet)
     assert all_busy_one_waiting(busy), busy
     assert {w["name"] for w in busy["workers"]} == set(NAMES)
     for w in busy["workers"]:
@@ -75,7 +89,7 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(two_workers:
     assert normal["oldest_wait_seconds"] > 0
     (high,) = [q for q in busy["queues"] if q["tier"] == "high"]
     assert high["depth"] == 0 and high["oldest_wait_seconds"] == 0
-    fleet_metrics = render_fleet_metrics(coordinator).decode()
+    fleet_metrics = gateway_metrics(gateway)
     assert total(fleet_metrics, "specfleet:queue_depth", model=MODEL_NAME, tier="normal") >= 0
     assert total(fleet_metrics, "specfleet:workers_live", model=MODEL_NAME) == 2
     assert total(fleet_metrics, "specfleet:fleet_slots", model=MODEL_NAME) == 2
@@ -92,7 +106,7 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(two_workers:
 
     wait_for(lambda: published(fleet_snapshot(coordinator).to_json()), timeout=30,
              what="heartbeats carrying the jobs' telemetry")
-    done = top_once(two_workers)
+    done = top_once(fleet)
     assert published(done), done
     for w in done["workers"]:
         assert w["busy_slots"] == 0 and w["current_job"] is None
@@ -100,15 +114,15 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(two_workers:
         assert w["host_fallbacks"] == 0
     assert all(q["depth"] == 0 for q in done["queues"])
     text = subprocess.run([SPECFLEET, "top", "--once"], capture_output=True, text=True,
-                          timeout=60, env=two_workers.env(0.0, {}))
+                          timeout=60, env=fleet.env(0.0, {}))
     assert text.returncode == 0 and all(name in text.stdout for name in NAMES), text.stderr
-    fleet = subprocess.run([SPECFLEET, "fleet", "--json"], capture_output=True, text=True,
-                           timeout=60, env=two_workers.env(0.0, {}))
-    assert fleet.returncode == 0, fleet.stderr
+    listed = subprocess.run([SPECFLEET, "fleet", "--json"], capture_output=True, text=True,
+                            timeout=60, env=fleet.env(0.0, {}))
+    assert listed.returncode == 0, listed.stderr
     published = {w["name"]: w["telemetry"]["generated_tokens"]
-                 for w in json.loads(fleet.stdout)["workers"]}
+                 for w in json.loads(listed.stdout)["workers"]}
     assert published == {n: by_worker.get(n, 0) for n in NAMES}
-    idle_metrics = render_fleet_metrics(coordinator).decode()
+    idle_metrics = gateway_metrics(gateway)
     assert total(idle_metrics, "specfleet:queue_depth", model=MODEL_NAME) == 0
     assert total(idle_metrics, "specfleet:fleet_busy_slots", model=MODEL_NAME) == 0
     for name in NAMES:  # the gateway re-exports what the workers published: the jobs' sums
