@@ -120,7 +120,7 @@ class WorkerMetrics:
         self.fitted_ctx = gauge("fitted_context_tokens", "Context size the worker serves")
         self.reservation = gauge("checkpoint_reservation_bytes",
                                  "Checkpoint memory reserved, by where it lives",
-                                 ("worker", "model", "device", "location"))
+                                 (*_BASE, "location"))
         self.slots = gauge("slots", "Generation slots of this worker")
         self.busy = gauge("busy_slots", "Slots running a job")
         self.ttft = histogram("time_to_first_token_seconds",
@@ -250,7 +250,11 @@ class WorkerMetrics:
         """Serve ``/metrics`` on ``port`` (0: a free one) from a daemon thread; returns the
         bound port. The ``*_created`` timestamp series are left out: nothing reads them."""
         disable_created_metrics()
-        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        try:
+            server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:  # a taken port is the operator's to fix: one clear line
+            raise RuntimeError(f"cannot serve metrics on {addr}:{port}: "
+                               f"{exc.strerror or exc}") from exc
         self._server = server
         self.port = int(server.server_port)
         return self.port
