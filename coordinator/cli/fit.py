@@ -40,10 +40,15 @@ def fit(
     = CheckpointMode.DEVICE,
     ctx_min: Annotated[int, typer.Option(min=1, help="refuse to fit less context")]
     = DEFAULT_CTX_MIN,
+    ctx: opt.FixedCtx = None,
+    allow_ctx_above_train: opt.AllowCtxAboveTrain = False,
     threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
-    """Fit the largest context for MODEL on DEVICE and print the measured breakdown."""
+    """Fit the largest context for MODEL on DEVICE and print the measured breakdown.
+
+    With ``--ctx`` it checks that fixed context instead, exactly as ``specfleet worker --ctx``
+    will at start-up."""
     configure_logging(level="warning")
     try:
         settings = SpecSettings(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
@@ -53,7 +58,8 @@ def fit(
         result = fit_worker(str(model), device=device, budget_mib=budget_mib,
                             fit_target_mib=fit_target_mib, slots=parse_slots(slots),
                             spec=settings,
-                            ctx_min=ctx_min, n_threads=threads, checkpoint=checkpoint)
+                            ctx_min=ctx_min, n_threads=threads, checkpoint=checkpoint,
+                            n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train)
     except (FitError, LlamaError, ValueError) as exc:
         fail(str(exc))
     if as_json:

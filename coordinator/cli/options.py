@@ -37,6 +37,12 @@ Adaptive = Annotated[bool, typer.Option(help="adapt the draft width (seed 003 ru
 RollbackDepth = Annotated[int | None, typer.Option(help="direct rollback depth D")]
 Slots = Annotated[str, typer.Option(
     help="sequences served at once, or 'auto': the most that fit --ctx-min each")]
+#: ``worker`` and ``fit`` check a fixed context the same way (worker/fitter/fit.py).
+FixedCtx = Annotated[int | None, typer.Option(
+    "--ctx", min=2, help="fixed context size in tokens (checked against the model and the "
+    "measured memory instead of fitted)")]
+AllowCtxAboveTrain = Annotated[bool, typer.Option(
+    help="allow a --ctx beyond the model's training context")]
 #: ``submit`` runs on a worker whose N and D were fixed when it loaded: unset = the worker's.
 WorkerDraftMax = Annotated[int | None, typer.Option(
     "--draft-max", help="draft width ceiling N, at most the worker's (default: the worker's)")]

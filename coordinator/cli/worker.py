@@ -39,11 +39,8 @@ def worker(
     redis: Annotated[str | None, typer.Option(help="Redis URL (default: REDIS_URL)")] = None,
     name: Annotated[str | None, typer.Option(help="worker name (default: host-device-pid)")]
     = None,
-    ctx: Annotated[int | None, typer.Option(min=2, help="fixed context size in tokens "
-                                            "(checked against the model and the measured "
-                                            "memory instead of fitted)")] = None,
-    allow_ctx_above_train: Annotated[bool, typer.Option(
-        help="allow a --ctx beyond the model's training context")] = False,
+    ctx: opt.FixedCtx = None,
+    allow_ctx_above_train: opt.AllowCtxAboveTrain = False,
     spec: Annotated[SpecMethod, typer.Option(help="drafting method capacity")] = SpecMethod.AUTO,
     draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
     rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,

@@ -40,6 +40,19 @@ def test_table_report(tiny_models: TinyModels) -> None:
         assert row in proc.stdout
 
 
+def test_a_fixed_context_is_checked_as_a_worker_would(tiny_models: TinyModels) -> None:
+    proc = run("--model", str(tiny_models.dense), "--budget-mib", "8", "--fit-target-mib", "0",
+               "--spec", "ngram", "--ctx", "600", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["n_ctx"] == 600
+    # Measuring never probes beyond the training context, so llama.cpp has nothing to warn of.
+    assert "training context overflow" not in proc.stderr
+    refused = run("--model", str(tiny_models.dense), "--ctx", "5000")
+    assert refused.returncode == 2 and refused.stderr == (
+        "specfleet: error: --ctx 5000 exceeds the model's training context (4096 tokens); "
+        "pass --allow-ctx-above-train to run beyond it anyway\n")
+
+
 def test_a_dense_models_table_shows_no_rollback_depth(tiny_models: TinyModels) -> None:
     proc = run("--model", str(tiny_models.dense), "--budget-mib", "3", "--fit-target-mib", "0",
                "--ctx-min", "256", "--spec", "ngram")

@@ -360,9 +360,17 @@ def _check_fixed(sizer: _Sizer, n_ctx: int, allow_above_train: bool, budget: _Bu
 
 
 def _kv_bytes_per_token(sizer: _Sizer, n_ctx: int) -> float:
-    """The KV cache's marginal bytes per context token above ``n_ctx`` (no_alloc: free)."""
-    extra = sizer.target(n_ctx + _KV_PROBE_SPAN).kv - sizer.at(n_ctx).components["kv"]
-    return extra / _KV_PROBE_SPAN
+    """The KV cache's marginal bytes per context token at ``n_ctx`` (no_alloc: free).
+
+    Measured over up to ``_KV_PROBE_SPAN`` tokens above ``n_ctx`` that stay within the
+    training context, or, at the training context, over the span just below it: a probe
+    beyond it would make llama.cpp warn of a training-context overflow nobody asked for.
+    """
+    if n_ctx + CTX_STEP <= sizer.n_ctx_cap:
+        lo, hi = n_ctx, min(n_ctx + _KV_PROBE_SPAN, sizer.n_ctx_cap)
+    else:
+        lo, hi = max(n_ctx - _KV_PROBE_SPAN, n_ctx // 2), n_ctx
+    return (sizer.target(hi).kv - sizer.target(lo).kv) / (hi - lo)
 
 
 def _report(sizer: _Sizer, n_ctx: int, budget: _Budget) -> FitReport:
