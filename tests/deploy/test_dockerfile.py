@@ -64,6 +64,9 @@ def test_the_cuda_build_compiles_llama_cpp_with_cuda_and_installs_the_cuda_extra
     cmake = " ".join(a.args for a in [*build.all("ARG"), *build.all("ENV")])
     assert "-DGGML_CUDA=on" in cmake and "CMAKE_CUDA_ARCHITECTURES" in cmake
     assert any('".[cuda]"' in r.args for r in build.all("RUN"))
+    runtime_env = " ".join(e.args for e in stages["worker-cuda"].all("ENV"))
+    # NVML (the fitter) numbers GPUs by PCI bus; CUDA must too, or cuda:N is another device
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in runtime_env and "utility" in runtime_env
     cpu = " ".join(a.args for a in stages["build"].all("ARG"))
     assert "-DGGML_NATIVE=OFF" in cpu  # images run on CPUs other than the build host's
 

@@ -1,0 +1,338 @@
+"""What only a machine with an NVIDIA GPU can verify, checked in one run and written as a report.
+
+``bench/gpu_check.sh`` builds llama-cpp-python with CUDA into its own virtual env and runs this
+with it. Each check records pass / fail / skipped with its figures; the run goes on after a
+failure and exits non-zero if any check failed.
+
+- ``environment``: llama.cpp's GPU offload, NVML's devices (index, name, UUID, memory), the
+  CUDA ordering variables.
+- ``fit-vs-nvml``: ``specfleet fit --device cuda:N --json`` on Gemma 3 270M for every GPU; the
+  free memory it measured must be NVML's for that index (the fitter reads NVML by index).
+- ``pinning``: a worker started with ``--device cuda:N`` must allocate on NVML device N (its
+  pid in ``nvidia-smi --query-compute-apps``, matched by UUID). CUDA numbers devices fastest
+  first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, NVML by PCI bus: on a mixed-GPU host the two
+  orders differ, and this is where that shows.
+- ``device-checkpoint``: the tiny hybrid (MTP head) served with ``--checkpoint device`` and
+  ``--rollback-depth 1`` (every deeper rejection restores the checkpoint) must save device
+  checkpoints with no host fallback, and produce exactly the tokens of ``--checkpoint host``.
+- ``service``: a worker fitted to the GPU by the fitter (no ``--ctx``) serves a batch through
+  Redis; every job finishes; the registration says the device; SIGTERM drains and exits 0.
+- ``slots``: ``bench/slots.py --gpu`` (the multi-slot bench), its markdown tables appended.
+
+``--device cpu`` runs the same plumbing on a host without a GPU (NVML checks skipped): that is
+how the script itself is tested where no GPU is lent.
+
+    python bench/gpu_check.py --report gpu-report.md [--device cuda] [--skip slots]
+        [--jobs 16] [--tokens 128] [--threads 4] [--logs DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from coordinator.client import Coordinator  # noqa: E402
+from coordinator.redis_local import local_redis  # noqa: E402
+from shared.logs import configure_logging  # noqa: E402
+from shared.protocol import JobStatus  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+from worker.testmodels import build_tiny_models  # noqa: E402
+from worker.testmodels.gemma import gemma_q4_path  # noqa: E402
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1024 * 1024
+#: NVML's free memory moves while we look (other processes, the driver): allowed drift.
+FREE_DRIFT_BYTES = 512 * MIB
+REGISTER_TIMEOUT_S = 600
+
+
+@dataclass
+class Check:
+    name: str
+    status: str = "pass"  # pass | fail | skipped
+    figures: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def require(self, ok: bool, note: str) -> None:
+        self.notes.append(("ok: " if ok else "FAILED: ") + note)
+        if not ok:
+            self.status = "fail"
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    work: Path
+    redis_url: str
+    gemma: Path
+    hybrid: Path
+    gpus: list[dict[str, Any]]
+
+    def devices(self) -> list[str]:
+        if self.args.device == "cpu":
+            return ["cpu"]
+        return [f"cuda:{g['index']}" for g in self.gpus]
+
+
+def nvml_devices() -> list[dict[str, Any]]:
+    """Every GPU NVML sees, by NVML index (PCI bus order), with its memory now."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        out = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            uuid_ = pynvml.nvmlDeviceGetUUID(handle)
+            out.append({"index": index, "name": name.decode() if isinstance(name, bytes)
+                        else name, "uuid": uuid_.decode() if isinstance(uuid_, bytes) else uuid_,
+                        "total_bytes": int(memory.total), "free_bytes": int(memory.free)})
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _specfleet(*args: str, env: dict[str, str] | None = None,
+               timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "specfleet"), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@contextmanager
+def worker(ctx: Context, name: str, model: Path, device: str, *extra: str,
+           prefix: str) -> Iterator[tuple[subprocess.Popen[bytes], Coordinator]]:
+    """A real ``specfleet worker`` serving ``model`` as ``name``, registered before yield."""
+    settings = Settings(redis_url=ctx.redis_url, prefix=prefix)
+    env = {**os.environ, "REDIS_URL": ctx.redis_url, "SPECFLEET_PREFIX": prefix,
+           "SPECFLEET_LOG_LEVEL": "info"}
+    log = (ctx.work / f"{name}.log").open("wb")
+    proc = subprocess.Popen([str(BIN / "specfleet"), "worker", "--model", str(model),
+                             "--model-name", name, "--name", name, "--device", device,
+                             "--threads", str(ctx.args.threads), *extra],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    coordinator = Coordinator(settings)
+    try:
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while not coordinator.registry.is_alive(name):
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {name} exited ({proc.returncode}): "
+                                   f"{(ctx.work / f'{name}.log').read_text()[-1500:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {name} did not register in {REGISTER_TIMEOUT_S}s")
+            time.sleep(0.2)
+        yield proc, coordinator
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def check_environment(ctx: Context, check: Check) -> None:
+    import llama_cpp
+
+    offload = bool(llama_cpp.llama_supports_gpu_offload())
+    check.figures = {"llama_supports_gpu_offload": offload, "gpus": ctx.gpus,
+                     "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                     "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER")}
+    if ctx.args.device == "cpu":
+        check.notes.append("cpu run: no GPU expected")
+        return
+    check.require(offload, "llama.cpp was built with GPU offload")
+    check.require(bool(ctx.gpus), f"NVML sees {len(ctx.gpus)} GPU(s)")
+
+
+def check_fit_vs_nvml(ctx: Context, check: Check) -> None:
+    for device in ctx.devices():
+        done = _specfleet("fit", "--model", str(ctx.gemma), "--device", device, "--json")
+        check.require(done.returncode == 0, f"specfleet fit --device {device}"
+                      + ("" if done.returncode == 0 else f": {done.stderr.strip()[-300:]}"))
+        if done.returncode != 0:
+            continue
+        report = json.loads(done.stdout)
+        measured = report["devices"][0]
+        check.figures[device] = {"n_ctx": report["n_ctx"], "free_bytes": measured["free_bytes"],
+                                 "total_bytes": measured["total_bytes"]}
+        if device == "cpu":
+            continue
+        nvml = nvml_devices()[int(device.split(":")[1])]
+        drift = abs(nvml["free_bytes"] - measured["free_bytes"])
+        check.figures[device]["nvml_free_bytes"] = nvml["free_bytes"]
+        check.require(measured["total_bytes"] == nvml["total_bytes"],
+                      f"{device}: fit's total = NVML index {nvml['index']}'s total")
+        check.require(drift <= FREE_DRIFT_BYTES,
+                      f"{device}: fit's free is NVML's within {drift / MIB:.0f} MiB")
+
+
+def check_pinning(ctx: Context, check: Check) -> None:
+    if ctx.args.device == "cpu" or shutil.which("nvidia-smi") is None:
+        check.status = "skipped"
+        check.notes.append("needs GPUs and nvidia-smi")
+        return
+    for device in ctx.devices():
+        index = int(device.split(":")[1])
+        with worker(ctx, f"pin{index}", ctx.gemma, device, "--ctx", "2048",
+                    prefix=f"gpucheck-{uuid.uuid4().hex[:8]}") as (proc, _):
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid",
+                                   "--format=csv,noheader"], capture_output=True, text=True,
+                                  check=True).stdout
+            used = {line.split(",")[1].strip() for line in apps.splitlines()
+                    if line.split(",")[0].strip() == str(proc.pid)}
+        expected = ctx.gpus[index]["uuid"]
+        check.figures[device] = {"expected_uuid": expected, "used_uuids": sorted(used)}
+        check.require(used == {expected},
+                      f"--device {device} allocates on NVML index {index} only")
+
+
+def _run_jobs(coordinator: Coordinator, model: str, prompts: list[list[int]],
+              max_tokens: int, spec: dict[str, Any]) -> list[Any]:
+    handles = [coordinator.submit({"model": model, "prompt_tokens": p, "max_tokens": max_tokens,
+                                   "speculative": spec}) for p in prompts]
+    return [h.result(timeout=600) for h in handles]
+
+
+def check_device_checkpoint(ctx: Context, check: Check) -> None:
+    device = ctx.devices()[0]
+    prompts = [[1 + (i * 7 + j) % 50 for j in range(12)] for i in range(4)]
+    spec = {"method": "mtp", "draft_max": 8}
+    runs: dict[str, list[Any]] = {}
+    for mode in ("device", "host"):
+        with worker(ctx, f"ckpt-{mode}", ctx.hybrid, device, "--ctx", "1024", "--checkpoint",
+                    mode, "--rollback-depth", "1", "--draft-max", "8",
+                    prefix=f"gpucheck-{uuid.uuid4().hex[:8]}") as (_, coordinator):
+            runs[mode] = _run_jobs(coordinator, f"ckpt-{mode}", prompts, ctx.args.tokens, spec)
+    device_run = runs["device"]
+    telemetry = [r.telemetry for r in device_run]
+    check.figures = {
+        "checkpoint_modes": sorted({t.checkpoint_mode or "-" for t in telemetry}),
+        "checkpoint_saves": sum(t.checkpoint_saves for t in telemetry),
+        "replay_events": sum(t.replay_events for t in telemetry),
+        "host_fallbacks": sum(t.host_fallbacks for t in telemetry),
+        "host_fallback_reasons": sorted({t.host_fallback_reason or "-" for t in telemetry}),
+    }
+    check.require(all(r.status is JobStatus.FINISHED for rs in runs.values() for r in rs),
+                  "every job finished")
+    check.require(check.figures["checkpoint_modes"] == ["device"], "checkpoints on the device")
+    check.require(check.figures["checkpoint_saves"] > 0, "device checkpoints were saved")
+    check.require(check.figures["host_fallbacks"] == 0, "no fallback to host storage")
+    check.require([r.tokens for r in device_run] == [r.tokens for r in runs["host"]],
+                  "device and host checkpoints give the same tokens")
+
+
+def check_service(ctx: Context, check: Check) -> None:
+    device = ctx.devices()[0]
+    prefix = f"gpucheck-{uuid.uuid4().hex[:8]}"
+    with worker(ctx, "service", ctx.gemma, device, prefix=prefix) as (proc, coordinator):
+        info = coordinator.registry.live_workers("service")[0]
+        started = time.monotonic()
+        results = _run_jobs(coordinator, "service", [[2, 1596, 4086, 576, 9620]] * ctx.args.jobs,
+                            ctx.args.tokens, {"method": "ngram"})
+        elapsed = time.monotonic() - started
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        left = coordinator.registry.is_alive("service")
+    tokens = sum(len(r.tokens) for r in results)
+    check.figures = {"device": info.device, "n_ctx": info.n_ctx,
+                     "fit_devices": [d.device for d in info.fit.devices] if info.fit else None,
+                     "jobs": len(results), "tokens": tokens,
+                     "aggregate_tokens_per_second": round(tokens / elapsed, 1),
+                     "exit_code": code}
+    check.require(info.device == device, f"registered as {device}")
+    check.require(info.fit is not None, "fitted by the fitter (no --ctx)")
+    check.require(all(r.status is JobStatus.FINISHED for r in results),
+                  f"all {ctx.args.jobs} jobs finished")
+    check.require(code == 0 and not left, "SIGTERM drained, deregistered and exited 0")
+
+
+def check_slots(ctx: Context, check: Check) -> None:
+    argv = [sys.executable, str(ROOT / "bench" / "slots.py"), "--tokens", "64", "--markdown",
+            "--threads", str(ctx.args.threads)]
+    if ctx.args.device != "cpu":
+        argv.append("--gpu")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    check.require(done.returncode == 0, "bench/slots.py"
+                  + ("" if done.returncode == 0 else f": {done.stderr.strip()[-300:]}"))
+    check.figures["output"] = done.stdout
+
+
+CHECKS: dict[str, Callable[[Context, Check], None]] = {
+    "environment": check_environment, "fit-vs-nvml": check_fit_vs_nvml,
+    "pinning": check_pinning, "device-checkpoint": check_device_checkpoint,
+    "service": check_service, "slots": check_slots,
+}
+
+
+def render(checks: list[Check], args: argparse.Namespace) -> str:
+    lines = [f"# GPU check ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+             f"device: `{args.device}`", "", "| check | status |", "| --- | --- |"]
+    lines += [f"| {c.name} | {c.status} |" for c in checks]
+    for c in checks:
+        lines += ["", f"## {c.name}: {c.status}", "", *[f"- {n}" for n in c.notes]]
+        output = c.figures.pop("output", None)
+        if c.figures:
+            lines += ["", "```json", json.dumps(c.figures, indent=2, default=str), "```"]
+        if output:
+            lines += ["", output]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report", type=Path, required=True, help="markdown report to write")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda: every GPU NVML sees; cpu: the plumbing only")
+    ap.add_argument("--skip", default="", help=f"comma list of checks to skip: {list(CHECKS)}")
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--jobs", type=int, default=16, help="jobs in the service batch")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per job")
+    ap.add_argument("--logs", type=Path, help="keep the workers' logs in this directory")
+    args = ap.parse_args()
+    configure_logging(level="warning")
+    skip = {s for s in args.skip.split(",") if s}
+    checks: list[Check] = []
+    with tempfile.TemporaryDirectory(prefix="specfleet-gpucheck-") as tmp, \
+            local_redis() as url:
+        work = args.logs or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        gpus = nvml_devices() if args.device == "cuda" else []
+        ctx = Context(args, work, url, gemma_q4_path(), build_tiny_models(work).hybrid, gpus)
+        for name, run in CHECKS.items():
+            check = Check(name)
+            checks.append(check)
+            if name in skip:
+                check.status = "skipped"
+                continue
+            print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
+            try:
+                run(ctx, check)
+            except Exception as exc:  # one broken check must not hide the others' results
+                check.require(False, f"{type(exc).__name__}: {exc}")
+            print(f"gpu_check: {name}: {check.status}", file=sys.stderr, flush=True)
+    args.report.write_text(render(checks, args))
+    print(json.dumps({c.name: c.status for c in checks}))
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
