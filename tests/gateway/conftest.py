@@ -18,6 +18,7 @@ import pytest
 from redis import Redis
 
 from coordinator.redis_local import DEFAULT_URL, answers
+from shared.redact import redact
 from shared.settings import Settings
 from worker.testmodels.tiny import write_dense_llama
 
@@ -51,7 +52,7 @@ def deployment(chat_model: Path, tmp_path_factory: pytest.TempPathFactory,
     """One worker (``w1``) and one gateway shared by the read-only tests."""
     url = os.environ.get("REDIS_URL", DEFAULT_URL)
     if not answers(url):
-        pytest.skip(f"no Redis at {url} (make test starts one)")
+        pytest.skip(f"no Redis at {redact(url)} (make test starts one)")
     s = Settings(redis_url=url, prefix=f"g{uuid.uuid4().hex[:12]}", heartbeat_seconds=0.25,
                  worker_ttl_seconds=1.5, token_chunk=4, token_flush_seconds=0.0)
     logs = tmp_path_factory.mktemp("deployment")

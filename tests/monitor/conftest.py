@@ -26,6 +26,7 @@ from service.workers import MODEL_NAME, Fleet
 from coordinator.client import Coordinator, JobResult
 from coordinator.redis_local import DEFAULT_URL, answers
 from shared.protocol import Telemetry, WorkerInfo
+from shared.redact import redact
 from shared.settings import Settings
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 8, 61], [7, 7, 31, 2, 99, 64], [120, 3, 3, 45, 9, 17, 200]]
@@ -51,7 +52,7 @@ class LiveRun:
 def make_settings() -> Settings:
     url = os.environ.get("REDIS_URL", DEFAULT_URL)
     if not answers(url):
-        pytest.skip(f"no Redis at {url} (make test starts one)")
+        pytest.skip(f"no Redis at {redact(url)} (make test starts one)")
     return Settings(redis_url=url, prefix=f"t{uuid.uuid4().hex[:12]}", heartbeat_seconds=0.25,
                     worker_ttl_seconds=1.5, token_chunk=4, token_flush_seconds=0.0)
 

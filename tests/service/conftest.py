@@ -19,6 +19,7 @@ from redis import Redis
 
 from coordinator.client import Coordinator
 from coordinator.redis_local import DEFAULT_URL, answers
+from shared.redact import redact
 from shared.settings import Settings
 
 from .workers import Fleet
@@ -29,7 +30,7 @@ def settings() -> Iterator[Settings]:
     """Settings of one test: its own prefix, fast heartbeats, small token chunks."""
     url = os.environ.get("REDIS_URL", DEFAULT_URL)
     if not answers(url):
-        pytest.skip(f"no Redis at {url} (make test starts one)")
+        pytest.skip(f"no Redis at {redact(url)} (make test starts one)")
     s = Settings(redis_url=url, prefix=f"t{uuid.uuid4().hex[:12]}", heartbeat_seconds=0.25,
                  worker_ttl_seconds=1.5, token_chunk=4, token_flush_seconds=0.0)
     yield s
