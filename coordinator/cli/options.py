@@ -39,8 +39,9 @@ Slots = Annotated[str, typer.Option(
     help="sequences served at once, or 'auto': the most that fit --ctx-min each")]
 #: ``worker`` and ``fit`` check a fixed context the same way (worker/fitter/fit.py).
 FixedCtx = Annotated[int | None, typer.Option(
-    "--ctx", min=2, help="fixed context size in tokens (checked against the model and the "
-    "measured memory instead of fitted)")]
+    # llama.cpp's n_ctx is a uint32 that ctypes would silently wrap: bounded at the edge.
+    "--ctx", min=2, max=2**31 - 1, help="fixed context size in tokens (checked against the "
+    "model and the measured memory instead of fitted)")]
 AllowCtxAboveTrain = Annotated[bool, typer.Option(
     help="allow a --ctx beyond the model's training context")]
 #: ``submit`` runs on a worker whose N and D were fixed when it loaded: unset = the worker's.

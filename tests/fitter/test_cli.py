@@ -64,6 +64,9 @@ def test_a_dense_models_table_shows_no_rollback_depth(tiny_models: TinyModels) -
     (["--budget-mib", "0.25"], "the weights do not fit"),
     (["--budget-mib", "3", "--ctx-min", "4096"], "(--ctx-min 4096) does not fit"),
     (["--draft-max", "2", "--rollback-depth", "3"], "rollback_depth"),
+    # llama.cpp's n_ctx is a uint32: a larger --ctx would wrap silently.
+    (["--ctx", "5000000000"], "Invalid value for '--ctx': Input should be less than or equal "
+     "to 2147483647"),
     # Refused before any measurement: no GPU offload in this llama.cpp, or no such device.
     (["--device", "cuda:4096", "--budget-mib", "64"],
      "no GPU offload" if not llama_cpp.llama_supports_gpu_offload() else "no CUDA device"),
