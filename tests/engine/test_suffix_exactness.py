@@ -15,6 +15,8 @@ import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.engine import SpeculativeEngine
+from worker.engine.proposers.output_cache import OutputCache
+from worker.engine.proposers.suffix import SuffixShared
 
 from .conftest import (
     N_MAX,
@@ -105,3 +107,25 @@ def test_suffix_needs_an_engine_loaded_for_it(dense_model: Path) -> None:
 def test_mtp_suffix_needs_a_head(headless_model: Path) -> None:
     with pytest.raises(ValueError, match="no MTP"):
         open_engine(headless_model, SpecMethod.MTP_SUFFIX)
+
+
+def test_mtp_suffix_drafts_with_the_head_where_lookup_has_nothing(
+        hybrid_mtp_suffix: Subject) -> None:
+    """The head drafts where nothing repeats (most of a cold request on the tiny model), the
+    lookup where the text does: together they draft more than the lookup alone, and the same
+    text."""
+    engine = hybrid_mtp_suffix.engine
+    runs = {}
+    for method in (SpecMethod.SUFFIX, SpecMethod.MTP_SUFFIX):
+        cold(engine)
+        runs[method] = engine.generate(PROMPT, TOKENS, SpecSettings(method=method, draft_max=4))
+    lookup, both = runs[SpecMethod.SUFFIX], runs[SpecMethod.MTP_SUFFIX]
+    assert lookup.tokens == both.tokens == hybrid_mtp_suffix.reference
+    assert both.telemetry.drafted > lookup.telemetry.drafted
+    assert both.telemetry.tokens_per_verify > lookup.telemetry.tokens_per_verify
+
+
+def cold(engine: SpeculativeEngine) -> None:
+    """Forget every earlier output and calibration (the measured row costs stay)."""
+    assert engine.suffix is not None
+    engine.suffix = SuffixShared(engine.suffix.costs, OutputCache(engine.suffix.cache.max_bytes))
