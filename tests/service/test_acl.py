@@ -38,7 +38,8 @@ pytestmark = pytest.mark.timeout(120)  # each path, the module's start-up includ
 
 ACL_TEMPLATE = Path(__file__).parents[2] / "docker" / "redis" / "users.acl.template"
 STEP_DELAY = 0.05  # slow enough that a cancel and a kill land mid-generation
-LONG = {"model": MODEL_NAME, "prompt_tokens": [2, 7, 1, 8], "max_tokens": 300,
+# Long enough (~24 s) that a cancel from a freshly started CLI lands mid-run; within CTX.
+LONG = {"model": MODEL_NAME, "prompt_tokens": [2, 7, 1, 8], "max_tokens": 480,
         "speculative": {"method": "none"}}
 
 
