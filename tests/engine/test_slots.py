@@ -36,10 +36,12 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def engine(model: Path, method: SpecMethod, slots: int, n_ctx: int = N_CTX,
-           draft_max: int = N_MAX) -> SpeculativeEngine:
+           draft_max: int = N_MAX, row_budget: bool = False) -> SpeculativeEngine:
+    """The row budget trims drafts by timed row costs, which would make what each slot
+    drafts depend on the machine's load; it is off except where a test says so."""
     spec = SpecSettings(method=method, draft_max=draft_max)
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=n_ctx, n_threads=1, slots=slots,
-                                          spec=spec))
+                                          spec=spec, row_budget=row_budget))
 
 
 def req(p: list[int], n: int, method: SpecMethod = SpecMethod.NGRAM, width: int = N_MAX,
@@ -115,6 +117,20 @@ def test_mtp_slots_with_other_methods_equal_plain_greedy(hybrid_model: Path) -> 
         assert r.telemetry.spec_method == a.request.spec.method
         if a.request.spec.method is SpecMethod.MTP:
             assert 0 < r.telemetry.acceptance < 1
+
+
+def test_row_budget_trims_without_changing_any_slot(hybrid_model: Path) -> None:
+    """With the row budget on, drafts are cut by timed costs (how far depends on the
+    machine): whatever is cut, every slot's output stays its plain greedy output."""
+    arrivals = [
+        Arrival(0, req(prompt(51, 8), 100, SpecMethod.MTP, width=7)),
+        Arrival(0, req(prompt(52, 20), 100, SpecMethod.NGRAM, width=7)),
+        Arrival(4, req(prompt(53, 5), 100, SpecMethod.MTP, width=3)),
+    ]
+    with engine(hybrid_model, SpecMethod.MTP, slots=3, row_budget=True) as e:
+        assert e.step_costs is not None
+        run = run_schedule(e, arrivals)
+    assert_exact(hybrid_model, arrivals, run)
 
 
 def test_cancel_stops_one_slot_and_leaves_the_others_exact(dense_model: Path) -> None:

@@ -34,8 +34,9 @@ def prompt(seed: int, length: int) -> list[int]:
 def compact_engine(model: Path, slots: int, draft_max: int, depth: int, mode: CheckpointMode,
                    method: SpecMethod = SpecMethod.NGRAM) -> SpeculativeEngine:
     spec = SpecSettings(method=method, draft_max=draft_max, rollback_depth=depth)
+    # No row budget: every oracle draft is verified as scheduled, so its rejection depth holds.
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=N_CTX, n_threads=1, slots=slots,
-                                          spec=spec, checkpoint=mode))
+                                          spec=spec, checkpoint=mode, row_budget=False))
 
 
 class ReplaysPerStep:

@@ -41,6 +41,10 @@ class EngineConfig:
     #: Time the target's verify decodes at load (1..N+1 rows) and verify only draft lengths
     #: that pay for themselves (see verify_shape.py). Costs a few seconds at start on CPU.
     calibrate_verify: bool = False
+    #: With several slots, verify only the draft rows that raise the step's expected tokens
+    #: per second (row_budget.py; the row costs are timed at load). Off: every draft as
+    #: proposed (tests that schedule exact rejection depths).
+    row_budget: bool = True
     #: Bound of the suffix drafter's cache of recent outputs (method suffix / mtp+suffix);
     #: host memory, counted by the fitter as ``lookup_cache``.
     lookup_cache_bytes: int = DEFAULT_CACHE_BYTES

@@ -95,11 +95,14 @@ class SpeculativeEngine:
             self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
                                              self.draft_max, config.lookup_cache_bytes)
             self.step_costs = (self._measure_step_costs()
-                               if config.slots > 1 and self.draft_max else None)
+                               if config.row_budget and config.slots > 1 and self.draft_max
+                               else None)
         except BaseException:
             self.close()
             raise
         self._lifetime = SpecCounters(spec_method=str(self.method), draft_max=self.draft_max)
+        #: Finished requests' counters per method: the row budget's prior for the next ones.
+        self._by_method: dict[SpecMethod, SpecCounters] = {}
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
                  draft_max=self.draft_max, n_ctx=config.n_ctx, slots=config.slots,
                  n_rs_seq=self.target.n_rs_seq, rollback=type(self.rollback).__name__,
@@ -237,9 +240,9 @@ class SpeculativeEngine:
         chunks = self._chunks([s for s in self.active if s.phase is Phase.PREFILL])
         drafts = self._draft(decoding)
         if self.step_costs is not None and len(decoding) > 1:
-            widths = plan_widths([reach(s.counters, len(d)) for s, d in zip(decoding, drafts,
-                                                                          strict=True)],
-                                 self.step_costs.seconds)
+            chances = [reach(s.counters, len(d), self._by_method.get(s.method))
+                       for s, d in zip(decoding, drafts, strict=True)]
+            widths = plan_widths(chances, self.step_costs.seconds)
             drafts = [d[:w] for d, w in zip(drafts, widths, strict=True)]
         jobs = [VerifyJob(s.seq, s.history[-1], d, len(s.history) - 1, s.pick, s.proposer)
                 for s, d in zip(decoding, drafts, strict=True)]
@@ -351,6 +354,7 @@ class SpeculativeEngine:
         c.set_rollback(slot.rollback_before, self.rollback.telemetry(slot.seq))
         self._release(slot)
         self._lifetime.merge(c)
+        self._by_method.setdefault(slot.method, SpecCounters()).merge(c)
         telemetry = c.to_telemetry()
         text = slot.stream.take(final=True)
         result = GenerationResult(slot.generated, slot.stream.text, reason, telemetry)

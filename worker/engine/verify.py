@@ -46,9 +46,11 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Seconds of the target's work (decode, rollback) and of the proposers' catch-up."""
+    """Seconds of the target's work (decode, rollback), of its decode alone, and of the
+    proposers' catch-up."""
 
     target: float
+    decode: float
     observe: float
 
 
@@ -77,7 +79,9 @@ class Verifier:
         for job in jobs:
             self.rollback.prepare(self.target, job.seq, len(job.draft))
             rows.append(batch.add([job.last, *job.draft], job.pos0, True, seq=job.seq))
+        td = perf_counter()
         self.target.decode(batch)
+        decode = perf_counter() - td
         outcomes = [self._accept(job, row0) for job, row0 in zip(jobs, rows, strict=True)]
         t1 = perf_counter()
         for job, outcome in zip(jobs, outcomes, strict=True):
@@ -91,7 +95,7 @@ class Verifier:
                                      outcome.n_accepted)
         self.rollback.settle(self.target)
         t3 = perf_counter()
-        return outcomes, StepTimes(target=(t1 - t0) + (t3 - t2), observe=t2 - t1)
+        return outcomes, StepTimes(target=(t1 - t0) + (t3 - t2), decode=decode, observe=t2 - t1)
 
     def _accept(self, job: VerifyJob, row0: int) -> VerifyOutcome:
         draft, pick = job.draft, job.pick

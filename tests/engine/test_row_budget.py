@@ -1,0 +1,43 @@
+"""The row budget of multi-slot steps: a draft row is verified only when it raises the step's
+expected tokens per second, which takes a higher chance the more plain rows share the
+decode's fixed cost."""
+
+from __future__ import annotations
+
+from worker.engine.row_budget import FIRST_GUESS, plan_widths, reach
+from worker.engine.telemetry import SpecCounters
+
+
+def linear(fixed: float, per_row: float, rows: int) -> list[float]:
+    return [0.0] + [fixed + per_row * r for r in range(1, rows + 1)]
+
+
+def test_likely_rows_are_taken_and_unlikely_ones_trimmed() -> None:
+    # Four slots on a decode whose fixed cost equals one row: a row must beat 4/5.
+    costs = linear(1.0, 1.0, 40)
+    assert plan_widths([[0.9] * 5] * 4, costs) == [5, 5, 5, 5]
+    assert plan_widths([[0.5] * 5] * 4, costs) == [0, 0, 0, 0]
+    assert plan_widths([[0.95, 0.95, 0.3], [0.5], [], [0.99]], costs) == [2, 0, 0, 1]
+
+
+def test_one_slot_on_a_weight_bound_decode_drafts_even_unsure_rows() -> None:
+    assert plan_widths([[0.5] * 8], linear(4.0, 1.0, 10)) == [8]
+    # The same chances with eight slots sharing the fixed cost: not worth a row.
+    assert plan_widths([[0.5] * 8] * 8, linear(4.0, 1.0, 80)) == [0] * 8
+
+
+def test_the_row_costs_bound_the_step() -> None:
+    assert sum(plan_widths([[0.99] * 9] * 2, linear(10.0, 1.0, 6))) == 6 - 2
+
+
+def test_reach_moves_from_the_prior_to_the_slot_record() -> None:
+    fresh = SpecCounters()
+    assert reach(fresh, 2) == [FIRST_GUESS, FIRST_GUESS]
+    bad = SpecCounters()
+    for _ in range(50):
+        bad.record_verify(2, 0)
+    assert reach(bad, 3)[0] < 0.1
+    earlier = SpecCounters()
+    for _ in range(20):
+        earlier.record_verify(1, 1)
+    assert reach(fresh, 1, earlier) == [1.0]
