@@ -61,7 +61,3 @@ class AcceptanceStats:
         if stats[1] > MAX_TRIALS:
             stats[0] /= 2.0
             stats[1] /= 2.0
-
-    def snapshot(self) -> dict[str, tuple[float, float]]:
-        """``{cell: (hits, trials)}`` for logs and tests."""
-        return {"/".join(map(str, c)): (h, t) for c, (h, t) in sorted(self._cells.items())}
