@@ -1,11 +1,11 @@
 #!/bin/sh
-# Render an ACL file template on stdout: every ${NAME} becomes the value of environment variable
-# NAME, copied literally (a password may hold any character but whitespace, which the ACL file
-# syntax cannot carry). A variable that is unset or empty, or a value with whitespace, is an
-# error naming the variable (never its value); nothing is printed then.
-#   render-acl.sh users.acl.template > users.acl
+# Render ACL file templates, concatenated, on stdout: every ${NAME} becomes the value of
+# environment variable NAME, copied literally (a password may hold any character but
+# whitespace, which the ACL file syntax cannot carry). A variable that is unset or empty, or a
+# value with whitespace, is an error naming the variable (never its value); nothing is printed.
+#   render-acl.sh users.acl.template admin.acl.template > users.acl
 set -eu
-[ $# -eq 1 ] || { echo "usage: render-acl.sh TEMPLATE" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: render-acl.sh TEMPLATE..." >&2; exit 2; }
 awk '
 function render(line,    out, start, len, name, value) {
     out = ""
@@ -29,4 +29,4 @@ END {
     if (bad) exit 1
     for (i = 1; i <= NR; i++) print lines[i]
 }
-' "$1"
+' "$@"

@@ -9,6 +9,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from shared.sentinel import parse_sentinel_url
 from worker.fitter.devices import parse_device
 
 from .cli import parse_specfleet
@@ -26,7 +27,8 @@ from .files import (
 )
 
 #: What an operator's .env holds (docker/env.example with the passwords filled in).
-PASSWORDS = {"SPECFLEET_WORKER_PASSWORD": "w0rkerpw", "SPECFLEET_CLIENT_PASSWORD": "cl1entpw"}
+PASSWORDS = {"SPECFLEET_WORKER_PASSWORD": "w0rkerpw", "SPECFLEET_CLIENT_PASSWORD": "cl1entpw",
+             "SPECFLEET_ADMIN_PASSWORD": "adm1npw"}
 
 
 def _compose(env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -92,6 +94,20 @@ def test_every_redis_url_logs_in_as_an_acl_user() -> None:
     assert "user ${SPECFLEET_PREFIX}-client on" in template
 
 
+def test_workers_on_other_hosts_reach_a_central_redis_or_its_sentinels() -> None:
+    env = {**env_example(), **PASSWORDS, "SPECFLEET_REDIS_SCHEME": "redis+sentinel",
+           "SPECFLEET_REDIS_ADDRESS": "s1:26379,s2:26380/mymaster"}
+    url = _compose(env)["services"]["worker-cuda0"]["environment"]["REDIS_URL"]
+    target = parse_sentinel_url(url)
+    assert target.sentinels == (("s1", 26379), ("s2", 26380))
+    assert (target.service, target.db, target.username, target.password) == (
+        "mymaster", 0, "specfleet-worker", PASSWORDS["SPECFLEET_WORKER_PASSWORD"])
+    env = {**env_example(), **PASSWORDS, "SPECFLEET_REDIS_SCHEME": "rediss",
+           "SPECFLEET_REDIS_ADDRESS": "redis.internal:6380"}
+    url = _compose(env)["services"]["gateway"]["environment"]["REDIS_URL"]
+    assert url == "rediss://specfleet-client:cl1entpw@redis.internal:6380/0"
+
+
 def test_redis_persists_to_a_volume_and_runs_on_the_shared_acl_file() -> None:
     redis = _compose()["services"]["redis"]
     volumes = {v.split(":")[1]: v.split(":")[0] for v in redis["volumes"]}
@@ -100,7 +116,8 @@ def test_redis_persists_to_a_volume_and_runs_on_the_shared_acl_file() -> None:
     script = " ".join(redis["command"])
     for file in re.findall(r"/etc/specfleet/redis/([\w.-]+)", script):
         assert (mounted / file).is_file(), file
-    assert "--aclfile" in script and "users.acl.template" in script and "--dir /data" in script
+    assert "--aclfile" in script and "--dir /data" in script
+    assert "users.acl.template" in script and "admin.acl.template" in script
     conf = (mounted / "redis.conf").read_text()
     assert re.search(r"^appendonly yes$", conf, re.M)
     assert "ports" not in redis  # reachable from the compose network only

@@ -42,7 +42,8 @@ def stack(tmp_path: Path) -> Iterator[tuple[list[str], int]]:
     docker = _docker()
     port = free_port()
     env = {**env_example(), "SPECFLEET_WORKER_PASSWORD": uuid.uuid4().hex,
-           "SPECFLEET_CLIENT_PASSWORD": uuid.uuid4().hex, "SPECFLEET_GATEWAY_PORT": str(port),
+           "SPECFLEET_CLIENT_PASSWORD": uuid.uuid4().hex,
+           "SPECFLEET_ADMIN_PASSWORD": uuid.uuid4().hex, "SPECFLEET_GATEWAY_PORT": str(port),
            "SPECFLEET_MODELS_DIR": str(tmp_path / "models"),
            "SPECFLEET_TAG": f"test-{uuid.uuid4().hex[:8]}"}
     env_file = tmp_path / ".env"
