@@ -140,3 +140,21 @@ def test_a_client_that_hangs_up_cancels_its_job(fleet: Fleet, gateway: Gateway,
     job_id = json.loads(data[len("data: "):])["id"].removeprefix("cmpl-")
     result = Coordinator(settings).handle(job_id).result(timeout=30)
     assert result.status is JobStatus.CANCELLED and len(result.tokens) < 400
+
+
+def test_a_chat_job_reaching_a_worker_without_a_template_fails_with_the_reason(
+        settings: Settings, dense_model: Path, tmp_path: Path) -> None:
+    """Queued while no worker was live (SPECFLEET_REQUIRE_LIVE_WORKER=false), then taken by
+    a worker whose model has no template: a failed final event says why, the worker lives."""
+    coordinator = Coordinator(settings.model_copy(update={"require_live_worker": False}))
+    coordinator.connection.sadd(settings.keys.models(), MODEL_NAME)
+    handle = coordinator.submit({"model": MODEL_NAME, "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "x"}]})
+    plain = Fleet(settings, dense_model, tmp_path)
+    try:
+        plain.start("plain")
+        result = handle.result(timeout=60)
+        assert result.status is JobStatus.FAILED and "no chat template" in (result.error or "")
+        assert plain.alive("plain")
+    finally:
+        plain.stop_all()

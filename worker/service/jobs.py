@@ -238,8 +238,11 @@ def _admit(rt: WorkerRuntime, writer: EventWriter, logger: structlog.typing.Filt
     if refusal is not None:
         _reject(rt, writer, logger, f"speculative: {refusal}", "capacity")
     req = req.model_copy(update={"speculative": effective_spec(req.speculative, rt.capacity)})
-    from worker.engine.prompt import build_prompt  # loads llama.cpp: worker processes only
-    prompt = build_prompt(rt.engine.model, req, rt.settings.chat_template)
+    from worker.engine.prompt import PromptError, build_prompt  # loads llama.cpp: worker only
+    try:
+        prompt = build_prompt(rt.engine.model, req, rt.settings.chat_template)
+    except PromptError as exc:  # no chat template, a template that fails to render
+        _reject(rt, writer, logger, str(exc), "prompt")
     if len(prompt) + req.max_tokens > rt.n_ctx:
         _reject(rt, writer, logger,
                 f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
