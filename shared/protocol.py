@@ -8,6 +8,7 @@ message that names it (pydantic's ``loc``), before anything is queued.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -376,15 +377,19 @@ class BatchLine(_Strict):
         return v
 
 
-def describe_validation_error(exc: ValidationError, subject: str | None = "request") -> str:
+def describe_validation_error(exc: ValidationError | Sequence[Mapping[str, Any]],
+                              subject: str | None = "request") -> str:
     """One line naming every bad field and why (``speculative.draft_max: ...; prompt: ...``).
 
     Every place that shows a ValidationError to a person renders it here, so messages read
-    the same everywhere. ``subject`` names what a rule about the whole value (no field) is
-    about; ``None`` leaves it out, for a caller that already names it (a CLI option).
+    the same everywhere; a caller that must adjust the errors first (the HTTP gateway drops
+    FastAPI's ``body`` from each ``loc``) passes the list of errors instead. ``subject`` names
+    what a rule about the whole value (no field) is about; ``None`` leaves it out, for a
+    caller that already names it (a CLI option).
     """
+    errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else exc
     parts = []
-    for err in exc.errors(include_url=False):
+    for err in errors:
         where = ".".join(str(p) for p in err.get("loc", ())) or subject
         # Our own rules raise ValueError; show their sentence without pydantic's prefix.
         cause = err.get("ctx", {}).get("error") if err.get("type") == "value_error" else None

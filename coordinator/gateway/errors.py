@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from coordinator.validation import SubmitError
 from shared.logs import get_logger
+from shared.protocol import describe_validation_error
 
 log = get_logger("gateway")
 
@@ -58,15 +59,11 @@ def from_submit(exc: SubmitError) -> APIError:
 
 def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     """A 400 naming the first bad field (``param``) and every problem in the message."""
-    errors = exc.errors()
-    parts, first = [], None
-    for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
-        where = ".".join(loc) or "body"
-        first = first or where
-        cause = err.get("ctx", {}).get("error") if err.get("type") == "value_error" else None
-        parts.append(f"{where}: {cause or err.get('msg', 'invalid')}")
-    return APIError(400, "; ".join(parts) or "invalid request", param=first)
+    errors = [{**err, "loc": tuple(p for p in err.get("loc", ()) if p != "body")}
+              for err in exc.errors()]
+    first = (".".join(str(p) for p in errors[0]["loc"]) or "body") if errors else None
+    return APIError(400, describe_validation_error(errors, subject="body") or "invalid request",
+                    param=first)
 
 
 def install(app: FastAPI) -> None:
