@@ -50,7 +50,7 @@ class WorkerRow:
     slots: int
     busy_slots: int
     n_ctx: int
-    current_job: str | None
+    current_jobs: list[str]
     heartbeat_age_seconds: float
     metrics_port: int | None
     generated_tokens: int
@@ -98,7 +98,7 @@ def worker_row(info: WorkerInfo, now: float) -> WorkerRow:
     replays = t.replay_events if t else 0
     return WorkerRow(
         name=info.name, model=info.model_name, device=info.device, slots=info.slots,
-        busy_slots=1 if info.current_job else 0, n_ctx=info.n_ctx, current_job=info.current_job,
+        busy_slots=len(info.current_jobs), n_ctx=info.n_ctx, current_jobs=list(info.current_jobs),
         heartbeat_age_seconds=max(0.0, now - info.heartbeat_at), metrics_port=info.metrics_port,
         generated_tokens=t.generated_tokens if t else 0,
         tokens_per_second=t.effective_tokens_per_second if t else 0.0,

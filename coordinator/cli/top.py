@@ -32,7 +32,7 @@ def render(snapshot: FleetSnapshot) -> Group:
         workers.add_row(w.name, w.model, w.device, f"{w.busy_slots}/{w.slots}", str(w.n_ctx),
                         f"{w.tokens_per_second:.1f}", f"{w.acceptance:.3f}",
                         f"{w.replays_per_second:.2f}", str(w.host_fallbacks),
-                        w.current_job or "-", f"{w.heartbeat_age_seconds:.1f}s")
+                        " ".join(w.current_jobs) or "-", f"{w.heartbeat_age_seconds:.1f}s")
     queues = Table("model", "tier", "queued", "oldest wait", title="queues")
     for q in snapshot.queues:
         queues.add_row(q.model, q.tier, str(q.depth), f"{q.oldest_wait_seconds:.1f}s")
