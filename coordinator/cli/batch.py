@@ -17,6 +17,7 @@ from typing import IO, Annotated, Any
 
 import typer
 from redis import RedisError
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from typer.core import TyperGroup
 
@@ -79,7 +80,7 @@ def _wait(store: BatchStore, batch_id: str, timeout: float | None) -> dict[str, 
                 TextColumn("{task.fields[done]} done, {task.fields[failed]} failed, "
                            "{task.total} total"),
                 TextColumn("{task.fields[tps]:.1f} tok/s"), TimeRemainingColumn(),
-                transient=True, console=None))
+                transient=True, console=Console(stderr=True)))
             task = bar.add_task(batch_id, total=None, done=0, failed=0, tps=0.0)
         while True:
             batch = store.get(batch_id)
