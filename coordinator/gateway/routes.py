@@ -26,7 +26,7 @@ from coordinator.gateway.errors import APIError
 from coordinator.gateway.streaming import final_or_disconnect, sse_chunks
 from coordinator.metrics import METRICS_CONTENT_TYPE, render_fleet_metrics
 from shared.logs import get_logger
-from shared.protocol import JobStatus
+from shared.protocol import JobStatus, WorkerInfo
 
 log = get_logger("gateway")
 
@@ -56,17 +56,25 @@ async def _json_body(request: Request) -> dict[str, Any]:
 async def models(request: Request) -> dict[str, Any]:
     """Served models (those with a live worker) and their workers' capacity."""
     workers = await asyncio.to_thread(_coordinator(request).registry.live_workers)
-    served: dict[str, list[Any]] = {}
+    served: dict[str, list[WorkerInfo]] = {}
     for w in workers:
         served.setdefault(w.model_name, []).append(w)
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": int(min(w.started_at for w in ws)),
          "owned_by": "specfleet",
-         "specfleet": {"workers": len(ws), "slots": sum(w.slots for w in ws),
+         "specfleet": {"slots": sum(w.slots for w in ws),
                        "max_context": max(w.n_ctx for w in ws),
                        "chat_template": any(w.chat_template for w in ws),
-                       "spec_methods": sorted({m for w in ws for m in w.spec_methods})}}
+                       "spec_methods": sorted({m for w in ws for m in w.spec_methods}),
+                       "workers": [_capacity(w) for w in ws]}}
         for name, ws in sorted(served.items())]}
+
+
+def _capacity(worker: WorkerInfo) -> dict[str, Any]:
+    """What one worker can serve: its context, slots, device and speculative capacity."""
+    return {"name": worker.name, "device": worker.device, "n_ctx": worker.n_ctx,
+            "slots": worker.slots, "chat_template": worker.chat_template,
+            "capacity": worker.capacity.model_dump(mode="json") if worker.capacity else None}
 
 
 @router.post("/v1/completions")

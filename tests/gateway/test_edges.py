@@ -52,4 +52,6 @@ def test_health_and_metrics_see_the_fleet(deployment: Deployment) -> None:
     assert f'workers_live{{model="{MODEL_NAME}"}} 1.0' in metrics.text
     [model] = deployment.client().models.list().data
     assert model.id == MODEL_NAME and model.specfleet["chat_template"] is True
-    assert model.specfleet["workers"] == 1 and model.specfleet["max_context"] == 512
+    [worker] = model.specfleet["workers"]
+    assert (worker["name"], worker["n_ctx"], model.specfleet["max_context"]) == ("w1", 512, 512)
+    assert worker["capacity"]["method"] == "ngram"  # what the tiny dense model drafts with
