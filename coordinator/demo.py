@@ -32,6 +32,7 @@ from rq.serializers import JSONSerializer
 from coordinator.client import Coordinator, JobResult
 from coordinator.redis_local import RedisUnavailable, local_redis
 from shared.protocol import FinalEvent, GenerationRequest, SpecSettings, TokenEvent
+from shared.redact import redact
 from shared.settings import Settings
 from worker.testmodels.gemma import gemma_q4_path
 
@@ -162,7 +163,7 @@ def run(console: Console, model: Path | None = None,
         env = {**os.environ, "REDIS_URL": url, "SPECFLEET_PREFIX": prefix}
         settings = Settings(redis_url=url, prefix=prefix)
         coordinator = Coordinator(settings)
-        console.print(f"redis {url}  namespace {prefix}\nmodel {model}\n"
+        console.print(f"redis {redact(url)}  namespace {prefix}\nmodel {model}\n"
                       f"worker log (structured JSON) {log_path}")
         proc = _start_worker(model, env, log_path, prefix)
         submitted: list[str] = []
