@@ -44,7 +44,8 @@ def test_a_fixed_context_is_checked_as_a_worker_would(tiny_models: TinyModels) -
     proc = run("--model", str(tiny_models.dense), "--budget-mib", "8", "--fit-target-mib", "0",
                "--spec", "ngram", "--ctx", "600", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["n_ctx"] == 600
+    report = json.loads(proc.stdout)
+    assert report["n_ctx"] == 600 and report["details"]["n_ctx_source"] == "fixed"
     # Measuring never probes beyond the training context, so llama.cpp has nothing to warn of.
     assert "training context overflow" not in proc.stderr
     refused = run("--model", str(tiny_models.dense), "--ctx", "5000")

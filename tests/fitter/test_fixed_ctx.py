@@ -19,6 +19,7 @@ def test_a_fixed_context_is_measured_and_reported(tiny_models: TinyModels) -> No
     assert fit.config.n_ctx == fit.report.n_ctx == 600  # not rounded to the fit's steps
     assert fit.report.total_bytes == sum(fit.report.components.values())
     assert fit.report.components["kv"] > 0 and fit.report.n_ctx_train == TRAIN
+    assert fit.report.details["n_ctx_source"] == "fixed"
 
 
 def test_above_the_training_context_needs_the_flag(tiny_models: TinyModels) -> None:

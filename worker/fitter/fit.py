@@ -227,11 +227,12 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     config = replace(config, slots=slots)
     sizer = _Sizer(config, ref.name)
     try:
+        source = "fitted" if n_ctx is None else "fixed"
         if n_ctx is None:
             n_ctx = _search(sizer, ctx_min, budget)
         else:
             _check_fixed(sizer, n_ctx, allow_ctx_above_train, budget)
-        report = _report(sizer, n_ctx, budget)
+        report = _report(sizer, n_ctx, budget, source)
     finally:
         sizer.close()
     log_report(report)
@@ -373,11 +374,12 @@ def _kv_bytes_per_token(sizer: _Sizer, n_ctx: int) -> float:
     return (sizer.target(hi).kv - sizer.target(lo).kv) / (hi - lo)
 
 
-def _report(sizer: _Sizer, n_ctx: int, budget: _Budget) -> FitReport:
+def _report(sizer: _Sizer, n_ctx: int, budget: _Budget, source: str) -> FitReport:
     fitted = sizer.at(n_ctx)
     memory = budget.memory
     details: dict[str, object] = {
         "memory_source": memory.source,
+        "n_ctx_source": source,  # "fitted", or "fixed" by the operator (--ctx)
         "n_rs_seq": sizer.specs.n_rs_seq,
         "checkpoint_mode": sizer.config.checkpoint.value if sizer.specs.checkpoints else None,
         "kv_bytes_per_token": round(_kv_bytes_per_token(sizer, n_ctx), 1),

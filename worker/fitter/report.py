@@ -59,7 +59,8 @@ def render_table(report: FitReport) -> Table:
         table.add_row(key, *(mib(d.components.get(key, 0)) for d in report.devices), what)
     table.add_section()
     table.add_row("total", *(mib(sum(d.components.values())) for d in report.devices),
-                  f"fitted n_ctx {report.n_ctx} (training {report.n_ctx_train}), "
+                  f"{report.details.get('n_ctx_source', 'fitted')} n_ctx {report.n_ctx} "
+                  f"(training {report.n_ctx_train}), "
                   f"slots {report.slots}")
     table.add_row("free", *(mib(d.free_bytes) for d in report.devices),
                   f"source: {report.details.get('memory_source')}")
