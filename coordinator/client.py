@@ -23,7 +23,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.events import StreamCursor, follow
-from coordinator.validation import SubmitError, check_admission, parse_request
+from coordinator.validation import SubmitError, check_admission, choose_tier, parse_request
 from shared.logs import get_logger
 from shared.protocol import (
     JOB_FUNCTION,
@@ -189,7 +189,8 @@ class Coordinator:
         workers = self._serving(req.model)
         check_admission(req, workers, self.known_models, self.settings.require_live_worker)
         job_id = job_id or uuid.uuid4().hex
-        queue = self._queue(self.keys.queue(req.model, req.priority))
+        queue = self._queue(self.keys.queue(req.model, req.priority,
+                                            choose_tier(req, workers)))
         # Only what the request set travels: an unset speculative field means "the worker's
         # capacity" (shared/capacity.py), which a filled-in default would override.
         queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json", exclude_unset=True),
@@ -240,4 +241,9 @@ class Coordinator:
 
     def queue_depths(self, model: str) -> dict[str, int]:
         """Jobs waiting per queue of one model."""
-        return {name: self._queue(name).count for name in self.keys.queues(model)}
+        return {name: self._queue(name).count
+                for name in self.keys.queues(model, self.context_tiers(model))}
+
+    def context_tiers(self, model: str) -> list[int]:
+        """Every context tier a worker of ``model`` has served (``Keys.tiers``)."""
+        return [int(t) for t in self.connection.zrange(self.keys.tiers(model), 0, -1)]

@@ -26,7 +26,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
-from shared.protocol import Priority, WorkerInfo
+from shared.protocol import WorkerInfo
 
 #: Content type of :func:`render_fleet_metrics`'s body (Prometheus text exposition 0.0.4).
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -126,13 +126,16 @@ def _oldest_wait(queue: Queue, now: float) -> float:
 
 
 def queue_rows(coordinator: Coordinator, models: set[str], now: float) -> list[QueueRow]:
-    """Depth and head-of-queue wait of every queue (both tiers) of ``models``."""
+    """Depth and head-of-queue wait of every queue of ``models``: each priority of each
+    context tier (``tier`` is the queue name after the model's: ``ctx1024:high``, ``high``,
+    ``normal`` for the untiered normal queue)."""
     rows = []
     for model in sorted(models):
-        for tier in Priority:
-            queue = Queue(coordinator.keys.queue(model, tier), connection=coordinator.connection,
-                          serializer=JSONSerializer)
-            rows.append(QueueRow(model=model, tier=str(tier), depth=queue.count,
+        base = coordinator.keys.queue(model)
+        for name in coordinator.keys.queues(model, coordinator.context_tiers(model)):
+            queue = Queue(name, connection=coordinator.connection, serializer=JSONSerializer)
+            rows.append(QueueRow(model=model, tier=name[len(base) + 1:] or "normal",
+                                 depth=queue.count,
                                  oldest_wait_seconds=_oldest_wait(queue, now)))
     return rows
 

@@ -77,3 +77,17 @@ def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
         what = "prompt" if request.prompt_tokens is not None else "prompt (at least 1 token)"
         raise SubmitError(f"{what} of {lowest} tokens + max_tokens {request.max_tokens} exceeds "
                           f"the largest context of model '{request.model}' workers ({largest})")
+
+
+def choose_tier(request: GenerationRequest, workers: list[WorkerInfo]) -> int | None:
+    """The context tier to queue ``request`` on (``Keys.queue(ctx=...)``): the smallest
+    per-slot context of a live worker that surely holds prompt + ``max_tokens``, so only
+    workers that can run it take it (the others never listen to that tier). A text prompt
+    whose exact length only a worker can count, and that may not fit even the largest for
+    sure, goes to the largest tier: its worker counts exactly and refuses it if it must.
+    None (the model's untiered queue) when no worker is live."""
+    contexts = sorted({w.n_ctx for w in workers})
+    if not contexts:
+        return None
+    _, highest = prompt_token_bounds(request)
+    return next((c for c in contexts if highest + request.max_tokens <= c), contexts[-1])

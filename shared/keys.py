@@ -6,6 +6,7 @@ deployments, or parallel test runs, can share one Redis without seeing each othe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.protocol import Priority
@@ -20,14 +21,28 @@ class Keys:
 
     prefix: str = "specfleet"
 
-    def queue(self, model: str, priority: Priority = Priority.NORMAL) -> str:
-        """rq queue name for a served model (rq adds its own ``rq:queue:`` prefix)."""
-        base = f"{self.prefix}:{model}"
+    def queue(self, model: str, priority: Priority = Priority.NORMAL,
+              ctx: int | None = None) -> str:
+        """rq queue name for a served model (rq adds its own ``rq:queue:`` prefix).
+
+        ``ctx`` names a context tier: jobs that need up to ``ctx`` tokens, taken only by
+        workers whose per-slot context holds that many. Without it, the model's untiered
+        queue, which every worker of the model takes from (and checks each job itself)."""
+        base = f"{self.prefix}:{model}" + (f":ctx{ctx}" if ctx is not None else "")
         return f"{base}:high" if priority is Priority.HIGH else base
 
-    def queues(self, model: str) -> list[str]:
-        """Queues a worker listens on, highest priority first."""
-        return [self.queue(model, Priority.HIGH), self.queue(model, Priority.NORMAL)]
+    def queues(self, model: str, ctx_tiers: Sequence[int] = ()) -> list[str]:
+        """Queues a worker of ``model`` listens on, in the order it takes from them: high
+        priority first; within a priority the largest context tier first (a big worker
+        serves first what only it can), the untiered queue last."""
+        tiers = sorted(set(ctx_tiers), reverse=True)
+        return [self.queue(model, p, t) for p in (Priority.HIGH, Priority.NORMAL)
+                for t in (*tiers, None)]
+
+    def tiers(self, model: str) -> str:
+        """Sorted set of the context tiers of a model (every per-slot context a worker of it
+        has served with): kept when workers leave, so jobs queued for a tier stay served."""
+        return f"{self.prefix}:tiers:{model}"
 
     def events(self, job_id: str) -> str:
         """Per-job Redis Stream: the durable, replayable record of every event."""

@@ -89,7 +89,7 @@ def test_a_running_job_is_held_in_the_workers_in_flight_list(
         assert time.monotonic() < deadline, "the job never reached the in-flight list"
         time.sleep(0.01)
     assert [i.decode() for i in conn.lrange(keys.inflight("w1"), 0, -1)] == [handle.job_id]
-    assert coordinator.queue_depths(MODEL_NAME) == {q: 0 for q in keys.queues(MODEL_NAME)}
+    assert sum(coordinator.queue_depths(MODEL_NAME).values()) == 0
     assert handle.result(timeout=60).status is JobStatus.FINISHED
     # The final event is streamed first; rq's records and the release follow in one write.
     while conn.llen(keys.inflight("w1")):

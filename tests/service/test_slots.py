@@ -114,3 +114,20 @@ def test_sigterm_finishes_every_slot_and_a_second_requeues_them_all(
     results = [h.result(timeout=120) for h in handles]
     assert [r.status for r in results] == [JobStatus.FINISHED] * 4
     assert all(r.worker == "w4c" and r.attempts == 2 for r in results), results
+
+
+def test_jobs_route_to_the_context_tier_that_holds_them(fleet: Fleet,
+                                                        coordinator: Coordinator) -> None:
+    """Two workers of different per-slot context: eight requests that fit only the larger
+    are queued on its tier, which the smaller one never takes from; all eight finish there.
+    A request that fits both goes to the smaller (the smallest tier that holds it)."""
+    fleet.start("small", args=("--ctx", "128"))
+    fleet.start("large", args=("--ctx", "1024"))
+    prompt = [(7 * i) % 50 + 3 for i in range(200)]
+    big = {"model": MODEL_NAME, "prompt_tokens": prompt, "max_tokens": 16,
+           "speculative": {"method": "none"}}
+    results = [h.result(timeout=120) for h in [coordinator.submit(big) for _ in range(8)]]
+    assert [(r.status, r.worker) for r in results] == [(JobStatus.FINISHED, "large")] * 8
+    small = coordinator.submit({**big, "prompt_tokens": prompt[:20]}).result(timeout=60)
+    assert (small.status, small.worker) == (JobStatus.FINISHED, "small")
+    assert coordinator.context_tiers(MODEL_NAME) == [128, 1024]

@@ -5,8 +5,9 @@ popped a job that nothing records; here the pop *is* the record: one Lua script 
 first id of the highest-priority non-empty queue into ``{prefix}:worker:{name}:inflight``, so
 at every instant each job is either in a queue or in exactly one worker's in-flight list, and
 crash recovery requeues whatever a dead worker's list holds. When every queue is empty the
-intake blocks on the lowest-priority queue (``BLMOVE``, also atomic) for ``idle_poll``
-seconds, then looks at all queues again.
+intake blocks on the last queue it listens to (the model's untiered normal queue, ``BLMOVE``,
+also atomic) for ``idle_poll`` seconds, then looks at all queues again: a job on another
+queue waits at most that long for an idle worker.
 
 A queue key of the wrong Redis type (a poisoned deployment) would make every take fail: it
 is renamed aside into the quarantine namespace and reported, and the worker keeps serving.
@@ -52,30 +53,37 @@ class Taken:
 class JobIntake:
     """One worker's atomic take from its queues (highest priority first) and release."""
 
-    def __init__(self, connection: Redis, keys: Keys, worker_name: str, queues: list[Queue],
+    def __init__(self, connection: Redis, keys: Keys, worker_name: str, queues: list[str],
                  idle_poll: float = 0.5) -> None:
         self._conn = connection
         self._keys = keys
         self._worker = worker_name
         self.inflight_key = keys.inflight(worker_name)
-        self._queue_keys = [q.key for q in queues]
+        self._queue_keys: list[str] = []
+        self.listen(queues)
         self._idle_poll = idle_poll
         self._take = connection.register_script(_TAKE_LUA)
+
+    def listen(self, queues: list[str]) -> None:
+        """Take from these rq queues (by name) from now on, in this order of preference (the
+        heartbeat refreshes it as context tiers appear)."""
+        self._queue_keys = [Queue.redis_queue_namespace_prefix + q for q in queues]
 
     def take(self, block: bool = True) -> Taken | None:
         """The next job, moved into the in-flight list; None when there is none (after
         ``idle_poll`` seconds of waiting when ``block``: an idle worker waits, a busy one
         only looks, so its running slots are not held up)."""
-        taken = self._take_any()
+        queue_keys = self._queue_keys
+        taken = self._take_any(queue_keys)
         if taken is not None or not block:
             return taken
         try:
-            raw = self._conn.blmove(self._queue_keys[-1], self.inflight_key,
+            raw = self._conn.blmove(queue_keys[-1], self.inflight_key,
                                     self._idle_poll, "LEFT", "RIGHT")
         except ResponseError as exc:  # the key turned into a non-list since the script ran
-            log.error("queue.refused", queue=self._queue_keys[-1], reason=str(exc))
+            log.error("queue.refused", queue=queue_keys[-1], reason=str(exc))
             return None
-        return Taken(_text(raw), self._queue_keys[-1]) if raw is not None else None
+        return Taken(_text(raw), queue_keys[-1]) if raw is not None else None
 
     def release(self, job_id: str) -> None:
         """The job's run is over (finished, failed, refused or requeued): forget it."""
@@ -94,8 +102,8 @@ class JobIntake:
         pipe.rpush(self._keys.quarantine(), record)
         pipe.execute()
 
-    def _take_any(self) -> Taken | None:
-        reply = self._take(keys=[self.inflight_key, *self._queue_keys])
+    def _take_any(self, queue_keys: list[str]) -> Taken | None:
+        reply = self._take(keys=[self.inflight_key, *queue_keys])
         if not reply:
             return None
         raw_id, queue_key = reply

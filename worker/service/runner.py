@@ -36,6 +36,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
+from shared.keys import Keys
 from shared.logs import get_logger
 from shared.outage import RedisOutage, ride_out
 from shared.protocol import FitReport, WorkerCapacity, WorkerInfo
@@ -284,6 +285,25 @@ class ServingLoop:
         return ride_out(operation, self.runtime.settings.redis_outage_seconds, what)
 
 
+class ContextTiers:
+    """The context tiers of a model this worker serves: every tier up to its own per-slot
+    context. Registering adds its own to the model's tier set; :meth:`queues` reads the set
+    again (each heartbeat), so a tier that appears later is served from then on."""
+
+    def __init__(self, connection: Redis, keys: Keys, model: str, n_ctx: int) -> None:
+        self._conn = connection
+        self._keys = keys
+        self._model = model
+        self._n_ctx = n_ctx
+        connection.zadd(keys.tiers(model), {str(n_ctx): n_ctx})
+
+    def queues(self) -> list[str]:
+        """The queue names to take from, in order (``Keys.queues``)."""
+        tiers = [int(t) for t in self._conn.zrangebyscore(self._keys.tiers(self._model), 0,
+                                                          self._n_ctx)]
+        return self._keys.queues(self._model, tiers)
+
+
 def loaded_capacity(engine: SpeculativeEngine) -> WorkerCapacity:
     """What this worker's engine was loaded with, published for admission at submit."""
     return WorkerCapacity(method=engine.method, draft_max=engine.draft_max,
@@ -364,10 +384,10 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
     monitor = RecoveryMonitor(connection, keys, registry, settings.stream_maxlen,
                               settings.stream_ttl_seconds, settings.worker_ttl_seconds)
+    tiers = ContextTiers(connection, keys, options.model_name, runtime.n_ctx)
     queues = [Queue(q, connection=connection, serializer=JSONSerializer,
-                    default_timeout=settings.job_timeout_seconds)
-              for q in keys.queues(options.model_name)]
-    loop = ServingLoop(runtime, JobIntake(connection, keys, name, queues), queues)
+                    default_timeout=settings.job_timeout_seconds) for q in tiers.queues()]
+    loop = ServingLoop(runtime, JobIntake(connection, keys, name, tiers.queues()), queues)
     presence = RqPresence.start(
         connection, name, queues, on_shutdown=loop.stopping.set,
         on_stop_job=lambda job_id: request_cancel(connection, keys, job_id,
@@ -387,6 +407,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
 
     def on_tick() -> None:
         presence.heartbeat()
+        loop.intake.listen(tiers.queues())
         metrics.job_requeued("lost", len(monitor.sweep()))
 
     registry.register(current_info())
