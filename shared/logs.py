@@ -22,18 +22,21 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 
 def _redacted(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float):
+        return value
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, dict):
         return {k: _redacted(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_redacted(v) for v in value]
-    return value
+    return redact(repr(value))  # what either renderer would print for it, masked first
 
 
 def redact_secrets(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
-    """structlog processor: credentials in any string of the event are masked (the safety
-    net behind every call site that renders a URL itself)."""
+    """structlog processor: credentials in any value of the event are masked, strings and
+    the reprs of other objects alike (the safety net behind every call site that renders a
+    URL itself)."""
     return _redacted(event_dict)
 
 

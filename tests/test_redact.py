@@ -36,13 +36,25 @@ def test_urls_inside_free_text_are_masked() -> None:
                             "(fallback rediss://b:***@h2:2/0)")
 
 
+class _Holder:
+    """Any object whose repr shows a URL (a client, a config) logged as a field."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __repr__(self) -> str:
+        return f"_Holder({self.url!r})"
+
+
 def test_no_log_event_carries_a_password() -> None:
-    """Any string field, a nested one, and a formatted traceback, in the JSON a shipper sees."""
+    """Any string field, a nested one, an object's repr and a formatted traceback, in the JSON
+    a shipper sees."""
     out = io.StringIO()
     configure_logging("debug", "json", stream=out)
     url = f"redis://ops:{SECRET}@redis.internal:6379/0"
     log = get_logger("test")
-    log.info("redis.connecting", url=url, urls=[url], nested={"primary": url})
+    log.info("redis.connecting", url=url, urls=[url], nested={"primary": url},
+             client=_Holder(url), attempt=1)
     try:
         raise ConnectionError(f"cannot reach {url}")
     except ConnectionError:
@@ -53,6 +65,7 @@ def test_no_log_event_carries_a_password() -> None:
     shown = "redis://ops:***@redis.internal:6379/0"
     assert first["url"] == shown and first["urls"] == [shown]
     assert first["nested"] == {"primary": shown}
+    assert first["client"] == f"_Holder({shown!r})" and first["attempt"] == 1
     assert f"cannot reach {shown}" in second["exception"]
 
 
