@@ -54,11 +54,14 @@ def test_a_huge_context_fails_fast_without_being_created(tiny_models: TinyModels
                    n_ctx=1_000_000_000, allow_ctx_above_train=True)
 
 
-def test_a_dense_model_has_no_rollback_depth(tiny_models: TinyModels) -> None:
-    dense = fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, spec=NGRAM,
-                       n_ctx=512)
-    assert dense.report.rollback_depth is None
-    hybrid = fit_worker(str(tiny_models.hybrid), budget_mib=64, fit_target_mib=0, n_ctx=512,
-                        spec=SpecSettings(method=SpecMethod.NGRAM, draft_max=4,
-                                          rollback_depth=1))
-    assert hybrid.report.rollback_depth == 1
+def test_the_report_names_the_snapshots_really_kept(tiny_models: TinyModels) -> None:
+    """A dense model keeps none whatever was asked (the fit table showed a depth for it);
+    a recurrent one keeps D, or N when D is unset."""
+    def depth(path: object, **spec: object) -> int | None:
+        fit = fit_worker(str(path), budget_mib=64, fit_target_mib=0, n_ctx=512,
+                         spec=SpecSettings(method=SpecMethod.NGRAM, **spec))
+        return fit.report.rollback_depth
+
+    assert depth(tiny_models.dense, draft_max=4, rollback_depth=2) is None
+    assert depth(tiny_models.hybrid, draft_max=4, rollback_depth=1) == 1
+    assert depth(tiny_models.hybrid, draft_max=4) == 4
