@@ -36,7 +36,7 @@ PMin = Annotated[float, typer.Option(help="stop drafting below this confidence")
 Adaptive = Annotated[bool, typer.Option(help="adapt the draft width (seed 003 rule)")]
 RollbackDepth = Annotated[int | None, typer.Option(help="direct rollback depth D")]
 Slots = Annotated[str, typer.Option(
-    help="sequences served at once, or 'auto': the most that fit --ctx-min each")]
+    help="sequences served at once, or 'auto': the most that fit --ctx (or --ctx-min) each")]
 #: ``worker`` and ``fit`` check a fixed context the same way (worker/fitter/fit.py).
 FixedCtx = Annotated[int | None, typer.Option(
     # llama.cpp's n_ctx is a uint32 that ctypes would silently wrap: bounded at the edge.

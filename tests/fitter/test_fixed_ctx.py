@@ -65,3 +65,13 @@ def test_the_report_names_the_snapshots_really_kept(tiny_models: TinyModels) -> 
     assert depth(tiny_models.dense, draft_max=4, rollback_depth=2) is None
     assert depth(tiny_models.hybrid, draft_max=4, rollback_depth=1) == 1
     assert depth(tiny_models.hybrid, draft_max=4) == 4
+
+
+def test_auto_slots_fit_the_fixed_context(tiny_models: TinyModels) -> None:
+    """``--slots auto`` with ``--ctx`` counts the slots that hold that context, not
+    ``--ctx-min``'s (which would leave slots unused at a smaller fixed context)."""
+    def slots(**kw: object) -> int:
+        return fit_worker(str(tiny_models.dense), budget_mib=8, fit_target_mib=0, spec=NGRAM,
+                          slots="auto", ctx_min=2048, **kw).report.slots
+
+    assert slots(n_ctx=256) > slots(n_ctx=2048) >= 1

@@ -223,7 +223,8 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
                           n_gpu_layers=-1 if ref.is_cuda else 0,
                           spec=spec or SpecSettings(), checkpoint=checkpoint)
     if slots == AUTO_SLOTS:
-        slots = _most_slots(config, ref.name, ctx_min, budget)
+        # A fixed context is what every slot must hold; otherwise at least --ctx-min.
+        slots = _most_slots(config, ref.name, n_ctx or ctx_min, budget)
     config = replace(config, slots=slots)
     sizer = _Sizer(config, ref.name)
     try:
