@@ -3,6 +3,7 @@ credentials in every REDIS_URL, persistence, and one reserved GPU per GPU worker
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -10,6 +11,7 @@ import jsonschema
 import pytest
 
 from shared.sentinel import parse_sentinel_url
+from shared.settings import Settings
 from worker.fitter.devices import parse_device
 
 from .cli import parse_specfleet
@@ -67,6 +69,21 @@ def test_every_specfleet_command_is_one_the_cli_accepts() -> None:
             parse_device(params["device"])
         checked.append(name)
     assert {"gateway", "worker-cpu", "worker-cuda0", "worker-cuda1", "client"} <= set(checked)
+
+
+def test_every_service_environment_is_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each container's process reads at start (shared.settings), from its environment."""
+    for name, service in _compose()["services"].items():
+        if "build" not in service:
+            continue
+        with monkeypatch.context() as patch:
+            for key in [k for k in os.environ if k.startswith("SPECFLEET_") or k == "REDIS_URL"]:
+                patch.delenv(key)
+            for key, value in service["environment"].items():
+                patch.setenv(key, str(value))
+            settings = Settings()
+        assert settings.redis_url == service["environment"]["REDIS_URL"], name
+        assert (settings.prefix, settings.log_format) == ("specfleet", "json"), name
 
 
 def test_the_passwords_are_required_and_the_env_example_names_every_variable() -> None:
