@@ -34,13 +34,15 @@ def fleet(
         print(json.dumps({"workers": [w.model_dump(mode="json") for w in workers],
                           "queues": queues}))
         return
-    table = Table("worker", "model", "device", "n_ctx", "slots", "spec", "job", "heartbeat")
+    table = Table("worker", "model", "device", "ctx/slot", "busy", "spec", "jobs", "heartbeat")
     now = time.time()
     for w in workers:
-        table.add_row(w.name, w.model_name, w.device, str(w.n_ctx), str(w.slots),
-                      ",".join(w.spec_methods), w.current_job or "-",
-                      f"{now - w.heartbeat_at:.1f}s ago")
+        table.add_row(w.name, w.model_name, w.device, str(w.n_ctx),
+                      f"{len(w.current_jobs)}/{w.slots}", ",".join(w.spec_methods),
+                      ", ".join(w.current_jobs) or "-", f"{now - w.heartbeat_at:.1f}s ago")
     console = Console()
     console.print(table)
     for model, depths in queues.items():
-        console.print(f"{model}: " + ", ".join(f"{q} {n} queued" for q, n in depths.items()))
+        waiting = {q: n for q, n in depths.items() if n}
+        console.print(f"{model}: " + (", ".join(f"{q} {n} queued" for q, n in waiting.items())
+                                      or "nothing queued"))

@@ -94,6 +94,10 @@ def test_fleet_and_cancel(fleet: Fleet, coordinator: Coordinator) -> None:
     handle = coordinator.submit({"model": MODEL_NAME, "prompt_tokens": [1, 2],
                                  "max_tokens": 300, "speculative": {"method": "none"}})
     next(iter(handle.stream(timeout=30)))  # it has started
+    deadline = time.monotonic() + 30
+    while handle.job_id[:8] not in (table := _cli(fleet, "fleet").stdout):
+        assert time.monotonic() < deadline, table  # the next heartbeat lists the job
+    assert "1/1" in table  # busy slots / slots
     cancelled = _cli(fleet, "cancel", handle.job_id)
     assert cancelled.returncode == 0 and handle.job_id in cancelled.stdout
     assert handle.result(timeout=30).status is JobStatus.CANCELLED
