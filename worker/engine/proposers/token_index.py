@@ -20,7 +20,9 @@ from collections.abc import Iterable, Sequence
 
 #: Context lengths indexed, longest first. A match is at least as long as the order it was
 #: found at; extending it while drafting is exact (the walk filters occurrences token by token).
-ORDERS = (16, 8, 4, 2, 1)
+#: The long orders tell one place in a repetitive text from the others: in JSON records a
+#: 16-token tail recurs in every record, a 64-token one only where the same record was written.
+ORDERS = (64, 32, 16, 8, 4, 2, 1)
 #: At most this many most-recent occurrences are returned per lookup (drafting cost is linear).
 MAX_OCCURRENCES = 16
 #: Bytes per (token, order): one chain slot (8) plus, for contexts seen once, a dict slot with
