@@ -141,8 +141,9 @@ def _clean_up(coordinator: Coordinator, job_ids: list[str]) -> None:
         conn.delete(Result.get_key(job_id))
         with suppress(NoSuchJobError):  # its TTL already removed it
             Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()
-    for name in coordinator.keys.queues(MODEL_NAME):
-        Queue(name, connection=conn, serializer=JSONSerializer).delete(delete_jobs=True)
+    for queue in Queue.all(connection=conn, serializer=JSONSerializer):
+        if queue.name.startswith(f"{coordinator.settings.prefix}:"):  # every tier, priority
+            queue.delete(delete_jobs=True)
     for key in conn.scan_iter(f"*{coordinator.settings.prefix}*"):
         conn.delete(key)
 
