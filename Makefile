@@ -1,6 +1,7 @@
 # specfleet developer entry points. Everything installs into ./.venv in the repo root.
 #   make demo   install, find or start Redis, run one worker on Gemma 3 270M, stream a batch
 #   make test   install and run the whole test suite against a real Redis
+#   make lint   ruff over the tree, mypy over shared, coordinator and worker
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -31,6 +32,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy shared coordinator worker
 
 bench: install
 	$(PY) bench/spec_vs_plain.py

@@ -31,7 +31,7 @@ from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator, JobResult
 from coordinator.redis_local import RedisUnavailable, local_redis
-from shared.protocol import FinalEvent, GenerationRequest, SpecSettings, TokenEvent
+from shared.protocol import FinalEvent, GenerationRequest, SpecMethod, SpecSettings, TokenEvent
 from shared.redact import redact
 from shared.settings import Settings
 from worker.testmodels.gemma import gemma_q4_path
@@ -57,7 +57,7 @@ PROMPTS: list[tuple[str, str, int]] = [
 
 
 def _batch(prompts: list[tuple[str, str, int]]) -> list[GenerationRequest]:
-    spec = SpecSettings(method="auto", draft_max=16, adaptive=True)
+    spec = SpecSettings(method=SpecMethod.AUTO, draft_max=16, adaptive=True)
     return [GenerationRequest(model=MODEL_NAME, prompt=prompt, max_tokens=n, custom_id=cid,
                               speculative=spec) for cid, prompt, n in prompts]
 

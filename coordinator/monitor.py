@@ -414,9 +414,9 @@ def follow(patterns: list[str], summary: LogSummary, interval: float = 0.5,
                 for line in tail.read():
                     summary.feed(line, name)
             while not lines.empty():
-                line = lines.get_nowait()
-                if line is not None:
-                    summary.feed(line, "-")
+                piped = lines.get_nowait()
+                if piped is not None:
+                    summary.feed(piped, "-")
             yield
             time.sleep(interval)
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import IO, Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -65,7 +65,7 @@ def _bridge_stdlib_logging(level: int) -> None:
 
 
 def configure_logging(
-    level: str = "info", fmt: str = "json", stream: IO[str] | None = None
+    level: str = "info", fmt: str = "json", stream: TextIO | None = None
 ) -> None:
     """Configure structlog for the process (and route stdlib ``logging`` into it); safe to
     call more than once."""

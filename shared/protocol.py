@@ -59,9 +59,7 @@ class _WireEnum(StrEnum):
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any,
                                      handler: GetCoreSchemaHandler) -> CoreSchema:
-        schema = handler(source)
-        schema["strict"] = False  # type: ignore[typeddict-unknown-key]
-        return schema
+        return {**handler(source), "strict": False}
 
 
 class SpecMethod(_WireEnum):

@@ -24,7 +24,8 @@ from coordinator.cli import serve  # noqa: E402,F401  isort: skip
 
 #: click's ``UsageError`` (a bad option value, a missing or unknown option), reached through
 #: typer's public ``BadParameter`` because newer typers vendor click under a private module.
-_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_UsageError = next(c for c in typer.BadParameter.__mro__
+                   if issubclass(c, Exception) and c.__name__ == "UsageError")
 
 
 def main() -> None:

@@ -239,7 +239,7 @@ def chunk(endpoint: str, job_id: str, model: str, created: int, *, text: str | N
           usage_only: FinalEvent | None = None) -> dict[str, Any]:
     """One streamed chunk: a text delta, the opening role (chat), the closing finish reason,
     or the trailing usage chunk (``stream_options.include_usage``)."""
-    base = {"id": completion_id(endpoint, job_id),
+    base: dict[str, Any] = {"id": completion_id(endpoint, job_id),
             "object": "chat.completion.chunk" if endpoint == CHAT else "text_completion",
             "created": created, "model": model}
     if usage_only is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -20,6 +20,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.types import Receive
 
 from coordinator.events import StreamCursor, TextDeltas
 from coordinator.gateway import schemas
@@ -66,14 +67,14 @@ async def final_event(redis: aioredis.Redis, keys: Keys, job_id: str) -> FinalEv
     return final
 
 
-async def until_disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def until_disconnected(receive: Receive) -> None:
     """Return when the client hangs up (ASGI ``http.disconnect``)."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
 async def final_or_disconnect(redis: aioredis.Redis, keys: Keys, job_id: str,
-                              receive: Callable[[], Awaitable[dict[str, Any]]],
+                              receive: Receive,
                               ) -> FinalEvent | None:
     """The job's final event, or None when the client hung up first."""
     waiting = asyncio.create_task(final_event(redis, keys, job_id))

@@ -318,8 +318,8 @@ class SpeculativeEngine:
             t0 = perf_counter()
             requests = [DraftRequest(slots[i].seq, slots[i].history, widths[i],
                                      slots[i].spec.p_min) for i in batched]
-            for i, draft in zip(batched, self.mtp.draft(requests), strict=True):
-                drafts[i] = draft
+            for i, chained in zip(batched, self.mtp.draft(requests), strict=True):
+                drafts[i] = chained
             seconds = perf_counter() - t0
             for i in batched:
                 slots[i].counters.draft_seconds += seconds

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Literal
+from typing import Final, Literal
 
 from shared.protocol import CheckpointMode, DeviceFit, FitReport, SpecSettings
 from worker.engine.config import EngineConfig, model_spec
@@ -36,7 +36,7 @@ CTX_STEP = 256
 DEFAULT_FIT_TARGET_MIB = 1024.0
 DEFAULT_CTX_MIN = 1024
 #: ``--slots auto``: the worker serves as many sequences as still fit ``--ctx-min`` each.
-AUTO_SLOTS = "auto"
+AUTO_SLOTS: Final = "auto"
 #: The most slots ``--slots auto`` considers (llama.cpp's LLAMA_MAX_SEQ).
 MAX_SLOTS = 256
 #: Extra context the marginal KV bytes per token are measured over (no_alloc: free).

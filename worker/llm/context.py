@@ -176,5 +176,9 @@ class Context:
 
 
 def _view(ptr: ctypes._Pointer, row_type: type[ctypes.Array]) -> np.ndarray:
-    """A float32 view (no copy) of the ``row_type``-sized array ``ptr`` points at."""
-    return np.frombuffer(row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
+    """A float32 view (no copy) of the ``row_type``-sized array ``ptr`` points at.
+
+    The memoryview is only for numpy's stubs, which do not list ctypes arrays as buffers.
+    """
+    row = row_type.from_address(ctypes.addressof(ptr.contents))
+    return np.frombuffer(memoryview(row), dtype=np.float32)

@@ -36,9 +36,9 @@ class NgramProposer:
                     self._index[tuple(history[end + 1 - n : end + 1])] = end
         self._indexed = max(self._indexed, len(history) - 1)
         for n in self._sizes:
-            end = self._index.get(tuple(history[-n:])) if n <= len(history) else None
-            if end is not None:
-                return Draft(list(history[end + 1 : end + 1 + width]))
+            match = self._index.get(tuple(history[-n:])) if n <= len(history) else None
+            if match is not None:
+                return Draft(list(history[match + 1 : match + 1 + width]))
         return Draft([])
 
     def observe(self, outcome: VerifyOutcome) -> None:
