@@ -39,7 +39,7 @@ def test_a_lost_worker_and_its_recovered_job_are_counted(fleet: Fleet, tmp_path:
     fleet.start("victim", step_delay=0.1, args=ARGS)
     coordinator = Coordinator(fleet.settings)
     handle = coordinator.submit({"model": MODEL_NAME, "prompt_tokens": [3, 1, 4, 1, 5],
-                                 "max_tokens": 200})  # 20 s: outlasts a start
+                                 "max_tokens": 400})  # 40 s: outlasts a loaded start
     events = handle.stream(timeout=120)
     for event in events:  # attempt 1 is generating on the victim
         if isinstance(event, TokenEvent):

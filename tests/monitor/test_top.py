@@ -64,7 +64,7 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(
     fleet, gateway = two_workers
     coordinator = Coordinator(fleet.settings)
     handles = [coordinator.submit({"model": MODEL_NAME, "prompt": f"count {i}:",
-                                   "max_tokens": 150, "speculative": {"method": "none"}})
+                                   "max_tokens": 250, "speculative": {"method": "none"}})
                for i in range(3)]
 
     def all_busy_one_waiting(snap: dict) -> bool:
@@ -73,7 +73,7 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(
         return len(busy) == 2 and waiting == 1
 
     # Polled in-process (a CLI start costs seconds); then the CLI must show the same state,
-    # which lasts a whole job (150 steps of 0.1 s).
+    # which lasts a whole job (250 steps of 0.1 s).
     wait_for(lambda: all_busy_one_waiting(fleet_snapshot(coordinator).to_json()), timeout=60,
              what="both workers busy, one job queued")
     busy = top_once(fleet)
