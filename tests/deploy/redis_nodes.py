@@ -56,9 +56,10 @@ def wait_until(check: object, timeout: float, what: str) -> None:
 class Node:
     port: int
     proc: subprocess.Popen[bytes]
+    password: str | None = None
 
     def client(self) -> Redis:
-        return Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
+        return Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=2,
                      socket_connect_timeout=2)
 
 
@@ -69,10 +70,13 @@ class SentinelGroup:
     nodes: list[Node] = field(default_factory=list)
     sentinel: Node | None = None
 
+    password: str | None = None
+
     @property
     def url(self) -> str:
         assert self.sentinel is not None
-        return f"redis+sentinel://127.0.0.1:{self.sentinel.port}/{SERVICE}/0"
+        credentials = f":{self.password}@" if self.password else ""
+        return f"redis+sentinel://{credentials}127.0.0.1:{self.sentinel.port}/{SERVICE}/0"
 
     def primary_port(self) -> int:
         assert self.sentinel is not None
@@ -90,10 +94,10 @@ def _promotable(sentinel: Redis) -> bool:
                and int(r.get("info-refresh", 10**9)) < 5000 for r in replicas)
 
 
-def _start(binary: str, args: list[str], log: Path) -> Node:
+def _start(binary: str, args: list[str], log: Path, password: str | None = None) -> Node:
     port = int(args[args.index("--port") + 1])
     proc = subprocess.Popen([binary, *args], stdout=log.open("ab"), stderr=subprocess.STDOUT)
-    node = Node(port, proc)
+    node = Node(port, proc, password)
     wait_until(lambda: node.client().ping(), 10, f"redis-server on port {port}")
     return node
 
@@ -137,10 +141,13 @@ def _listening(port: int) -> bool:
 
 
 @contextmanager
-def sentinel_group(workdir: Path) -> Iterator[SentinelGroup]:
-    """Start a primary, a replica of it and a sentinel; yield once the sentinel knows both."""
+def sentinel_group(workdir: Path, password: str | None = None) -> Iterator[SentinelGroup]:
+    """Start a primary, a replica of it and a sentinel; yield once the sentinel knows both.
+
+    With ``password`` every node, the sentinel included, requires it (``requirepass``)."""
     binary = redis_server_binary()
-    group = SentinelGroup()
+    group = SentinelGroup(password=password)
+    auth = ["--requirepass", password, "--masterauth", password] if password else []
     try:
         primary_port = free_port()
         for role in ("primary", "replica"):
@@ -148,10 +155,10 @@ def sentinel_group(workdir: Path) -> Iterator[SentinelGroup]:
             data = workdir / f"redis-{role}"
             data.mkdir()
             args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-                    "--save", "", "--appendonly", "yes", "--appendfsync", "always"]
+                    "--save", "", "--appendonly", "yes", "--appendfsync", "always", *auth]
             if role == "replica":
                 args += ["--replicaof", "127.0.0.1", str(primary_port)]
-            group.nodes.append(_start(binary, args, workdir / f"redis-{role}.log"))
+            group.nodes.append(_start(binary, args, workdir / f"redis-{role}.log", password))
         replica = group.nodes[1].client()
         wait_until(lambda: replica.info("replication")["master_link_status"] == "up", 20,
                    "the replica to sync")
@@ -160,11 +167,13 @@ def sentinel_group(workdir: Path) -> Iterator[SentinelGroup]:
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary_port} 1\n"
             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {SERVICE} 10000\n"
-            f"sentinel parallel-syncs {SERVICE} 1\n")
+            f"sentinel parallel-syncs {SERVICE} 1\n"
+            + (f"sentinel auth-pass {SERVICE} {password}\nrequirepass {password}\n"
+               if password else ""))
         sentinel_port = free_port()
         group.sentinel = _start(binary, [str(conf), "--sentinel", "--port", str(sentinel_port),
                                          "--bind", "127.0.0.1", "--dir", str(workdir)],
-                                workdir / "sentinel.log")
+                                workdir / "sentinel.log", password)
         watcher = group.sentinel.client()
         wait_until(lambda: _promotable(watcher), 30, "the sentinel to see a promotable replica")
         yield group

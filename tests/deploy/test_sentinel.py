@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from redis import Redis
+from redis import Redis, RedisError
 
 from coordinator.client import Coordinator
 from coordinator.gateway.streaming import connect_async
@@ -64,6 +64,16 @@ def test_a_malformed_sentinel_url_is_a_clear_error_without_the_password(bad: str
     with pytest.raises(ValueError, match="sentinel URL") as caught:
         connect(bad)
     assert "SECRET" not in str(caught.value)
+
+
+def test_password_protected_sentinels_are_asked_with_the_urls_credentials_when_told(
+        tmp_path: Path) -> None:
+    with sentinel_group(tmp_path, password="s3cret") as group:
+        conn = connect(f"{group.url}?sentinel_auth=same")
+        conn.set("k", "v")
+        assert group.node(group.primary_port()).client().get("k") == b"v"
+        with pytest.raises(RedisError):  # the sentinel refuses to name the primary
+            connect(group.url).get("k")
 
 
 @pytest.mark.parametrize("how", ["switchover", "primary killed"])
