@@ -6,12 +6,16 @@ job at once; each job's final event is accounted to the batch by the script that
 worker, a cancel of a queued job, crash recovery). A line that cannot become a job (not UTF-8,
 not JSON, not a batch line, a request the coordinator refuses) gets a failed final event
 through the same script, so there is one way a line is accounted. Output and error files are
-assembled from Redis when they are read, in input order. The HTTP gateway and
+assembled from Redis when they are read, in input order. The process creating a batch holds a
+short lease while it queues the lines; if it dies half-way, the next reader of the batch (a
+status poll, any gateway) takes the lease and queues the rest, with job ids derived from the
+batch and the line so that no line runs twice. The HTTP gateway and
 ``specfleet batch`` both use :class:`BatchStore`; there is no other implementation.
 
 Redis keys (``shared.keys``): ``file:{id}`` (uploads), ``batch:{id}`` (status, counts, meta),
 ``batch:{id}:jobs`` (line -> custom id, job id, model), ``batch:{id}:results`` (line -> final
-event), ``job:{id}:batch`` (a job's line reference, read by the script), ``batches`` (listing).
+event), ``batch:{id}:creator`` (the queueing lease), ``job:{id}:batch`` (a job's line
+reference, read by the script), ``batches`` (listing).
 Everything expires ``SPECFLEET_RESULT_TTL_SECONDS`` after the batch's last change.
 """
 
@@ -25,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import ValidationError
+from rq.job import Job
 
 from coordinator.client import Coordinator
 from coordinator.gateway import schemas
@@ -38,6 +43,8 @@ MAX_BATCH_LINES = 10_000
 #: The only completion window (OpenAI's); a batch not done by then is reported ``expired``.
 COMPLETION_WINDOW = "24h"
 WINDOW_SECONDS = 24 * 3600
+#: Seconds a batch's creator holds its lease without renewing it (renewed as it queues).
+CREATOR_LEASE_SECONDS = 3.0
 #: Statuses after which a batch never changes again.
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 
@@ -128,7 +135,7 @@ class BatchStore:
         if metadata is not None and not _valid_metadata(metadata):
             raise BatchError("metadata: at most 16 string pairs (keys <= 64, values <= 512 "
                              "characters)", param="metadata")
-        raw_lines = [line for line in self.content(input_file_id).split(b"\n") if line.strip()]
+        raw_lines = self._input_lines(input_file_id)
         if not raw_lines:
             raise BatchError(f"input file {input_file_id} has no lines", param="input_file_id")
         if len(raw_lines) > MAX_BATCH_LINES:
@@ -138,37 +145,87 @@ class BatchStore:
         batch_id = f"batch_{uuid.uuid4().hex}"
         meta = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
                 "completion_window": completion_window, "metadata": metadata,
-                "created_at": now, "expires_at": now + WINDOW_SECONDS}
+                "created_at": now, "expires_at": now + WINDOW_SECONDS, "model": model}
         key = self.keys.batch(batch_id)
         pipe = self.conn.pipeline(transaction=True)
         pipe.hset(key, mapping={"meta": json.dumps(meta), "status": "in_progress",
-                                "in_progress_at": now, "total": len(raw_lines),
+                                "in_progress_at": now, "total": len(raw_lines), "queued": 0,
                                 "completed": 0, "failed": 0, "invalid": 0,
                                 "generated_tokens": 0})
         pipe.expire(key, self.ttl)
         pipe.zadd(self.keys.batches(), {batch_id: now})
         pipe.execute()
-        for number, raw in enumerate(raw_lines, start=1):
-            self._queue_line(batch_id, endpoint, number, raw, model)
+        self._queue_lines(batch_id, meta, raw_lines)
         return self.get(batch_id)
 
-    def _queue_line(self, batch_id: str, endpoint: str, number: int, raw: bytes,
-                    model: str | None) -> None:
-        """Turn one input line into a job, or account it as failed with its reason."""
-        job_id = uuid.uuid4().hex
-        custom_id, request, error = _parse_line(endpoint, number, raw, model)
-        jobs = self.keys.batch_jobs(batch_id)
+    def _input_lines(self, input_file_id: str) -> list[bytes]:
+        return [line for line in self.content(input_file_id).split(b"\n") if line.strip()]
+
+    def _queue_lines(self, batch_id: str, meta: dict[str, Any],
+                     raw_lines: list[bytes] | None = None) -> None:
+        """Queue the batch's lines from the first one not queued yet, holding the creator
+        lease (a process that dies while queueing stops refreshing it, and the next reader
+        of the batch carries on where it stopped); nothing when another process holds it."""
+        lease, token = self.keys.batch_creator(batch_id), uuid.uuid4().hex
+        lease_ms = int(CREATOR_LEASE_SECONDS * 1000)
+        if not self.conn.set(lease, token, nx=True, px=lease_ms):
+            return
+        try:
+            lines = raw_lines if raw_lines is not None else self._input_lines(
+                meta["input_file_id"])
+            key = self.keys.batch(batch_id)
+            start, status = self.conn.hmget(key, "queued", "status")
+            start = int(start or 0)
+            renewed = time.monotonic()
+            for number in range(start + 1, len(lines) + 1):
+                if time.monotonic() - renewed > CREATOR_LEASE_SECONDS / 3:
+                    self.conn.pexpire(lease, lease_ms)
+                    renewed = time.monotonic()
+                # only the first line of a takeover can have been half done by the dead one
+                self._queue_line(batch_id, meta, number, lines[number - 1],
+                                 resumed=raw_lines is None and number == start + 1,
+                                 cancelled=_text(status) == "cancelling")
+                pipe = self.conn.pipeline(transaction=False)
+                pipe.hset(key, "queued", number)
+                pipe.hget(key, "status")
+                _, status = pipe.execute()
+        finally:
+            if _text(self.conn.get(lease)) == token:
+                self.conn.delete(lease)
+
+    def _queue_line(self, batch_id: str, meta: dict[str, Any], number: int, raw: bytes,
+                    resumed: bool, cancelled: bool) -> None:
+        """Turn one input line into a job, or account it as failed with its reason (or as
+        cancelled, once the batch is being cancelled).
+
+        Job ids follow from the batch and the line, so a takeover (``resumed``) finds what
+        the dead creator had already done for the line and does not do it twice."""
+        job_id = f"{batch_id.removeprefix('batch_')}-{number}"
+        jobs, results = self.keys.batch_jobs(batch_id), self.keys.batch_results(batch_id)
+        custom_id, request, error = _parse_line(meta["endpoint"], number, raw,
+                                                 meta.get("model"))
         record = {"custom_id": custom_id, "job_id": None,
                   "model": (request or {}).get("model")}
+        if resumed and (self.conn.hexists(results, str(number))
+                        or Job.exists(job_id, connection=self.conn)):
+            if error is None and not self.conn.hexists(results, str(number)):
+                self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
+            return
         ref = {"line": number, "batch": self.keys.batch(batch_id), "ttl": self.ttl,
-               "results": self.keys.batch_results(batch_id),
-               "keep": [self.keys.batch(batch_id), self.keys.batch_results(batch_id), jobs]}
+               "results": results, "keep": [self.keys.batch(batch_id), results, jobs]}
         pipe = self.conn.pipeline(transaction=True)
         pipe.set(self.keys.job_batch(job_id), json.dumps(ref),
                  ex=self.coordinator.settings.stream_ttl_seconds)
         pipe.hset(jobs, str(number), json.dumps(record))
         pipe.expire(jobs, self.ttl)
         pipe.execute()
+        s = self.coordinator.settings
+        writer = EventWriter(self.conn, self.keys, job_id, 1, maxlen=s.stream_maxlen,
+                             ttl_seconds=s.stream_ttl_seconds)
+        if cancelled and error is None:
+            writer.final(status=JobStatus.CANCELLED, finish_reason="cancelled")
+            self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
+            return
         if error is None:
             try:
                 self.coordinator.submit(request, job_id=job_id)
@@ -177,10 +234,7 @@ class BatchStore:
             except SubmitError as exc:
                 error = f"line {number}: {exc}"
         self.conn.hincrby(self.keys.batch(batch_id), "invalid", 1)
-        s = self.coordinator.settings
-        EventWriter(self.conn, self.keys, job_id, 1, maxlen=s.stream_maxlen,
-                    ttl_seconds=s.stream_ttl_seconds).final(status=JobStatus.FAILED,
-                                                            error=error)
+        writer.final(status=JobStatus.FAILED, error=error)
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """The batch object (OpenAI's shape, plus ``specfleet`` progress figures)."""
@@ -190,6 +244,9 @@ class BatchStore:
             raise BatchError(f"no such batch: {batch_id}", status=404, param="batch_id")
         meta = json.loads(raw["meta"])
         status = raw["status"]
+        if (status in ("in_progress", "cancelling")
+                and int(raw.get("queued", raw["total"])) < int(raw["total"])):
+            self._queue_lines(batch_id, meta)  # unless its creator is alive and at it
         if status not in TERMINAL and time.time() > meta["expires_at"]:
             status = "expired"
         counts = {name: int(raw.get(name, 0)) for name in ("total", "completed", "failed")}

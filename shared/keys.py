@@ -99,6 +99,11 @@ class Keys:
         """Hash of a batch's lines that became jobs: line number -> job id."""
         return f"{self.prefix}:batch:{batch_id}:jobs"
 
+    def batch_creator(self, batch_id: str) -> str:
+        """Lease of the process queueing a batch's lines (expires when it dies: another
+        process then queues the rest)."""
+        return f"{self.prefix}:batch:{batch_id}:creator"
+
     def batches(self) -> str:
         """Sorted set of batch ids scored by creation time (the listing)."""
         return f"{self.prefix}:batches"

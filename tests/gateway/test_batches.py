@@ -3,8 +3,10 @@ is killed mid-batch and mid-stream: after a restart every result is there."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import threading
 import time
 from typing import Any
 
@@ -149,3 +151,44 @@ def test_gateway_killed_mid_batch_and_mid_stream_loses_nothing(
     assert [o["custom_id"] for o in output] == [f"req-{n}" for n in range(1, 9)]
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 24 for o in output)
     gateway.stop()
+
+
+def test_a_gateway_killed_while_creating_a_batch_leaves_no_line_behind(
+        fleet: Fleet, settings: Settings, tmp_path: Any) -> None:
+    """The creator dies after queueing some lines: the next reader of the batch (another
+    gateway answering a status poll) takes over its lease and queues the rest, once each."""
+    fleet.start("w1")
+    gateway = Gateway(settings, tmp_path).start()
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    total = 60
+    file_id = _upload(client, [_line(n, 2) for n in range(1, total + 1)])
+    creating = threading.Thread(target=_create_quietly, args=(client, file_id), daemon=True)
+    creating.start()
+    conn = Coordinator(settings).connection
+    deadline = time.monotonic() + 60
+    while True:  # wait until the creator is part-way through the lines, then kill it
+        ids = conn.zrange(settings.keys.batches(), 0, -1)
+        queued = int(conn.hget(settings.keys.batch(ids[0].decode()), "queued") or 0) if ids else 0
+        if queued >= 5:
+            break
+        assert time.monotonic() < deadline, "the batch was never being created"
+        time.sleep(0.002)
+    gateway.kill()
+    batch_id = ids[0].decode()
+    assert int(conn.hget(settings.keys.batch(batch_id), "queued")) < total
+    gateway = Gateway(settings, tmp_path).start()
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    batch = _wait(client, batch_id)
+    assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == (
+        "completed", total, 0)
+    output = _jsonl(client.files.content(batch.output_file_id).read())
+    assert [o["custom_id"] for o in output] == [f"req-{n}" for n in range(1, total + 1)]
+    assert len({o["response"]["request_id"] for o in output}) == total  # one job a line
+    gateway.stop()
+
+
+def _create_quietly(client: openai.OpenAI, file_id: str) -> None:
+    """Create a batch; the gateway is killed under the call, so its error is expected."""
+    with contextlib.suppress(openai.APIError):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                              completion_window="24h")
