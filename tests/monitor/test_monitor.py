@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -109,27 +108,34 @@ def test_fail_on_conditions_are_exit_codes(live_run: LiveRun) -> None:
 
 def test_follow_reads_growing_files_and_exits_on_an_alert(live_run: LiveRun,
                                                           tmp_path: Path) -> None:
-    growing = tmp_path / "growing.log"
-    growing.write_text("")
+    """The glob matches nothing when the monitor starts; the file appears, grows, and the
+    monitor reports each state, then exits 1 once the condition holds."""
+    lines = live_run.log.read_text().splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if '"generation.finished"' in line) + 1
     proc = subprocess.Popen([SPECFLEET, "monitor", "--follow", "--json", "--interval", "0.2",
-                             "--fail-on", "generations>=3", str(tmp_path / "*.log")],
+                             "--fail-on", f"generations>={len(PROMPTS)}",
+                             str(tmp_path / "*.log")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        lines = live_run.log.read_text().splitlines(keepends=True)
+        growing = tmp_path / "worker.log"
+        growing.write_text("".join(lines[:first]))
+        assert proc.stdout is not None
+        while True:  # summaries every 0.2 s: wait for the one that has read the first part
+            summary_line = proc.stdout.readline()
+            assert summary_line, "the monitor exited before reading the first part"
+            if json.loads(summary_line)["total"]["generations"] == 1:
+                break
+        assert proc.poll() is None, "the alert fired before its condition held"
         with growing.open("a") as fh:
-            for line in lines:
-                fh.write(line)
-                fh.flush()
-        time.sleep(0.5)
-        assert proc.poll() is None or proc.returncode == 1
-        out, err = proc.communicate(timeout=30)
+            fh.write("".join(lines[first:]))
+        out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, err
     final = json.loads(out.strip().splitlines()[-1])
     assert final["total"]["generations"] == len(PROMPTS)
-    assert "generations>=3 holds" in err
+    assert final["alerts"] == [f"generations>={len(PROMPTS)} holds for total, {WORKER}"]
 
 
 def test_since_takes_iso_times_and_durations() -> None:
