@@ -120,3 +120,17 @@ def test_drafts_follow_the_majority_and_stop_where_occurrences_disagree() -> Non
     free = SuffixProposer(SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7)))
     free.start(history)
     assert free.propose(history, 8, 0.0).tokens[:2] == [sep, 63]  # newest value on a tie
+
+
+def test_a_repeated_request_drafts_its_earlier_output_from_the_first_step() -> None:
+    """The cache entry starts with the prompt's tail, so the very first draft of a repeat
+    (whose tail is all prompt) already continues with what the earlier run wrote."""
+    shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7))
+    prompt = [300 + i for i in range(40)]
+    earlier = SuffixProposer(shared)
+    earlier.start(prompt)
+    history = list(prompt)
+    _commit(earlier, history, [7, 3, 9, 1, 4, 4, 8, 2, 6, 5])
+    repeat = SuffixProposer(shared)
+    repeat.start(prompt)
+    assert repeat.propose(prompt, 6, 0.0).tokens == [7, 3, 9, 1, 4, 4]

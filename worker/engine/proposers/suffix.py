@@ -36,6 +36,8 @@ from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
 
 #: The walk stops once the chance that the whole draft so far is accepted falls below this.
 MIN_REACH = 0.02
+#: Prompt tokens a cache entry keeps before the output: the longest context indexed.
+LEAD_IN = max(ORDERS)
 
 
 @dataclass
@@ -65,9 +67,12 @@ class SuffixProposer:
         self._proposed_at = 0.0
 
     def start(self, prompt: Sequence[int]) -> None:
-        """Index the prompt and open this output's cache entry (outputs only are cached)."""
+        """Index the prompt and open this output's cache entry. The entry starts with the
+        prompt's last :data:`LEAD_IN` tokens, so a repeat of this request matches its own
+        output from the first step (the tail then spans prompt and output)."""
         self._local = TokenIndex(prompt)
         self._entry = self._shared.cache.open()
+        self._shared.cache.extend(self._entry, prompt[-LEAD_IN:])
         self._cells, self._draft = [], []
 
     def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
