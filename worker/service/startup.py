@@ -46,6 +46,9 @@ def pin_device(device: DeviceRef) -> int:
     Must run before llama.cpp initialises its backends (``serve`` re-executes the process
     when llama.cpp was already imported with another device visible).
     """
+    # CUDA numbers GPUs fastest-first unless told otherwise; NVML (which the fitter measures
+    # through) numbers them by PCI bus: make cuda:N the same GPU for both.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index) if device.is_cuda else ""
     return -1 if device.is_cuda else 0
 
