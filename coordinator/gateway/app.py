@@ -6,7 +6,9 @@ gateways can serve one fleet, and a restarted one picks up where the last left o
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
@@ -20,6 +22,9 @@ from coordinator.gateway.errors import APIError
 from coordinator.gateway.streaming import connect_async
 from shared.redis_client import connect
 from shared.settings import Settings
+
+#: Threads for synchronous Redis work (submits, cancels, batch operations).
+SYNC_THREADS = 64
 
 
 class BodyLimit:
@@ -63,6 +68,10 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # rq and the batch store are synchronous: they run in threads, and a batch being
+        # created (seconds for a large one) must not starve the submits of other requests.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="gateway-sync"))
         coordinator = Coordinator(settings, connect(settings.redis_url))
         app.state.coordinator = coordinator
         app.state.batches = BatchStore(coordinator)
