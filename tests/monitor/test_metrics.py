@@ -55,7 +55,9 @@ def test_the_forced_checkpoint_failure_is_one_host_fallback_and_host_mode(
     startup = 1
     per_job = _sum(live_run, "host_fallbacks")
     assert total(text, f"{P}checkpoint_host_fallbacks_total") == startup + per_job == 1
-    assert by_label(text, f"{P}checkpoint_host_fallbacks_total", "reason") == {"reserve": 1.0}
+    assert fit.details["checkpoint_fallback"] == "fault_injection"
+    assert by_label(text, f"{P}checkpoint_host_fallbacks_total", "reason") \
+        == {"fault_injection": 1.0}
     assert all(t.checkpoint_mode == "host" for t in live_run.telemetries())
     assert total(text, f"{P}checkpoint_mode", mode="host") == 1
     assert total(text, f"{P}checkpoint_mode", mode="device") == 0

@@ -63,7 +63,10 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
                        f"the fit measured ({measured} B): the fit cannot be trusted ({breakdown})")
     _log_reserve(report, mode, reserved, measured,
                  parse_buffers(lines).sizes.get("checkpoint", {}))
-    return _as_reserved(report, mode, reserved)
+    as_reserved = _as_reserved(report, mode, reserved)
+    # Why a device reservation fell back (None: it did not), for the worker's metrics.
+    as_reserved.details["checkpoint_fallback"] = rollback.stores[0].fallback_reason
+    return as_reserved
 
 
 def _log_reserve(report: FitReport, mode: CheckpointMode | None, reserved: int,

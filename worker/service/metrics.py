@@ -144,7 +144,8 @@ class WorkerMetrics:
 
         A device reservation that fell back to the host (``configured`` device, reserved
         host) happened before any job, so no job's telemetry carries it: it is counted here,
-        once per slot, with reason ``reserve`` (the ``checkpoint.fallback`` event says why)."""
+        once per slot, with the failure's kind the fit report names (``reserve`` when it
+        names none)."""
         self.fitted_ctx.labels(*self._base).set(n_ctx)
         if fit is not None:
             self.slots.labels(*self._base).set(fit.slots)
@@ -154,7 +155,8 @@ class WorkerMetrics:
             return
         self._set_checkpoint(str(mode), details.get("checkpoint_reserved_bytes"))
         if configured is CheckpointMode.DEVICE and mode == CheckpointMode.HOST:
-            self.host_fallbacks.labels(*self._base, method, "reserve").inc(fit.slots if fit else 1)
+            reason = str(details.get("checkpoint_fallback") or "reserve")
+            self.host_fallbacks.labels(*self._base, method, reason).inc(fit.slots if fit else 1)
 
     def _set_checkpoint(self, mode: str, reserved: object) -> None:
         """The storage in force, and its reservation where it lives (device or ``host``)."""
