@@ -192,3 +192,19 @@ def _create_quietly(client: openai.OpenAI, file_id: str) -> None:
     with contextlib.suppress(openai.APIError):
         client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
                               completion_window="24h")
+
+
+def test_cancelling_a_batch_stops_running_and_queued_lines(fleet: Fleet, gateway: Gateway,
+                                                           client: openai.OpenAI) -> None:
+    fleet.start("w1", step_delay=0.05)
+    batch = client.batches.create(input_file_id=_upload(client, [_line(n, 200)
+                                                                  for n in range(1, 7)]),
+                                  endpoint="/v1/completions", completion_window="24h")
+    time.sleep(0.5)  # the first line is running, the others wait in the queue
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    batch = _wait(client, batch.id)
+    assert batch.status == "cancelled" and batch.request_counts.total == 6
+    assert batch.request_counts.failed == 6 - batch.request_counts.completed
+    errors = _jsonl(client.files.content(batch.error_file_id).read())
+    assert {e["error"]["code"] for e in errors} == {"cancelled"}
+    assert batch.request_counts.failed >= 5  # at most the running line could have finished
