@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import free_port, stop_processes
 from redis import Redis
 from redis.exceptions import RedisError
 
@@ -30,13 +31,6 @@ def redis_server_binary() -> str:
     if binary is None:
         pytest.skip("redis-server is not installed (Debian/Ubuntu: apt-get install redis-server)")
     return binary
-
-
-def free_port() -> int:
-    """A port the kernel has just handed out as free (there is no port 0 for redis-server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(check: object, timeout: float, what: str) -> None:
@@ -103,15 +97,7 @@ def _start(binary: str, args: list[str], log: Path, password: str | None = None)
 
 
 def _stop(nodes: list[Node]) -> None:
-    for node in nodes:
-        if node.proc.poll() is None:
-            node.proc.terminate()
-    for node in nodes:
-        try:
-            node.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            node.proc.kill()
-            node.proc.wait()
+    stop_processes(node.proc for node in nodes)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from shared.sentinel import parse_sentinel_url
 from shared.settings import Settings
 
 # tests/ is on sys.path (pytest's rootdir-relative import); Fleet starts real worker processes.
+from helpers import SPECFLEET, stop_processes  # isort: skip
 from service.workers import MODEL_NAME, Fleet  # isort: skip
 
 from .files import ROOT
@@ -126,7 +127,7 @@ def test_the_gateway_stays_healthy_across_a_killed_primary(group: SentinelGroup,
     port = free_port()
     env = {**os.environ, "REDIS_URL": group.url, "SPECFLEET_PREFIX": f"t{uuid.uuid4().hex[:8]}"}
     log = (tmp_path / "gateway.log").open("wb")
-    gateway = subprocess.Popen([str(Path(sys.executable).with_name("specfleet")), "serve",
+    gateway = subprocess.Popen([SPECFLEET, "serve",
                                 "--host", "127.0.0.1", "--port", str(port)],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
     check = [sys.executable, str(ROOT / "docker/healthcheck.py"), "http",
@@ -143,8 +144,7 @@ def test_the_gateway_stays_healthy_across_a_killed_primary(group: SentinelGroup,
         wait_until(lambda: _failed_over(group, old), 30, "the sentinel to promote the replica")
         wait_until(healthy, 30, "the gateway to be healthy on the new primary")
     finally:
-        gateway.terminate()
-        gateway.wait(timeout=20)
+        stop_processes([gateway], timeout=20)
 
 
 def test_a_batch_loses_nothing_when_the_primary_is_killed_mid_batch(

@@ -14,16 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import N_CTX, PROMPT, greedy
 
 from shared.protocol import SpecMethod, SpecSettings, Telemetry
 from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
 from worker.testmodels import write_qwen35_hybrid
 from worker.testmodels.recipe import Strengths
 
-PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
 TOKENS = 200
 N_MAX = 7
-N_CTX = 512
 #: A softer output scale, so the MTP head's confidence spreads out (median ~0.6) and p-min
 #: really cuts drafts; at the default scale the head is ~100% sure of every token.
 SOFT_LOGIT_SCALE = 8.0
@@ -43,27 +42,27 @@ def open_engine(model: Path, method: SpecMethod, draft_max: int = N_MAX,
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=n_ctx, n_threads=1, spec=spec))
 
 
-def _subject(model: Path, method: SpecMethod) -> Iterator[Subject]:
+def subject(model: Path, method: SpecMethod) -> Iterator[Subject]:
+    """An engine drafting with ``method`` on ``model``, and its greedy reference."""
     with open_engine(model, method) as engine:
-        plain = engine.generate(PROMPT, TOKENS, SpecSettings(method=SpecMethod.NONE))
-        yield Subject(engine, plain.tokens)
+        yield Subject(engine, greedy(engine, TOKENS))
 
 
 @pytest.fixture(scope="session")
 def hybrid_mtp(hybrid_model: Path) -> Iterator[Subject]:
-    yield from _subject(hybrid_model, SpecMethod.MTP)
+    yield from subject(hybrid_model, SpecMethod.MTP)
 
 
 @pytest.fixture(scope="session")
 def dense_ngram(dense_model: Path) -> Iterator[Subject]:
-    yield from _subject(dense_model, SpecMethod.NGRAM)
+    yield from subject(dense_model, SpecMethod.NGRAM)
 
 
 @pytest.fixture(scope="session")
 def soft_hybrid_mtp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Subject]:
     path = write_qwen35_hybrid(tmp_path_factory.mktemp("soft") / "soft-qwen35-mtp.gguf",
                                strengths=Strengths(logit_scale=SOFT_LOGIT_SCALE))
-    yield from _subject(path, SpecMethod.MTP)
+    yield from subject(path, SpecMethod.MTP)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

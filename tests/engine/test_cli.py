@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import N_CTX, specfleet
 
 from .conftest import PROMPT, Subject
 
-SPECFLEET = str(Path(sys.executable).with_name("specfleet"))
 PROMPT_ARG = ",".join(map(str, PROMPT))
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SPECFLEET, "generate", *args, "--threads", "1", "--ctx", "512"],
-                          capture_output=True, text=True, timeout=120)
+    return specfleet("generate", *args, "--threads", "1", "--ctx", str(N_CTX))
 
 
 def test_json_output_matches_the_engine(hybrid_model: Path, hybrid_mtp: Subject) -> None:

@@ -26,6 +26,7 @@ from .conftest import (
     assert_consistent,
     first_difference,
     open_engine,
+    subject,
 )
 
 WIDTHS = range(1, N_MAX + 1)
@@ -33,20 +34,14 @@ WIDTHS = range(1, N_MAX + 1)
 OTHER_PROMPT = [11, 250, 3, 99, 42, 17, 5, 8, 200]
 
 
-def _subject(model: Path, method: SpecMethod) -> Iterator[Subject]:
-    with open_engine(model, method) as engine:
-        plain = engine.generate(PROMPT, TOKENS, SpecSettings(method=SpecMethod.NONE))
-        yield Subject(engine, plain.tokens)
-
-
 @pytest.fixture(scope="module")
 def dense_suffix(dense_model: Path) -> Iterator[Subject]:
-    yield from _subject(dense_model, SpecMethod.SUFFIX)
+    yield from subject(dense_model, SpecMethod.SUFFIX)
 
 
 @pytest.fixture(scope="module")
 def hybrid_mtp_suffix(hybrid_model: Path) -> Iterator[Subject]:
-    yield from _subject(hybrid_model, SpecMethod.MTP_SUFFIX)
+    yield from subject(hybrid_model, SpecMethod.MTP_SUFFIX)
 
 
 #: (engine fixture, the request's method).

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import llama_cpp
 import pytest
+from helpers import specfleet
 
 from worker.testmodels import TinyModels
 
-SPECFLEET = str(Path(sys.executable).with_name("specfleet"))
-
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SPECFLEET, "fit", *args], capture_output=True, text=True,
-                          timeout=120)
+    return specfleet("fit", *args)
 
 
 def test_json_report(tiny_models: TinyModels) -> None:

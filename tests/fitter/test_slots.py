@@ -9,13 +9,12 @@ import json
 import subprocess
 
 import pytest
+from helpers import specfleet
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.slot import SlotRequest
 from worker.fitter import FitError, fit_worker
 from worker.testmodels import TinyModels
-
-from .test_cli import SPECFLEET
 
 MIB = 1024 * 1024
 COMPACT = SpecSettings(method=SpecMethod.MTP, draft_max=5, rollback_depth=1)
@@ -85,10 +84,8 @@ def test_auto_picks_the_most_slots_that_fit_ctx_min(tiny_models: TinyModels) -> 
 
 def test_cli_slots_auto_and_refusals(tiny_models: TinyModels) -> None:
     def fit(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([SPECFLEET, "fit", "--model", str(tiny_models.dense),
-                               "--budget-mib", "3", "--fit-target-mib", "0", "--spec", "ngram",
-                               "--ctx-min", "256", *args],
-                              capture_output=True, text=True, timeout=120)
+        return specfleet("fit", "--model", str(tiny_models.dense), "--budget-mib", "3",
+                         "--fit-target-mib", "0", "--spec", "ngram", "--ctx-min", "256", *args)
 
     proc = fit("--slots", "auto", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -14,7 +14,7 @@ import httpx
 from shared.settings import Settings
 
 # tests/ is on sys.path (pytest's rootdir-relative import).
-from service.workers import SPECFLEET  # isort: skip
+from helpers import SPECFLEET, stop_processes  # isort: skip
 
 
 def free_port() -> int:
@@ -66,13 +66,8 @@ class Gateway:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_processes([self.proc])
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from service.workers import SPECFLEET
+from helpers import SPECFLEET, specfleet
 
 from coordinator.monitor import parse_since
 
@@ -20,8 +20,7 @@ FIELDS = ("drafts", "drafted", "accepted", "target_decodes", "generated_tokens",
 
 
 def monitor(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SPECFLEET, "monitor", *args], input=stdin, capture_output=True,
-                          text=True, timeout=60)
+    return specfleet("monitor", *args, stdin=stdin, timeout=60)
 
 
 def summary(*args: str, stdin: str | None = None) -> dict:

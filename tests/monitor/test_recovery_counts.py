@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import specfleet
 from redis import Redis
 from service.conftest import _delete_namespace
-from service.workers import MODEL_NAME, SPECFLEET, Fleet
+from service.workers import MODEL_NAME, Fleet
 
 from coordinator.client import Coordinator
 from shared.protocol import ProgressEvent, TokenEvent
@@ -60,8 +60,8 @@ def test_a_lost_worker_and_its_recovered_job_are_counted(fleet: Fleet, tmp_path:
     fleet.kill("rescuer", signal.SIGTERM)
     fleet.procs["rescuer"].wait(timeout=30)
 
-    proc = subprocess.run([SPECFLEET, "monitor", "--json", "--fail-on", "lost>0",
-                           str(tmp_path / "*.log")], capture_output=True, text=True, timeout=60)
+    proc = specfleet("monitor", "--json", "--fail-on", "lost>0", str(tmp_path / "*.log"),
+                     timeout=60)
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
     victim, rescuer = out["workers"]["victim"], out["workers"]["rescuer"]

@@ -9,16 +9,16 @@ workers published equal to the jobs' own.
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from gateway.gateway import Gateway
+from helpers import specfleet
 from redis import Redis
 from service.conftest import _delete_namespace
-from service.workers import MODEL_NAME, SPECFLEET, Fleet
+from service.workers import MODEL_NAME, Fleet
 
 from coordinator.client import Coordinator
 from coordinator.metrics import fleet_snapshot
@@ -53,8 +53,7 @@ def gateway_metrics(gateway: Gateway) -> str:
 
 
 def top_once(fleet: Fleet) -> dict:
-    proc = subprocess.run([SPECFLEET, "top", "--once", "--json"], capture_output=True, text=True,
-                          timeout=60, env=fleet.env(0.0, {}))
+    proc = specfleet("top", "--once", "--json", env=fleet.env(0.0, {}), timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -116,11 +115,9 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(
         assert w["tokens_per_second"] > 0 and w["replays_per_second"] == 0
         assert w["host_fallbacks"] == 0
     assert all(q["depth"] == 0 for q in done["queues"])
-    text = subprocess.run([SPECFLEET, "top", "--once"], capture_output=True, text=True,
-                          timeout=60, env=fleet.env(0.0, {}))
+    text = specfleet("top", "--once", env=fleet.env(0.0, {}), timeout=60)
     assert text.returncode == 0 and all(name in text.stdout for name in NAMES), text.stderr
-    listed = subprocess.run([SPECFLEET, "fleet", "--json"], capture_output=True, text=True,
-                            timeout=60, env=fleet.env(0.0, {}))
+    listed = specfleet("fleet", "--json", env=fleet.env(0.0, {}), timeout=60)
     assert listed.returncode == 0, listed.stderr
     published = {w["name"]: w["telemetry"]["generated_tokens"]
                  for w in json.loads(listed.stdout)["workers"]}

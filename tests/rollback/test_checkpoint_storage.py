@@ -8,19 +8,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from helpers import PROMPT
 from structlog.testing import capture_logs
 
 from shared.protocol import CheckpointMode
+from worker.engine.engine import SpeculativeEngine
 from worker.engine.rollback.compact import CompactRollback
 from worker.fitter.buffers import MIB, parse_buffers
 from worker.llm import capture_llama_log
 
-from .conftest import MATRIX_TOKENS, PROMPT, engine_for
+from .conftest import MATRIX_TOKENS, engine_for
 from .oracle import OracleProposer
 
 DRAFT_MAX, DEPTH = 5, 1
 #: Generated tokens after which the drill breaks device saves.
 BREAK_AFTER = 30
+
+
+def compact(engine: SpeculativeEngine) -> CompactRollback:
+    """The engine's rollback, which these depth-below-width settings make compact."""
+    assert isinstance(engine.rollback, CompactRollback)
+    return engine.rollback
 
 
 def fallbacks(logs: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -31,8 +39,7 @@ def test_device_save_failure_mid_generation_moves_to_host_for_good(
         hybrid_model: Path, hybrid_reference: list[int]) -> None:
     expected = hybrid_reference[:MATRIX_TOKENS]
     with engine_for(hybrid_model, DRAFT_MAX, DEPTH, CheckpointMode.DEVICE) as engine:
-        rollback = engine.rollback
-        assert isinstance(rollback, CompactRollback)
+        rollback = compact(engine)
         store = rollback.stores[0]
         at_break: dict[str, object] = {}
         produced: list[int] = []
@@ -69,8 +76,7 @@ def test_reserve_allocates_the_device_checkpoint_before_any_request(
         hybrid_model: Path, hybrid_reference: list[int]) -> None:
     expected = hybrid_reference[:MATRIX_TOKENS]
     with engine_for(hybrid_model, DRAFT_MAX, DEPTH, CheckpointMode.DEVICE) as engine:
-        rollback = engine.rollback
-        assert isinstance(rollback, CompactRollback)
+        rollback = compact(engine)
         with capture_llama_log() as at_start:
             reserved = rollback.reserve(engine.target)
         oracle = OracleProposer(expected, engine.model.n_vocab, seed=3)
@@ -91,8 +97,7 @@ def test_fault_injection_at_start_reserves_host_storage(
     expected = hybrid_reference[:MATRIX_TOKENS]
     with engine_for(hybrid_model, DRAFT_MAX, DEPTH, CheckpointMode.DEVICE,
                     fail_device=True) as engine:
-        rollback = engine.rollback
-        assert isinstance(rollback, CompactRollback)
+        rollback = compact(engine)
         oracle = OracleProposer(expected, engine.model.n_vocab, seed=5)
         with capture_logs() as logs:
             reserved = rollback.reserve(engine.target)

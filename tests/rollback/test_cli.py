@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import N_CTX, PROMPT, specfleet
 
-from .conftest import MATRIX_TOKENS, N_CTX, PROMPT
-
-SPECFLEET = str(Path(sys.executable).with_name("specfleet"))
+from .conftest import MATRIX_TOKENS
 
 
 def generate_json(model: Path, checkpoint: str, **env: str) -> dict[str, object]:
-    proc = subprocess.run(
-        [SPECFLEET, "generate", "--model", str(model),
-         "--prompt-tokens", ",".join(map(str, PROMPT)), "--max-tokens", str(MATRIX_TOKENS),
-         "--spec", "mtp", "--draft-max", "5",
-         "--rollback-depth", "1", "--checkpoint", checkpoint, "--threads", "1",
-         "--ctx", str(N_CTX), "--json"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    proc = specfleet(
+        "generate", "--model", str(model),
+        "--prompt-tokens", ",".join(map(str, PROMPT)), "--max-tokens", str(MATRIX_TOKENS),
+        "--spec", "mtp", "--draft-max", "5",
+        "--rollback-depth", "1", "--checkpoint", checkpoint, "--threads", "1",
+        "--ctx", str(N_CTX), "--json", env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import PROMPT
 
 from shared.protocol import CheckpointMode
 
-from .conftest import MATRIX_TOKENS, PROMPT, engine_for
+from .conftest import MATRIX_TOKENS, engine_for
 from .oracle import OracleProposer
 
 PAIRS = [(n, d) for n in range(1, 8) for d in range(1, n + 1)]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from helpers import PROMPT
+
 from shared.protocol import CheckpointMode, SpecMethod
 from worker.fitter.buffers import parse_buffers
 from worker.llm import capture_llama_log
 
-from .conftest import MATRIX_TOKENS, PROMPT, engine_for
+from .conftest import MATRIX_TOKENS, engine_for
 from .oracle import OracleProposer
 
 

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from helpers import PROMPT
 
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
 from worker.engine.proposers.base import Draft, Proposer, VerifyOutcome
 
-from .conftest import LONG_TOKENS, PROMPT, engine_for
+from .conftest import LONG_TOKENS, engine_for
 from .oracle import Planned
 
 

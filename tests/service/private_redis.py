@@ -15,13 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
-
-def free_port() -> int:
-    """A loopback port the kernel has just handed out as free."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from helpers import free_port, stop_processes
 
 
 @contextmanager
@@ -52,6 +46,5 @@ def private_redis(workdir: Path, *config: str, timeout: float = 10.0) -> Iterato
                 time.sleep(0.05)
         yield port
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_processes([proc])
         log.close()

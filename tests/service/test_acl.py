@@ -21,6 +21,7 @@ from string import Template
 
 import httpx
 import pytest
+from helpers import specfleet
 from redis import Redis, RedisError
 from redis.exceptions import NoPermissionError
 
@@ -29,7 +30,7 @@ from shared.protocol import FinalEvent, JobStatus, ProgressEvent, TokenEvent
 from shared.settings import Settings
 
 from .private_redis import private_redis
-from .workers import MODEL_NAME, SPECFLEET, Fleet
+from .workers import MODEL_NAME, Fleet
 
 # tests/ is on sys.path (pytest's rootdir-relative import): the gateway tests' process helper.
 from gateway.gateway import Gateway  # isort: skip
@@ -56,8 +57,7 @@ class AclDeployment:
         """Run ``specfleet`` as the client user."""
         env = self.fleet.env(0.0, {"REDIS_URL": self.client.settings.redis_url,
                                    "SPECFLEET_LOG_LEVEL": "warning"})
-        return subprocess.run([SPECFLEET, *args], env=env, capture_output=True, text=True,
-                              timeout=120)
+        return specfleet(*args, env=env)
 
     def assert_no_denials(self) -> None:
         """Redis denied nothing, and no worker logged a NOPERM or a traceback."""

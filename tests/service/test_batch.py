@@ -13,13 +13,15 @@ import subprocess
 import time
 from pathlib import Path
 
+from helpers import specfleet
+
 from coordinator.batch import BatchStore
 from coordinator.client import Coordinator
 from coordinator.gateway.schemas import NATIVE
-from shared.protocol import JobStatus, ProgressEvent, TokenEvent, WorkerInfo
+from shared.protocol import JobStatus, WorkerInfo
 from worker.service.events import EventWriter
 
-from .workers import MODEL_NAME, SPECFLEET, Fleet
+from .workers import MODEL_NAME, Fleet
 
 
 def _lines(*bodies: dict | bytes) -> bytes:
@@ -98,14 +100,7 @@ def test_a_killed_workers_line_is_accounted_once(fleet: Fleet, coordinator: Coor
     batch = store.create(upload["id"], NATIVE)
     job_id = json.loads(coordinator.connection.hget(coordinator.keys.batch_jobs(batch["id"]),
                                                     "1"))["job_id"]
-    victim = None
-    for event in coordinator.handle(job_id).stream(timeout=60):
-        if isinstance(event, ProgressEvent) and event.stage == "started":
-            victim = event.worker
-        if isinstance(event, TokenEvent):
-            break
-    assert victim is not None
-    fleet.kill(victim)
+    fleet.kill_runner(coordinator.handle(job_id).stream(timeout=60))
     fleet.start("w2", step_delay=0.03, wait=False)
     batch = _wait_ended(store, batch["id"])
     assert batch["status"] == "completed"
@@ -116,8 +111,7 @@ def test_a_killed_workers_line_is_accounted_once(fleet: Fleet, coordinator: Coor
 
 
 def _cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SPECFLEET, *args], env=fleet.env(0.0, {}), capture_output=True,
-                          text=True, timeout=120)
+    return specfleet(*args, env=fleet.env(0.0, {}))
 
 
 def test_invalid_utf8_line_is_its_own_error_and_out_keeps_input_order(

@@ -7,11 +7,11 @@ the worker, for a request that bypassed the coordinator), never served with a su
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import specfleet
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
@@ -20,7 +20,7 @@ from coordinator.validation import SubmitError
 from shared.protocol import JOB_FUNCTION, JobStatus
 from shared.settings import Settings
 
-from .workers import MODEL_NAME, SPECFLEET, Fleet
+from .workers import MODEL_NAME, Fleet
 
 BASE = {"model": MODEL_NAME, "prompt_tokens": [5, 3, 5, 3, 5], "max_tokens": 24}
 LOADED = ("--ctx", "512", "--spec", "mtp", "--draft-max", "4", "--rollback-depth", "2")
@@ -60,9 +60,8 @@ def test_a_request_may_narrow_the_workers_capacity_but_never_widen_it(
     assert hybrid_fleet.alive("w1")
 
     env = hybrid_fleet.env(0.0, {})
-    cli = subprocess.run([SPECFLEET, "submit", "--model", MODEL_NAME, "--prompt-tokens", "1,2",
-                          "--max-tokens", "4", "--rollback-depth", "3"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    cli = specfleet("submit", "--model", MODEL_NAME, "--prompt-tokens", "1,2",
+                    "--max-tokens", "4", "--rollback-depth", "3", env=env, timeout=60)
     assert cli.returncode == 2 and cli.stdout == ""
     assert cli.stderr.count("\n") == 1 and "rollback_depth 3 is not the worker's 2" in cli.stderr
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import specfleet
 from rq.job import Job
 from rq.job import JobStatus as RqStatus
 from rq.serializers import JSONSerializer
@@ -16,13 +17,12 @@ from rq.serializers import JSONSerializer
 from coordinator.client import Coordinator
 from shared.protocol import JobStatus
 
-from .workers import CTX, MODEL_NAME, SPECFLEET, Fleet
+from .workers import CTX, MODEL_NAME, Fleet
 
 
 def _cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
     env = fleet.env(0.0, {"SPECFLEET_LOG_LEVEL": "warning"})
-    return subprocess.run([SPECFLEET, *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return specfleet(*args, env=env)
 
 
 def test_submit_json_equals_generate_in_process(fleet: Fleet, dense_model: Path) -> None:
@@ -59,7 +59,7 @@ def test_submit_errors_are_one_line_and_non_zero(fleet: Fleet) -> None:
     (["nosuch"], "nosuch"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(args: list[str], needle: str) -> None:
-    proc = subprocess.run([SPECFLEET, *args], capture_output=True, text=True, timeout=60)
+    proc = specfleet(*args, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("specfleet: error:") and needle in lines[0]
@@ -67,8 +67,7 @@ def test_usage_errors_are_one_line_and_exit_2(args: list[str], needle: str) -> N
 
 def test_a_bad_environment_is_a_one_line_error() -> None:
     env = {**os.environ, "SPECFLEET_HEARTBEAT_SECONDS": "often"}
-    proc = subprocess.run([SPECFLEET, "fleet"], env=env, capture_output=True, text=True,
-                          timeout=60)
+    proc = specfleet("fleet", env=env, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "specfleet: error: invalid SPECFLEET_* environment: heartbeat_seconds: "
@@ -79,8 +78,7 @@ def test_batch_output_that_cannot_be_written_is_a_one_line_error(tmp_path: Path)
     source = tmp_path / "in.jsonl"
     source.write_text("{}\n")
     out = tmp_path / "missing-dir" / "out.jsonl"
-    proc = subprocess.run([SPECFLEET, "batch", str(source), "--model", "m", "--out", str(out)],
-                          capture_output=True, text=True, timeout=60)
+    proc = specfleet("batch", str(source), "--model", "m", "--out", str(out), timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"specfleet: error: {out}: No such file or directory"]

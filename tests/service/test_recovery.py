@@ -35,14 +35,7 @@ def test_kill_9_mid_generation_ten_times_loses_nothing(fleet: Fleet,
     for _ in range(REPETITIONS):
         handle = coordinator.submit(REQUEST)
         events = handle.stream(timeout=60)
-        victim = None
-        for event in events:  # run until the first tokens of attempt 1 are out
-            if isinstance(event, ProgressEvent) and event.stage == "started":
-                victim = event.worker
-            if isinstance(event, TokenEvent):
-                break
-        assert victim is not None
-        fleet.kill(victim)
+        victim = fleet.kill_runner(events)  # once the first tokens of attempt 1 are out
         killed_at = time.time()
         fleet.start(f"w{next_name}", step_delay=STEP_DELAY, wait=False)
         next_name += 1

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import specfleet
 
 from .private_redis import free_port, private_redis
-from .workers import MODEL_NAME, SPECFLEET
+from .workers import MODEL_NAME
 
 USER = "specfleet-ops"
 PASSWORD = "Hunter2-not-for-logs"
@@ -57,8 +57,7 @@ def test_a_redis_error_names_user_and_host_but_never_the_password(
            "SPECFLEET_PREFIX": "secrets", "SPECFLEET_LOG_LEVEL": "debug",
            "SPECFLEET_LOG_FORMAT": "json", "SPECFLEET_REDIS_OUTAGE_SECONDS": "1",
            "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([SPECFLEET, *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = specfleet(*args, env=env)
     assert done.returncode == 3, done.stderr
     assert PASSWORD not in done.stdout + done.stderr
     error = [line for line in done.stderr.splitlines() if line.startswith("specfleet: error:")]

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cpp
 import pytest
+from helpers import specfleet
 
 from coordinator.client import Coordinator
 from shared.settings import Settings
 
-from .workers import SPECFLEET, Fleet
+from .workers import Fleet
 
 #: A compact-rollback worker (D = 1 < N = 4) on the hybrid model: it holds a checkpoint.
 COMPACT = ("--spec", "ngram", "--draft-max", "4", "--rollback-depth", "1")
@@ -40,8 +40,7 @@ def _refused(fleet: Fleet, coordinator: Coordinator, name: str, *args: str) -> s
 
 def _fleet_json(settings: Settings) -> dict:
     env = {**os.environ, "REDIS_URL": settings.redis_url, "SPECFLEET_PREFIX": settings.prefix}
-    proc = subprocess.run([SPECFLEET, "fleet", "--json"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = specfleet("fleet", "--json", env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -4,18 +4,18 @@ token); messages carry our sentence, never pydantic's "Value error," prefix."""
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
+from helpers import specfleet
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator, SubmitError
 from shared.protocol import JOB_FUNCTION, JobStatus
 
-from .workers import MODEL_NAME, SPECFLEET, Fleet
+from .workers import MODEL_NAME, Fleet
 
 BAD = [
     ({"max_tokens": True}, "max_tokens: Input should be a valid integer"),
@@ -68,7 +68,6 @@ def test_a_worker_refuses_coerced_types_that_reached_its_queue(
      "draft_max (2)"),
 ])
 def test_cli_messages_carry_our_sentence(tmp_path: Path, args: list[str], line: str) -> None:
-    proc = subprocess.run([SPECFLEET, *args], capture_output=True, text=True, timeout=60,
-                          cwd=tmp_path)
+    proc = specfleet(*args, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == line

@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from helpers import SPECFLEET, stop_processes
+
 from coordinator.client import Coordinator
+from shared.protocol import AnyEvent, ProgressEvent, TokenEvent
 from shared.settings import Settings
 
-SPECFLEET = str(Path(sys.executable).with_name("specfleet"))
 MODEL_NAME = "tiny"
 CTX = 512
 
@@ -65,6 +67,22 @@ class Fleet:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.procs[name].send_signal(sig)
 
+    def kill_runner(self, events: Iterator[AnyEvent]) -> str:
+        """SIGKILL the worker running a job as soon as its first tokens are out; its name.
+
+        ``events`` is the job's stream, read up to those tokens and left there, so that the
+        test can read on into the attempt that recovery starts.
+        """
+        victim = None
+        for event in events:
+            if isinstance(event, ProgressEvent) and event.stage == "started":
+                victim = event.worker
+            if isinstance(event, TokenEvent):
+                break
+        assert victim is not None, "the job's stream showed no worker starting it"
+        self.kill(victim)
+        return victim
+
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None
 
@@ -72,12 +90,4 @@ class Fleet:
         return (self.logs / f"{name}.log").read_text()
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs.values())

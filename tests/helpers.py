@@ -1,0 +1,62 @@
+"""Helpers every test folder shares: the installed CLI, child processes, the greedy reference.
+
+``tests/`` is on ``sys.path`` (its root ``conftest.py`` has no package), so any test imports
+these as ``from helpers import ...``. One copy here keeps the folders from drifting apart: the
+CLI is always the venv's own console script, a child process is always stopped the same
+polite-then-hard way, and every exactness check compares with the same plain-greedy
+continuation of the same prompt.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.engine import SpeculativeEngine
+
+#: The ``specfleet`` console script of the interpreter running the tests (never one on PATH).
+SPECFLEET = str(Path(sys.executable).with_name("specfleet"))
+#: The prompt the engine and rollback exactness checks continue.
+PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
+#: The context the tiny-model engines are opened with.
+N_CTX = 512
+
+
+def specfleet(*args: str, env: Mapping[str, str] | None = None, stdin: str | None = None,
+              cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``specfleet ARGS`` to completion, text output captured (``env`` replaces os.environ)."""
+    return subprocess.run([SPECFLEET, *args], env=env, input=stdin, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A loopback port the kernel has just handed out as free (redis-server has no port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10) -> None:
+    """SIGTERM every live process, then wait for each; one that outlives ``timeout`` is killed.
+
+    All get their SIGTERM first so that their shutdowns overlap instead of adding up.
+    """
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def greedy(engine: SpeculativeEngine, n_tokens: int, prompt: list[int] = PROMPT) -> list[int]:
+    """Plain one-token-at-a-time greedy continuation: the reference of every exactness check."""
+    return engine.generate(prompt, n_tokens, SpecSettings(method=SpecMethod.NONE)).tokens
