@@ -94,7 +94,8 @@ class SpecSettings(_Strict):
     draft_max: int = Field(default=8, ge=1, le=MAX_DRAFT, description="draft width ceiling N")
     draft_min: int = Field(default=0, ge=0, le=MAX_DRAFT, description="shorter drafts are dropped")
     p_min: float = Field(default=0.0, ge=0.0, le=1.0, description="drafter confidence floor")
-    adaptive: bool = Field(default=False, description="adapt the draft width (seed 003 rule)")
+    adaptive: bool = Field(default=False, description="narrow or widen the draft width "
+                           "(within 1..draft_max) as recent drafts are accepted")
     rollback_depth: int | None = Field(
         default=None, ge=1, le=MAX_DRAFT, description="direct rollback snapshots D (None = N)"
     )

@@ -11,6 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shared.keys import Keys
 from shared.redact import RedisURL
 
+#: Where the Redis URL is read from, first found wins (``specfleet worker --redis`` too).
+REDIS_URL_VARIABLES = ("REDIS_URL", "SPECFLEET_REDIS_URL")
+
 
 class Settings(BaseSettings):
     """Process-wide configuration; every field can be set as ``SPECFLEET_<FIELD>``."""
@@ -20,7 +23,7 @@ class Settings(BaseSettings):
     #: A ``str`` whose repr masks the password (a printed settings object shows no secret).
     redis_url: Annotated[str, AfterValidator(RedisURL)] = Field(
         default="redis://127.0.0.1:6379/0", validate_default=True,
-        validation_alias=AliasChoices("REDIS_URL", "SPECFLEET_REDIS_URL"),
+        validation_alias=AliasChoices(*REDIS_URL_VARIABLES),
     )
     prefix: str = Field(default="specfleet", pattern=r"^[\w.\-]+$")
     log_level: str = "info"

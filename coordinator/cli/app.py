@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from importlib.metadata import version
+from typing import Annotated, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -47,6 +48,18 @@ def environment_settings() -> Settings:
         fail(f"invalid SPECFLEET_* environment: {describe_validation_error(exc)}")
 
 
+def _print_version(requested: bool) -> None:
+    """``--version``: the installed distribution's version, the one version string there is
+    (``pyproject.toml`` sets it; nothing in the code repeats it)."""
+    if requested:
+        typer.echo(f"specfleet {version('specfleet')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="print the version and exit")] = False,
+) -> None:
     """Speculative LLM decoding on a fleet of GPU workers behind Redis."""

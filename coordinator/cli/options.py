@@ -33,7 +33,7 @@ Spec = Annotated[SpecMethod, typer.Option(help="drafting method")]
 DraftMax = Annotated[int, typer.Option(help="draft width ceiling N")]
 DraftMin = Annotated[int, typer.Option(help="shorter drafts are dropped")]
 PMin = Annotated[float, typer.Option(help="stop drafting below this confidence")]
-Adaptive = Annotated[bool, typer.Option(help="adapt the draft width (seed 003 rule)")]
+Adaptive = Annotated[bool, typer.Option(help=SpecSettings.model_fields["adaptive"].description)]
 RollbackDepth = Annotated[int | None, typer.Option(help="direct rollback depth D")]
 Slots = Annotated[str, typer.Option(
     help="sequences served at once, or 'auto': the most that fit --ctx (or --ctx-min) each")]

@@ -15,6 +15,7 @@ from shared.logs import configure_logging
 from shared.outage import RedisOutage
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
 from shared.redact import RedisURL
+from shared.settings import REDIS_URL_VARIABLES
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
 from worker.fitter.fit import parse_slots
 from worker.service.runner import serve
@@ -36,7 +37,8 @@ def worker(
     = DEFAULT_FIT_TARGET_MIB,
     ctx_min: Annotated[int, typer.Option(min=1, help="refuse to start with less context")]
     = DEFAULT_CTX_MIN,
-    redis: Annotated[str | None, typer.Option(help="Redis URL (default: REDIS_URL)")] = None,
+    redis: Annotated[str | None, typer.Option(
+        help="Redis URL", envvar=list(REDIS_URL_VARIABLES))] = None,
     name: Annotated[str | None, typer.Option(help="worker name (default: host-device-pid)")]
     = None,
     ctx: opt.FixedCtx = None,
