@@ -11,7 +11,7 @@ from coordinator.cli.app import app, environment_settings, fail
 from coordinator.gateway.app import create_app
 from coordinator.gateway.auth import GatewaySettings
 from coordinator.redis_local import answers
-from shared.logs import configure_logging
+from shared.logs import configure_logging, get_logger
 from shared.redact import redact
 
 
@@ -29,5 +29,7 @@ def serve(
         fail(f"invalid SPECFLEET_* environment: {exc}")
     if not answers(settings.redis_url):
         fail(f"Redis at {redact(settings.redis_url)} does not answer", code=3)
+    get_logger("gateway").info("gateway.listening", host=host, port=port,
+                               api_keys=len(gateway.keys()), prefix=settings.prefix)
     uvicorn.run(create_app(settings, gateway), host=host, port=port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)
