@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from importlib.metadata import version
 from typing import Annotated, NoReturn
 
 import typer
@@ -12,6 +11,7 @@ from pydantic import ValidationError
 from shared.protocol import describe_validation_error
 from shared.redact import redact
 from shared.settings import Settings, get_settings
+from shared.version import package_version
 
 app = typer.Typer(
     name="specfleet",
@@ -49,10 +49,9 @@ def environment_settings() -> Settings:
 
 
 def _print_version(requested: bool) -> None:
-    """``--version``: the installed distribution's version, the one version string there is
-    (``pyproject.toml`` sets it; nothing in the code repeats it)."""
+    """``--version``, eager: it answers before any sub-command is required or settings read."""
     if requested:
-        typer.echo(f"specfleet {version('specfleet')}")
+        typer.echo(f"specfleet {package_version()}")
         raise typer.Exit()
 
 
