@@ -24,6 +24,8 @@ from rq.serializers import JSONSerializer
 
 from coordinator.events import StreamCursor, follow
 from coordinator.validation import SubmitError, check_admission, choose_tier, parse_request
+from shared.cancel import request_cancel
+from shared.event_stream import EventWriter
 from shared.logs import get_logger
 from shared.protocol import (
     JOB_FUNCTION,
@@ -35,12 +37,10 @@ from shared.protocol import (
     TokenEvent,
     WorkerInfo,
 )
+from shared.recovery import RecoveryMonitor
 from shared.redis_client import connect
+from shared.registry import FleetRegistry
 from shared.settings import Settings, get_settings
-from worker.service.cancel import request_cancel
-from worker.service.events import EventWriter
-from worker.service.recovery import RecoveryMonitor
-from worker.service.registry import FleetRegistry
 
 log = get_logger("coordinator")
 

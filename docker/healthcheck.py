@@ -28,8 +28,8 @@ from redis import RedisError
 
 from shared.redact import redact
 from shared.redis_client import connect
+from shared.registry import FleetRegistry
 from shared.settings import Settings
-from worker.service.registry import FleetRegistry
 
 HTTP_TIMEOUT_SECONDS = 5.0
 

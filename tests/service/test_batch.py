@@ -18,8 +18,8 @@ from helpers import specfleet
 from coordinator.batch import BatchStore
 from coordinator.client import Coordinator
 from coordinator.gateway.schemas import NATIVE
+from shared.event_stream import EventWriter
 from shared.protocol import JobStatus, WorkerInfo
-from worker.service.events import EventWriter
 
 from .workers import MODEL_NAME, Fleet
 

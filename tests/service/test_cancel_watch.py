@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
+from shared.cancel import request_cancel
 from shared.redis_client import connect
 from shared.settings import Settings
-from worker.service.cancel import CancelWatch, request_cancel
+from worker.service.cancel import CancelWatch
 
 
 def _wait_true(check: object, timeout: float = 5.0) -> bool:

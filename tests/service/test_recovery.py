@@ -11,10 +11,10 @@ from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
 from shared.protocol import JOB_FUNCTION, FinalEvent, JobStatus, ProgressEvent, TokenEvent
+from shared.recovery import RecoveryMonitor
 from shared.redis_client import connect
+from shared.registry import FleetRegistry
 from shared.settings import Settings
-from worker.service.recovery import RecoveryMonitor
-from worker.service.registry import FleetRegistry
 
 from .workers import MODEL_NAME, Fleet
 

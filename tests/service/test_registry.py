@@ -7,9 +7,9 @@ import time
 from redis import Redis
 
 from shared.protocol import WorkerInfo
+from shared.recovery import RecoveryMonitor
+from shared.registry import FleetRegistry
 from shared.settings import Settings
-from worker.service.recovery import RecoveryMonitor
-from worker.service.registry import FleetRegistry
 
 
 def _info(name: str) -> WorkerInfo:

@@ -20,23 +20,11 @@ from typing import Any
 
 from redis import Redis
 
+from shared.cancel import is_cancelled
 from shared.keys import Keys
 from shared.logs import get_logger
 
 log = get_logger("cancel")
-
-
-def request_cancel(connection: Redis, keys: Keys, job_id: str, ttl_seconds: int) -> None:
-    """Raise the job's cancel flag (idempotent; expires with the job's stream) and say so."""
-    pipe = connection.pipeline(transaction=False)
-    pipe.set(keys.cancel(job_id), 1, ex=ttl_seconds)
-    pipe.publish(keys.cancel(job_id), 1)
-    pipe.execute()
-
-
-def is_cancelled(connection: Redis, keys: Keys, job_id: str) -> bool:
-    """True once someone asked to cancel the job (one round trip)."""
-    return bool(connection.exists(keys.cancel(job_id)))
 
 
 class JobCancel:

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from redis import Redis
 
 from shared.capacity import capacity_refusal, effective_spec
+from shared.event_stream import EventWriter
 from shared.keys import Keys
 from shared.logs import get_logger
 from shared.outage import ride_out
@@ -34,7 +35,7 @@ from shared.protocol import (
 from shared.settings import Settings
 from worker.engine.slot import GenerationResult, SlotRequest
 from worker.service.cancel import CancelWatch
-from worker.service.events import EventWriter, TokenChunker
+from worker.service.events import TokenChunker
 
 if TYPE_CHECKING:
     from worker.engine.engine import SpeculativeEngine

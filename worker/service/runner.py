@@ -36,17 +36,21 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
+from shared.cancel import request_cancel
 from shared.keys import Keys
 from shared.logs import get_logger
 from shared.outage import RedisOutage, ride_out
 from shared.protocol import FitReport, WorkerCapacity, WorkerInfo
+from shared.recovery import RecoveryMonitor, requeue_front
 from shared.redis_client import connect
+from shared.registry import FleetRegistry
 from shared.settings import Settings
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.prompt import chat_template
 from worker.engine.slot import GenerationResult, Slot
 from worker.fitter.devices import parse_device
-from worker.service.cancel import CancelWatch, request_cancel
+from worker.service.cancel import CancelWatch
+from worker.service.heartbeat import Heartbeat
 from worker.service.intake import JobIntake, Taken
 from worker.service.jobs import (
     Interruption,
@@ -57,8 +61,6 @@ from worker.service.jobs import (
     refuse,
 )
 from worker.service.metrics import start_worker_metrics
-from worker.service.recovery import RecoveryMonitor, requeue_front
-from worker.service.registry import FleetRegistry, Heartbeat
 from worker.service.rq_state import (
     PoisonedJob,
     end_execution,

@@ -10,9 +10,7 @@ recovery. ``worker:{name}:inflight`` lists the jobs a worker holds and also outl
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 
 from redis import Redis
 
@@ -98,42 +96,3 @@ class FleetRegistry:
         pipe.delete(self._keys.inflight(name))
         raw, _ = pipe.execute()
         return [r.decode() if isinstance(r, bytes) else r for r in raw]
-
-
-class Heartbeat(threading.Thread):
-    """Refreshes a worker's registration every ``interval`` seconds, also while a job runs.
-
-    Runs ``on_tick`` after each beat (the recovery sweep) and ``on_lost`` when it finds the
-    worker had been declared lost by another monitor (it stalled past the TTL): the worker
-    must then stop its current job, whose re-run has already been queued elsewhere.
-    """
-
-    def __init__(
-        self,
-        registry: FleetRegistry,
-        info: Callable[[], WorkerInfo],
-        interval: float,
-        on_tick: Callable[[], None] | None = None,
-        on_lost: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(name="specfleet-heartbeat", daemon=True)
-        self._registry = registry
-        self._info = info
-        self._interval = interval
-        self._on_tick = on_tick
-        self._on_lost = on_lost
-        self._stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self._stopped.wait(self._interval):
-            try:
-                if not self._registry.heartbeat(self._info()) and self._on_lost:
-                    self._on_lost()
-                if self._on_tick:
-                    self._on_tick()
-            except Exception as exc:  # a Redis hiccup must not kill the heartbeat
-                log.warning("worker.heartbeat_failed", error=repr(exc))
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self.join(timeout=self._interval + 5)

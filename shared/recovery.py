@@ -19,10 +19,10 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
+from shared.event_stream import EventWriter
 from shared.keys import Keys
 from shared.logs import get_logger
-from worker.service.events import EventWriter
-from worker.service.registry import FleetRegistry
+from shared.registry import FleetRegistry
 
 log = get_logger("recovery")
 
