@@ -34,8 +34,8 @@ from rq.job import Job
 from coordinator.client import Coordinator
 from coordinator.gateway import schemas
 from coordinator.validation import SubmitError
+from shared.event_stream import EventWriter
 from shared.protocol import BatchLine, FinalEvent, JobStatus, describe_validation_error
-from worker.service.events import EventWriter
 
 #: Largest input file, in bytes, and most lines in one batch.
 MAX_FILE_BYTES = 32 * 1024 * 1024
