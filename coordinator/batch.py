@@ -36,6 +36,7 @@ from coordinator.gateway import schemas
 from coordinator.validation import SubmitError
 from shared.event_stream import EventWriter
 from shared.protocol import BatchLine, FinalEvent, JobStatus, describe_validation_error
+from shared.replies import text
 
 #: Largest input file, in bytes, and most lines in one batch.
 MAX_FILE_BYTES = 32 * 1024 * 1024
@@ -61,10 +62,6 @@ class BatchError(ValueError):
         self.param = param
 
 
-def _text(raw: bytes | str | None) -> str | None:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
 class BatchStore:
     """Files and batches of one deployment, kept in its Redis."""
 
@@ -82,13 +79,13 @@ class BatchStore:
         if len(content) > MAX_FILE_BYTES:
             raise BatchError(f"file of {len(content)} bytes exceeds the limit of "
                              f"{MAX_FILE_BYTES} bytes", status=413, param="file")
-        info = {"id": f"file-{uuid.uuid4().hex}", "object": "file", "bytes": len(content),
+        file_id = f"file-{uuid.uuid4().hex}"
+        info = {"id": file_id, "object": "file", "bytes": len(content),
                 "created_at": int(time.time()), "filename": filename[:256], "purpose": purpose,
                 "status": "processed"}
         pipe = self.conn.pipeline(transaction=True)
-        pipe.hset(self.keys.file(info["id"]), mapping={"meta": json.dumps(info),
-                                                        "content": content})
-        pipe.expire(self.keys.file(info["id"]), self.ttl)
+        pipe.hset(self.keys.file(file_id), mapping={"meta": json.dumps(info), "content": content})
+        pipe.expire(self.keys.file(file_id), self.ttl)
         pipe.execute()
         return info
 
@@ -116,7 +113,7 @@ class BatchStore:
         raw = self.conn.hget(self.keys.file(file_id), "content")
         if raw is None:
             raise BatchError(f"no such file: {file_id}", status=404, param="file_id")
-        return raw
+        return raw.encode() if isinstance(raw, str) else raw
 
     # -- batches -----------------------------------------------------------------------------
     def create(self, input_file_id: str, endpoint: str,
@@ -174,8 +171,8 @@ class BatchStore:
             lines = raw_lines if raw_lines is not None else self._input_lines(
                 meta["input_file_id"])
             key = self.keys.batch(batch_id)
-            start, status = self.conn.hmget(key, "queued", "status")
-            start = int(start or 0)
+            queued, status = self.conn.hmget(key, "queued", "status")
+            start = int(queued or 0)
             renewed = time.monotonic()
             for number in range(start + 1, len(lines) + 1):
                 if time.monotonic() - renewed > CREATOR_LEASE_SECONDS / 3:
@@ -184,13 +181,13 @@ class BatchStore:
                 # only the first line of a takeover can have been half done by the dead one
                 self._queue_line(batch_id, meta, number, lines[number - 1],
                                  resumed=raw_lines is None and number == start + 1,
-                                 cancelled=_text(status) == "cancelling")
+                                 cancelled=text(status) == "cancelling")
                 pipe = self.conn.pipeline(transaction=False)
                 pipe.hset(key, "queued", number)
                 pipe.hget(key, "status")
                 _, status = pipe.execute()
         finally:
-            if _text(self.conn.get(lease)) == token:
+            if text(self.conn.get(lease)) == token:
                 self.conn.delete(lease)
 
     def _queue_line(self, batch_id: str, meta: dict[str, Any], number: int, raw: bytes,
@@ -226,7 +223,7 @@ class BatchStore:
             writer.final(status=JobStatus.CANCELLED, finish_reason="cancelled")
             self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
             return
-        if error is None:
+        if request is not None:  # a line without an error is a request
             try:
                 self.coordinator.submit(request, job_id=job_id)
                 self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
@@ -238,7 +235,7 @@ class BatchStore:
 
     def get(self, batch_id: str) -> dict[str, Any]:
         """The batch object (OpenAI's shape, plus ``specfleet`` progress figures)."""
-        raw = {k.decode(): v.decode() for k, v in
+        raw = {text(k): text(v) for k, v in
                self.conn.hgetall(self.keys.batch(batch_id)).items()}
         if "meta" not in raw:
             raise BatchError(f"no such batch: {batch_id}", status=404, param="batch_id")
@@ -268,10 +265,10 @@ class BatchStore:
 
     def list(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
         """Batches, newest first; ``after`` continues a listing after that batch."""
-        ids = [_text(i) for i in self.conn.zrevrange(self.keys.batches(), 0, -1)]
+        ids = [text(i) for i in self.conn.zrevrange(self.keys.batches(), 0, -1)]
         if after is not None and after in ids:
             ids = ids[ids.index(after) + 1:]
-        found = []
+        found: list[dict[str, Any]] = []
         for batch_id in ids:
             if len(found) >= limit:
                 break
