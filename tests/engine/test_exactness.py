@@ -58,8 +58,6 @@ def test_p_min_cuts_drafts_without_changing_output(soft_hybrid_mtp: Subject) -> 
 class WrongProposer:
     """Drafts a full-width continuation that is wrong at every position."""
 
-    name = "wrong"
-
     def __init__(self, reference: list[int]) -> None:
         self.reference = reference
 

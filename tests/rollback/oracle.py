@@ -33,8 +33,6 @@ class Planned:
 class OracleProposer:
     """Proposes the known continuation, corrupted at a scheduled index."""
 
-    name = "oracle"
-
     def __init__(self, reference: Sequence[int], n_vocab: int, seed: int = 0) -> None:
         self.reference = list(reference)
         self.n_vocab = n_vocab

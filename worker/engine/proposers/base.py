@@ -48,8 +48,6 @@ class VerifyOutcome:
 class Proposer(Protocol):
     """A drafter. One instance serves one slot's generation at a time; ``start`` resets it."""
 
-    name: str
-
     def start(self, prompt: Sequence[int]) -> None:
         """A new generation: the target has just decoded ``prompt``."""
         ...

@@ -20,8 +20,6 @@ from worker.engine.proposers.suffix import SuffixProposer
 class MtpSuffixProposer:
     """Runs both drafters; the MTP one is the engine's resident instance."""
 
-    name = "mtp+suffix"
-
     def __init__(self, mtp: MtpProposer, suffix: SuffixProposer) -> None:
         self._mtp = mtp
         self._suffix = suffix

@@ -192,8 +192,6 @@ class MtpDrafter:
 class MtpProposer:
     """One slot's MTP drafter: the :class:`Proposer` face of :class:`MtpDrafter` for ``seq``."""
 
-    name = "mtp"
-
     def __init__(self, drafter: MtpDrafter, seq: int) -> None:
         self.drafter = drafter
         self.seq = seq

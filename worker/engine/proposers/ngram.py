@@ -15,8 +15,6 @@ from worker.engine.proposers.base import Draft, VerifyOutcome
 class NgramProposer:
     """Longest match first, from ``n_max`` down to ``n_min`` tokens."""
 
-    name = "ngram"
-
     def __init__(self, n_min: int, n_max: int) -> None:
         self._sizes = range(n_max, n_min - 1, -1)
         self._index: dict[tuple[int, ...], int] = {}

@@ -12,8 +12,6 @@ _EMPTY = Draft([])
 class NoDraft:
     """Speculation off: the same loop, with drafts that are always empty."""
 
-    name = "none"
-
     def start(self, prompt: Sequence[int]) -> None:
         """No state."""
 

@@ -56,8 +56,6 @@ Occurrence = tuple[list[int], int]
 class SuffixProposer:
     """The drafter of one generation at a time; ``start`` resets the request's own index."""
 
-    name = "suffix"
-
     def __init__(self, shared: SuffixShared) -> None:
         self._shared = shared
         self._local = TokenIndex()
