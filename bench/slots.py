@@ -114,10 +114,15 @@ def one_by_one(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
     return {"tok_s": generated / wall, "generated": generated, "wall_s": wall}
 
 
+#: A llama-server request that takes longer than this is reported as stalled, not waited for
+#: (seen once: -np 8 with ngram-mod stopped computing mid-run on the loaded machine).
+SERVER_TIMEOUT_S = 300.0
+
+
 def server_together(url: str, reqs: list[list[int]], tokens: int) -> dict[str, float]:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(reqs)) as pool:
-        timings = list(pool.map(lambda p: complete(url, p, tokens), reqs))
+        timings = list(pool.map(lambda p: complete(url, p, tokens, SERVER_TIMEOUT_S), reqs))
     wall = time.perf_counter() - t0
     generated = sum(int(t["predicted_n"]) for t in timings)  # type: ignore[call-overload]
     return {"tok_s": generated / wall, "generated": generated, "wall_s": wall}
@@ -126,7 +131,8 @@ def server_together(url: str, reqs: list[list[int]], tokens: int) -> dict[str, f
 def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict[str, object]:
     out: dict[str, object] = {}
     base = open_engine(model, 1, args.threads, args.gpu)
-    for name, spec in METHODS.items():
+    for name in args.methods:
+        spec = METHODS[name]
         rows: dict[str, dict[str, float]] = {}
         for k in args.concurrency:
             reqs = prompts(base, k)
@@ -137,21 +143,26 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
             row = {"slots_tok_s": par["tok_s"], "sequential_tok_s": seq["tok_s"],
                    "ratio": par["tok_s"] / seq["tok_s"], "steps": par["steps"]}
             if server:
-                with llama_server(server, model, args.threads, N_CTX * k, k,
-                                  SERVER_SPEC[name]) as url:
-                    complete(url, reqs[0], 8)  # warm-up
-                    srv = server_together(url, reqs, args.tokens)
-                row["server_tok_s"] = srv["tok_s"]
-                row["slots_vs_server"] = par["tok_s"] / srv["tok_s"]
+                try:
+                    with llama_server(server, model, args.threads, N_CTX * k, k,
+                                      SERVER_SPEC[name]) as url:
+                        complete(url, reqs[0], 8, SERVER_TIMEOUT_S)  # warm-up
+                        srv = server_together(url, reqs, args.tokens)
+                    row["server_tok_s"] = srv["tok_s"]
+                    row["slots_vs_server"] = par["tok_s"] / srv["tok_s"]
+                except (OSError, RuntimeError) as exc:  # urllib's errors are OSErrors
+                    row["server_error"] = f"{type(exc).__name__}: {exc}"
             rows[str(k)] = row
             print(f"{name:6s} K={k}: slots {par['tok_s']:6.1f} tok/s, sequential "
                   f"{seq['tok_s']:6.1f} ({row['ratio']:.2f}x)"
-                  + (f", llama-server -np {k} {row['server_tok_s']:6.1f}" if server else ""),
+                  + (f", llama-server -np {k} {row.get('server_tok_s', float('nan')):6.1f}"
+                     if server else ""),
                   file=sys.stderr, flush=True)
         if server:
-            single = rows["1"]["server_tok_s"] if "1" in rows else None
+            single = rows.get("1", {}).get("server_tok_s")
             for row in rows.values():
-                row["server_ratio"] = row["server_tok_s"] / single if single else None
+                if single and "server_tok_s" in row:
+                    row["server_ratio"] = row["server_tok_s"] / single
         out[name] = rows
     base.close()
     return out
@@ -252,6 +263,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--concurrency", default="1,2,4,8", help="comma list of K")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma list")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
     ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
                     help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
@@ -262,6 +274,7 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     args.concurrency = [int(k) for k in args.concurrency.split(",")]
+    args.methods = args.methods.split(",")
     skip = set(args.skip.split(","))
 
     configure_logging(level="warning")
