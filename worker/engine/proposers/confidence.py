@@ -14,7 +14,7 @@ from __future__ import annotations
 
 #: Prior acceptance of a continuation by matched depth bucket (1, 2, 3-4, 5-8, 9-16, 17-32,
 #: 33+ tokens): an opinion, corrected per cell by :class:`AcceptanceStats`.
-DEPTH_PRIOR = (0.3, 0.45, 0.6, 0.75, 0.85, 0.9, 0.95)
+DEPTH_PRIOR = (0.3, 0.45, 0.6, 0.75, 0.9, 0.95, 0.98)
 #: Pseudo-occurrences the depth prior counts for in the count estimate.
 PRIOR_OCCURRENCES = 1.0
 #: Pseudo-trials the count estimate counts for against measured outcomes in its cell.
