@@ -64,7 +64,11 @@ def test_suffix_combinations_equal_plain_greedy(request: pytest.FixtureRequest, 
     result = subject.engine.generate(PROMPT, TOKENS, spec)
     assert first_difference(result.tokens, subject.reference) is None
     assert result.telemetry.spec_method == method
-    assert result.telemetry.drafted > 0   # it really speculated
+    if width >= 3:
+        # It really speculated. Whether one or two drafts pay for their rows is the cost
+        # rule's call on measured timings (a loaded machine can say no); three or more, on a
+        # model whose rows are nearly free, always do.
+        assert result.telemetry.drafted > 0
     assert_consistent(result)
 
 
