@@ -24,7 +24,6 @@ class Recording:
 
     def __init__(self, inner: Proposer) -> None:
         self.inner = inner
-        self.name = inner.name
         self.verifies: list[Planned] = []
 
     def start(self, prompt: Sequence[int]) -> None:
