@@ -16,7 +16,7 @@ from pathlib import Path
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
-from worker.engine.slot import GenerationResult, Slot, SlotRequest, SlotUpdate
+from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
 
 #: Steps after which a schedule is declared stuck (far more than any test needs).
 STEP_LIMIT = 20_000
@@ -68,7 +68,7 @@ def run_schedule(engine: SpeculativeEngine, arrivals: Sequence[Arrival],
             if u.result is not None:
                 results[i] = u.result
                 del live[i]
-        run.loading.append({i for i, s in live.items() if s.phase.value == "prefill"})
+        run.loading.append({i for i, s in live.items() if s.phase is Phase.PREFILL})
         if on_step is not None:
             on_step(step, updates, live)
         step += 1
