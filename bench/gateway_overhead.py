@@ -42,6 +42,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.client import Coordinator  # noqa: E402
+from coordinator.processes import stop_processes  # noqa: E402
 from coordinator.redis_local import local_redis  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
 from shared.settings import Settings  # noqa: E402
@@ -233,9 +234,7 @@ def main() -> None:
                        "ttft": _ttft(http, url, coordinator, args.ttft_reps),
                        "concurrent": _concurrent(url, procs[0].pid, args.clients, 16)}
         finally:
-            for proc in procs:
-                proc.terminate()
-                proc.wait(timeout=30)
+            stop_processes(procs, timeout=30)
     summary["setup"] = {"model": Path(gemma).name if gemma else "tiny-dense",
                         "tokens": args.tokens, "reps": args.reps,
                         "ttft_reps": args.ttft_reps, "threads": args.threads}

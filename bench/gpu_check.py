@@ -47,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.client import Coordinator  # noqa: E402
+from coordinator.processes import stop_processes  # noqa: E402
 from coordinator.redis_local import local_redis  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import JobStatus  # noqa: E402
@@ -140,13 +141,7 @@ def worker(ctx: Context, name: str, model: Path, device: str, *extra: str,
             time.sleep(0.2)
         yield proc, coordinator
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([proc], timeout=120)
 
 
 def check_environment(ctx: Context, check: Check) -> None:

@@ -42,6 +42,7 @@ from rq.serializers import JSONSerializer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.client import Coordinator  # noqa: E402
+from coordinator.processes import stop_processes  # noqa: E402
 from coordinator.redis_local import local_redis  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
@@ -106,9 +107,7 @@ def main() -> None:
                 summary["dispatch"] = _dispatch(engine, coordinator, Redis.from_url(url),
                                                 bare_queue, args.dispatch_reps)
         finally:
-            for proc in procs:
-                proc.terminate()
-                proc.wait(timeout=30)
+            stop_processes(procs, timeout=30)
     summary["setup"] = {"model": Path(model).name, "n_ctx": N_CTX, "threads": args.threads,
                         "tokens": args.tokens, "reps": args.reps,
                         "dispatch_reps": args.dispatch_reps}

@@ -30,6 +30,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator, JobResult
+from coordinator.processes import stop_processes
 from coordinator.redis_local import RedisUnavailable, local_redis
 from shared.protocol import FinalEvent, GenerationRequest, SpecMethod, SpecSettings, TokenEvent
 from shared.redact import redact
@@ -173,12 +174,7 @@ def run(console: Console, model: Path | None = None,
             requests = _batch(prompts)
             results = _stream(coordinator, requests, console, submitted)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_processes([proc], timeout=60)
             _clean_up(coordinator, submitted)
     console.print(_telemetry_table(requests, results))
     out = workdir / "results.jsonl"

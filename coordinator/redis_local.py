@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import redis
 
+from coordinator.processes import stop_processes
 from shared.redact import redact
 from shared.sentinel import is_sentinel_url, sentinel_client
 
@@ -82,8 +83,7 @@ def local_redis() -> Iterator[str]:
             time.sleep(0.05)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_processes([proc])
         shutil.rmtree(workdir, ignore_errors=True)
 
 

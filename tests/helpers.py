@@ -1,10 +1,10 @@
-"""Helpers every test folder shares: the installed CLI, child processes, the greedy reference.
+"""Helpers every test folder shares: the installed CLI, free ports, the greedy reference.
 
 ``tests/`` is on ``sys.path`` (its root ``conftest.py`` has no package), so any test imports
 these as ``from helpers import ...``. One copy here keeps the folders from drifting apart: the
-CLI is always the venv's own console script, a child process is always stopped the same
-polite-then-hard way, and every exactness check compares with the same plain-greedy
-continuation of the same prompt.
+CLI is always the venv's own console script and every exactness check compares with the same
+plain-greedy continuation of the same prompt. Child processes are stopped with
+``coordinator.processes.stop_processes``, as the demo and the benches stop theirs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from shared.protocol import SpecMethod, SpecSettings
@@ -38,23 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10) -> None:
-    """SIGTERM every live process, then wait for each; one that outlives ``timeout`` is killed.
-
-    All get their SIGTERM first so that their shutdowns overlap instead of adding up.
-    """
-    procs = list(procs)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def greedy(engine: SpeculativeEngine, n_tokens: int, prompt: list[int] = PROMPT) -> list[int]:

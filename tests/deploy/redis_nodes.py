@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import free_port, stop_processes
+from helpers import free_port
 from redis import Redis
 from redis.exceptions import RedisError
+
+from coordinator.processes import stop_processes
 
 SERVICE = "specfleet-primary"
 #: Sentinel declares the primary down after this long without an answer (its floor is ~100 ms).

@@ -19,13 +19,14 @@ from redis import Redis, RedisError
 
 from coordinator.client import Coordinator
 from coordinator.gateway.streaming import connect_async
+from coordinator.processes import stop_processes
 from shared.protocol import JobStatus
 from shared.redis_client import connect
 from shared.sentinel import parse_sentinel_url
 from shared.settings import Settings
 
 # tests/ is on sys.path (pytest's rootdir-relative import); Fleet starts real worker processes.
-from helpers import SPECFLEET, stop_processes  # isort: skip
+from helpers import SPECFLEET  # isort: skip
 from service.workers import MODEL_NAME, Fleet  # isort: skip
 
 from .files import ROOT

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import httpx
 
+from coordinator.processes import stop_processes
 from shared.settings import Settings
 
 # tests/ is on sys.path (pytest's rootdir-relative import).
-from helpers import SPECFLEET, stop_processes  # isort: skip
+from helpers import SPECFLEET  # isort: skip
 
 
 def free_port() -> int:

@@ -15,7 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import free_port, stop_processes
+from helpers import free_port
+
+from coordinator.processes import stop_processes
 
 
 @contextmanager

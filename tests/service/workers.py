@@ -9,9 +9,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from helpers import SPECFLEET, stop_processes
+from helpers import SPECFLEET
 
 from coordinator.client import Coordinator
+from coordinator.processes import stop_processes
 from shared.protocol import AnyEvent, ProgressEvent, TokenEvent
 from shared.settings import Settings
 
