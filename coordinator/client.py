@@ -40,6 +40,7 @@ from shared.protocol import (
 from shared.recovery import RecoveryMonitor
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
+from shared.replies import text
 from shared.settings import Settings, get_settings
 
 log = get_logger("coordinator")
@@ -246,4 +247,4 @@ class Coordinator:
 
     def context_tiers(self, model: str) -> list[int]:
         """Every context tier a worker of ``model`` has served (``Keys.tiers``)."""
-        return [int(t) for t in self.connection.zrange(self.keys.tiers(model), 0, -1)]
+        return [int(text(t)) for t in self.connection.zrange(self.keys.tiers(model), 0, -1)]

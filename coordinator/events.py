@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 from redis import Redis
@@ -59,6 +60,13 @@ class StreamCursor:
                 break
         return events
 
+    def feed_reply(self, reply: object) -> list[AnyEvent]:
+        """:meth:`feed` over a whole ``XREAD`` reply (a list of ``[stream, entries]``; None
+        or an empty list when the read timed out)."""
+        if not isinstance(reply, list):
+            return []
+        return [event for _, entries in reply for event in self.feed(entries)]
+
     def _check_seq(self, seq: int) -> None:
         if self._next_seq is not None and seq > self._next_seq:
             self.gaps.append((self._next_seq, seq - 1))
@@ -86,11 +94,9 @@ def follow(connection: Redis, keys: Keys, job_id: str, *, from_id: str = "0-0",
             if left <= 0:
                 raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
             wait_ms = max(1, min(block_ms, int(left * 1000)))
-        reply = ride_out(lambda ms=wait_ms: connection.xread({stream: cursor.last_id},
-                                                             block=ms, count=256),
-                         outage_seconds, "stream.read")
-        for _, entries in reply or []:
-            yield from cursor.feed(entries)
+        reply = ride_out(partial(connection.xread, {stream: cursor.last_id}, block=wait_ms,
+                                 count=256), outage_seconds, "stream.read")
+        yield from cursor.feed_reply(reply)
 
 
 class TextDeltas:

@@ -133,7 +133,8 @@ class EventWriter:
         head, tail = event.model_dump_json().split(_SEQ_TEXT, 1)
         keys = [self._keys.events(self.job_id), self._keys.seq(self.job_id),
                 self._keys.channel(self.job_id), self._keys.job_batch(self.job_id)]
-        args = [head + '"seq":', tail, STREAM_FIELD, self._maxlen, self._ttl, event_type]
+        args: list[str | int] = [head + '"seq":', tail, STREAM_FIELD, self._maxlen, self._ttl,
+                                 event_type]
         seq = int(ride_out(lambda: self._append(keys=keys, args=args), self._outage,
                            "event.append"))
         return event.model_copy(update={"seq": seq})

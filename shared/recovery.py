@@ -74,7 +74,7 @@ class RecoveryMonitor:
 
     def sweep(self) -> list[str]:
         """Recover every lost worker; returns the ids of the jobs requeued."""
-        requeued = []
+        requeued: list[str] = []
         lost = self._registry.lost_names()
         if lost and self._redis_just_restarted():
             return requeued

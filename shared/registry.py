@@ -17,6 +17,7 @@ from redis import Redis
 from shared.keys import Keys
 from shared.logs import get_logger
 from shared.protocol import WorkerInfo
+from shared.replies import text
 
 log = get_logger("registry")
 
@@ -74,8 +75,7 @@ class FleetRegistry:
 
     def registered_names(self) -> list[str]:
         """Every name in the fleet set, alive or not yet recovered."""
-        return [n.decode() if isinstance(n, bytes) else n
-                for n in self._conn.zrange(self._keys.workers(), 0, -1)]
+        return [text(n) for n in self._conn.zrange(self._keys.workers(), 0, -1)]
 
     def lost_names(self) -> list[str]:
         """Registered names whose registration has expired (one round trip for the fleet)."""
@@ -95,4 +95,4 @@ class FleetRegistry:
         pipe.lrange(self._keys.inflight(name), 0, -1)
         pipe.delete(self._keys.inflight(name))
         raw, _ = pipe.execute()
-        return [r.decode() if isinstance(r, bytes) else r for r in raw]
+        return [text(r) for r in raw]

@@ -52,9 +52,8 @@ async def job_events(redis: aioredis.Redis, keys: Keys,
     stream = keys.events(cursor.job_id)
     while not cursor.done:
         reply = await redis.xread({stream: cursor.last_id}, block=BLOCK_MS, count=256)
-        for _, entries in reply or []:
-            for event in cursor.feed(entries):
-                yield event
+        for event in cursor.feed_reply(reply):
+            yield event
 
 
 async def final_event(redis: aioredis.Redis, keys: Keys, job_id: str) -> FinalEvent:

@@ -78,8 +78,9 @@ class JobIntake:
         if taken is not None or not block:
             return taken
         try:
-            raw = self._conn.blmove(queue_keys[-1], self.inflight_key,
-                                    self._idle_poll, "LEFT", "RIGHT")
+            # redis-py's stub says int; BLMOVE takes decimal seconds.
+            raw = self._conn.blmove(queue_keys[-1], self.inflight_key, self._idle_poll,  # type: ignore[arg-type]
+                                    "LEFT", "RIGHT")
         except ResponseError as exc:  # the key turned into a non-list since the script ran
             log.error("queue.refused", queue=queue_keys[-1], reason=str(exc))
             return None

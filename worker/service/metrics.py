@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -70,7 +70,7 @@ class WorkerMetrics:
         self._device = device
         self._jobs: dict[str, _JobClock] = {}
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: WSGIServer | None = None
         self.port: int | None = None
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = _SPEC) -> Counter:

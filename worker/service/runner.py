@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
 from typing import TypeVar
@@ -44,6 +45,7 @@ from shared.protocol import FitReport, WorkerCapacity, WorkerInfo
 from shared.recovery import RecoveryMonitor, requeue_front
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
+from shared.replies import text
 from shared.settings import Settings
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.prompt import chat_template
@@ -158,7 +160,7 @@ class ServingLoop:
                      status=str(job.get_status(refresh=False)))
             self._ride(lambda: self.intake.release(job.id), "intake.release")
             return
-        ttl = (job.timeout or rt.settings.job_timeout_seconds) + 60
+        ttl = int(job.timeout or rt.settings.job_timeout_seconds) + 60
         execution = self._ride(lambda: mark_started(conn, job, rt.worker_name, ttl),
                                "job.start")
         self._set_state(WorkerStatus.BUSY)
@@ -174,8 +176,8 @@ class ServingLoop:
         except Exception as exc:  # rejected (already on its stream) or failed to start
             if run is not None and not isinstance(exc, RequestRejected):
                 run.fail(exc)
-            self._end(job, lambda pipe, e=exc: mark_failed(pipe, job, execution, e,
-                                                            rt.worker_name))
+            self._end(job, partial(mark_failed, job=job, execution=execution, error=exc,
+                                   worker_name=rt.worker_name))
             if run is not None:
                 run.close()
             self._log_crash(job.id, exc)
@@ -195,8 +197,8 @@ class ServingLoop:
         except Exception as exc:  # the engine dropped every active slot: each job failed
             for r in list(self._running.values()):
                 r.run.fail(exc)
-                self._close(r, lambda pipe, r=r, e=exc: mark_failed(
-                    pipe, r.job, r.execution, e, rt.worker_name))
+                self._close(r, partial(mark_failed, job=r.job, execution=r.execution,
+                                       error=exc, worker_name=rt.worker_name))
             self._log_crash(None, exc)
             return
         for update in updates:
@@ -301,8 +303,8 @@ class ContextTiers:
 
     def queues(self) -> list[str]:
         """The queue names to take from, in order (``Keys.queues``)."""
-        tiers = [int(t) for t in self._conn.zrangebyscore(self._keys.tiers(self._model), 0,
-                                                          self._n_ctx)]
+        tiers = [int(text(t)) for t in self._conn.zrangebyscore(self._keys.tiers(self._model),
+                                                                0, self._n_ctx)]
         return self._keys.queues(self._model, tiers)
 
 
