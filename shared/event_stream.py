@@ -142,8 +142,8 @@ class EventWriter:
     def progress(self, stage: str, **fields: Any) -> AnyEvent:
         return self.emit("progress", stage=stage, **fields)
 
-    def error(self, message: str, error_type: str, retryable: bool = False) -> AnyEvent:
-        return self.emit("error", message=message, error_type=error_type, retryable=retryable)
+    def error(self, message: str, error_type: str) -> AnyEvent:
+        return self.emit("error", message=message, error_type=error_type)
 
     def final(self, **fields: Any) -> AnyEvent:
         return self.emit("final", **fields)

@@ -275,7 +275,6 @@ class ErrorEvent(_EventBase):
     type: Literal["error"] = "error"
     message: str
     error_type: str = "error"
-    retryable: bool = False
 
 
 class FinalEvent(_EventBase):

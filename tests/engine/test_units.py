@@ -1,9 +1,14 @@
-"""The two pieces of pure logic in the loop: the width policy and the n-gram lookup."""
+"""Pure logic of the loop: the width policy, the n-gram lookup, the drafter factory."""
 
 from __future__ import annotations
 
+import pytest
+
+from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.draft_length_policy import AdaptiveWidth, FixedWidth
+from worker.engine.proposers.factory import make_proposer
 from worker.engine.proposers.ngram import NgramProposer
+from worker.engine.proposers.none import NoDraft
 from worker.engine.verify_shape import best_lengths
 
 
@@ -62,3 +67,10 @@ def test_adaptive_width_counts_a_shaped_ceiling_as_reached() -> None:
     assert policy.width() == 3          # two poor drafts that reached shape[4] = 3
     policy.update(3, 3)
     assert policy.width() == 4
+
+
+def test_a_drafter_whose_engine_part_is_missing_is_an_error_not_no_drafting() -> None:
+    assert isinstance(make_proposer(SpecMethod.NONE, SpecSettings(), None), NoDraft)
+    for method in (SpecMethod.MTP, SpecMethod.SUFFIX, SpecMethod.MTP_SUFFIX):
+        with pytest.raises(ValueError, match="needs a part of the engine"):
+            make_proposer(method, SpecSettings(), None, None)

@@ -57,13 +57,19 @@ def make_suffix_shared(method: SpecMethod, target: Context, batch: Batch, draft_
 
 def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: MtpProposer | None,
                   suffix: SuffixShared | None = None) -> Proposer:
-    """The drafter for one generation; the MTP one is the engine's resident instance."""
-    if method is SpecMethod.MTP and mtp is not None:
-        return mtp
+    """The drafter for one generation; the MTP one is the engine's resident instance.
+
+    A method whose engine-wide part is missing (no MTP drafter, no suffix state) is an error,
+    never a silent generation without drafts."""
+    if method is SpecMethod.NONE:
+        return NoDraft()
     if method is SpecMethod.NGRAM:
         return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if method is SpecMethod.MTP and mtp is not None:
+        return mtp
     if method is SpecMethod.SUFFIX and suffix is not None:
         return SuffixProposer(suffix)
     if method is SpecMethod.MTP_SUFFIX and mtp is not None and suffix is not None:
         return MtpSuffixProposer(mtp, SuffixProposer(suffix))
-    return NoDraft()
+    raise ValueError(f"method '{method}' needs a part of the engine it was not loaded with "
+                     "(the MTP drafter or the suffix state)")
