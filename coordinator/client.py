@@ -160,6 +160,7 @@ class Coordinator:
         self.registry = FleetRegistry(self.connection, self.keys,
                                       self.settings.worker_ttl_seconds)
         self._fleet_seen: dict[str, tuple[float, list[WorkerInfo]]] = {}
+        self._tiers_recorded: set[tuple[str, int]] = set()
 
     def _serving(self, model: str) -> list[WorkerInfo]:
         """Live workers of ``model``; a non-empty answer is reused for one heartbeat interval
@@ -172,6 +173,14 @@ class Coordinator:
         if workers:
             self._fleet_seen[model] = (now, workers)
         return workers
+
+    def _record_tier(self, model: str, tier: int) -> None:
+        """Keep every tier a job may wait on in the model's tier set (workers add their own
+        too), so queue depths and the workers that listen by the set always find it; once per
+        tier per process."""
+        if (model, tier) not in self._tiers_recorded:
+            self.connection.zadd(self.keys.tiers(model), {str(tier): tier})
+            self._tiers_recorded.add((model, tier))
 
     def _queue(self, name: str) -> Queue:
         return Queue(name, connection=self.connection, serializer=JSONSerializer,
@@ -190,8 +199,10 @@ class Coordinator:
         workers = self._serving(req.model)
         check_admission(req, workers, self.known_models, self.settings.require_live_worker)
         job_id = job_id or uuid.uuid4().hex
-        queue = self._queue(self.keys.queue(req.model, req.priority,
-                                            choose_tier(req, workers)))
+        tier = choose_tier(req, workers)
+        if tier is not None:
+            self._record_tier(req.model, tier)
+        queue = self._queue(self.keys.queue(req.model, req.priority, tier))
         # Only what the request set travels: an unset speculative field means "the worker's
         # capacity" (shared/capacity.py), which a filled-in default would override.
         queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json", exclude_unset=True),
