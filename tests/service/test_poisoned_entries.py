@@ -71,10 +71,9 @@ def test_poisoned_hashes_and_keys_are_quarantined_and_the_worker_serves_on(
     assert sorted(r["job_id"] for r in records if "job_id" in r) == sorted(poisoned)
     aside = [r for r in records if r.get("key") == high_key]
     assert len(aside) == 1 and conn.get(aside[0]["moved_to"]) == b"not a list"
-    # Nothing is left held: the in-flight list is empty, the worker is idle and serving.
-    assert conn.llen(keys.inflight("w1")) == 0
     high = coordinator.submit({**VALID, "priority": "high"}).result(timeout=30)
     assert high.status is JobStatus.FINISHED
+    _wait_released(coordinator, "w1")  # nothing is left held
 
 
 def test_a_running_job_is_held_in_the_workers_in_flight_list(
@@ -91,7 +90,13 @@ def test_a_running_job_is_held_in_the_workers_in_flight_list(
     assert [i.decode() for i in conn.lrange(keys.inflight("w1"), 0, -1)] == [handle.job_id]
     assert sum(coordinator.queue_depths(MODEL_NAME).values()) == 0
     assert handle.result(timeout=60).status is JobStatus.FINISHED
-    # The final event is streamed first; rq's records and the release follow in one write.
-    while conn.llen(keys.inflight("w1")):
-        assert time.monotonic() < deadline, "the finished job was never released"
+    _wait_released(coordinator, "w1")
+
+
+def _wait_released(coordinator: Coordinator, worker: str, timeout: float = 10) -> None:
+    """The final event is streamed first; rq's records and the release from the in-flight
+    list follow in one write a moment later."""
+    deadline = time.monotonic() + timeout
+    while coordinator.connection.llen(coordinator.keys.inflight(worker)):
+        assert time.monotonic() < deadline, f"{worker} still holds a finished job"
         time.sleep(0.01)
