@@ -216,9 +216,7 @@ class BatchStore:
         pipe.hset(jobs, str(number), json.dumps(record))
         pipe.expire(jobs, self.ttl)
         pipe.execute()
-        s = self.coordinator.settings
-        writer = EventWriter(self.conn, self.keys, job_id, 1, maxlen=s.stream_maxlen,
-                             ttl_seconds=s.stream_ttl_seconds)
+        writer = EventWriter.for_job(self.conn, self.coordinator.settings, job_id, 1)
         if cancelled and error is None:
             writer.final(status=JobStatus.CANCELLED, finish_reason="cancelled")
             self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))

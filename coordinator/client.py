@@ -236,9 +236,7 @@ class Coordinator:
             return False  # running (it sees the flag within one step) or already done
         job.cancel()
         attempt = int(self.connection.get(self.keys.attempts(job_id)) or 1)
-        EventWriter(self.connection, self.keys, job_id, attempt,
-                    maxlen=self.settings.stream_maxlen,
-                    ttl_seconds=self.settings.stream_ttl_seconds).final(
+        EventWriter.for_job(self.connection, self.settings, job_id, attempt).final(
             status=JobStatus.CANCELLED, finish_reason="cancelled")
         with structlog.contextvars.bound_contextvars(job_id=job_id, attempt=attempt):
             log.info("job.cancelled", model=(job.meta or {}).get("model"), stage="queued")
@@ -246,9 +244,7 @@ class Coordinator:
 
     def fleet(self) -> list[WorkerInfo]:
         """Live workers (recovering any lost one's job first)."""
-        RecoveryMonitor(self.connection, self.keys, self.registry, self.settings.stream_maxlen,
-                        self.settings.stream_ttl_seconds,
-                        self.settings.worker_ttl_seconds).sweep()
+        RecoveryMonitor(self.connection, self.registry, self.settings).sweep()
         return self.registry.live_workers()
 
     def queue_depths(self, model: str) -> dict[str, int]:

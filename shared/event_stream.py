@@ -25,6 +25,7 @@ from shared.protocol import (
     TelemetryEvent,
     TokenEvent,
 )
+from shared.settings import Settings
 
 _EVENT_TYPES: dict[str, type[AnyEvent]] = {
     "token": TokenEvent,
@@ -120,6 +121,15 @@ class EventWriter:
         self._ttl = ttl_seconds
         self._outage = outage_seconds
         self._append = connection.register_script(_APPEND_LUA)
+
+    @classmethod
+    def for_job(cls, connection: Redis, settings: Settings, job_id: str,
+                attempt: int) -> EventWriter:
+        """The writer of one attempt of one job with the deployment's bounds (stream length
+        and TTL, how long to wait out an outage): every writer is built here."""
+        return cls(connection, settings.keys, job_id, attempt, maxlen=settings.stream_maxlen,
+                   ttl_seconds=settings.stream_ttl_seconds,
+                   outage_seconds=settings.redis_outage_seconds)
 
     def emit(self, event_type: str, **fields: Any) -> AnyEvent:
         """Build, number and write one event in one round trip; returns it as sent.

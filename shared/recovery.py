@@ -20,9 +20,9 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from shared.event_stream import EventWriter
-from shared.keys import Keys
 from shared.logs import get_logger
 from shared.registry import FleetRegistry
+from shared.settings import Settings
 
 log = get_logger("recovery")
 
@@ -62,15 +62,11 @@ def _requeue_front(connection: Redis, job: Job) -> None:
 class RecoveryMonitor:
     """Finds lost workers and requeues the job each was running."""
 
-    def __init__(self, connection: Redis, keys: Keys, registry: FleetRegistry,
-                 stream_maxlen: int = 10000, stream_ttl_seconds: int = 86400,
-                 worker_ttl_seconds: float = 8.0) -> None:
+    def __init__(self, connection: Redis, registry: FleetRegistry, settings: Settings) -> None:
         self._conn = connection
-        self._keys = keys
         self._registry = registry
-        self._maxlen = stream_maxlen
-        self._ttl = stream_ttl_seconds
-        self._worker_ttl = worker_ttl_seconds
+        self._settings = settings
+        self._keys = settings.keys
 
     def sweep(self) -> list[str]:
         """Recover every lost worker; returns the ids of the jobs requeued."""
@@ -98,7 +94,7 @@ class RecoveryMonitor:
     def _redis_just_restarted(self) -> bool:
         """True while Redis has been up for less than one registration TTL (plus a beat)."""
         uptime = int(self._conn.info("server").get("uptime_in_seconds", 0))
-        if uptime < self._worker_ttl + 1:
+        if uptime < self._settings.worker_ttl_seconds + 1:
             log.info("recovery.deferred", reason="redis restarted", redis_uptime_seconds=uptime)
             return True
         return False
@@ -116,8 +112,8 @@ class RecoveryMonitor:
             return False
         _requeue_front(self._conn, job)
         attempt = int(self._conn.get(self._keys.attempts(job.id)) or 1)
-        EventWriter(self._conn, self._keys, job.id, attempt, maxlen=self._maxlen,
-                    ttl_seconds=self._ttl).progress("requeued", worker=lost_worker)
+        EventWriter.for_job(self._conn, self._settings, job.id, attempt).progress(
+            "requeued", worker=lost_worker)
         log.warning("job.requeued", job_id=job.id, worker=lost_worker,
                     model=(job.meta or {}).get("model"), attempt=attempt,
                     next_attempt=attempt + 1)

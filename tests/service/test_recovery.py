@@ -70,7 +70,7 @@ def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings)
     registry = FleetRegistry(conn, keys, settings.worker_ttl_seconds)
     conn.zadd(keys.workers(), {"ghost": 1.0})  # ... and died: listed, registration expired
 
-    monitors = [RecoveryMonitor(conn, keys, registry) for _ in range(8)]
+    monitors = [RecoveryMonitor(conn, registry, settings) for _ in range(8)]
     results: list[list[str]] = []
     threads = [threading.Thread(target=lambda m=m: results.append(m.sweep())) for m in monitors]
     for t in threads:

@@ -38,7 +38,7 @@ def test_a_worker_declared_lost_learns_it_on_its_next_heartbeat(settings: Settin
     registry.register(_info("slow"))
     conn.rpush(settings.keys.inflight("slow"), "job-1")  # it holds a job ...
     time.sleep(0.3)  # ... and stalls past its TTL
-    RecoveryMonitor(conn, settings.keys, registry).sweep()  # job-1 no longer exists: skipped
+    RecoveryMonitor(conn, registry, settings).sweep()  # job-1 no longer exists: skipped
     assert registry.take_jobs("slow") == []  # the sweep emptied its in-flight list
     assert registry.heartbeat(_info("slow")) is False  # it had been declared lost
     assert registry.heartbeat(_info("slow")) is True  # and is back in the fleet

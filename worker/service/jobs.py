@@ -89,10 +89,7 @@ class WorkerRuntime:
 
     def writer(self, job_id: str, attempt: int) -> EventWriter:
         """The event writer of one attempt of one job, with this worker's stream bounds."""
-        return EventWriter(self.connection, self.keys, job_id, attempt,
-                           maxlen=self.settings.stream_maxlen,
-                           ttl_seconds=self.settings.stream_ttl_seconds,
-                           outage_seconds=self.settings.redis_outage_seconds)
+        return EventWriter.for_job(self.connection, self.settings, job_id, attempt)
 
     def next_attempt(self, job_id: str) -> int:
         """Count one more attempt of ``job_id`` (shared by every worker that runs it)."""

@@ -386,8 +386,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         chat_template=chat_template(engine.model, settings.chat_template) is not None,
         metrics_port=metrics.port)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
-    monitor = RecoveryMonitor(connection, keys, registry, settings.stream_maxlen,
-                              settings.stream_ttl_seconds, settings.worker_ttl_seconds)
+    monitor = RecoveryMonitor(connection, registry, settings)
     tiers = ContextTiers(connection, keys, options.model_name, runtime.n_ctx)
     queues = [Queue(q, connection=connection, serializer=JSONSerializer,
                     default_timeout=settings.job_timeout_seconds) for q in tiers.queues()]
