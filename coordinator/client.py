@@ -24,6 +24,7 @@ from rq.serializers import JSONSerializer
 
 from coordinator.events import StreamCursor, follow
 from coordinator.validation import SubmitError, check_admission, choose_tier, parse_request
+from shared import doorbell
 from shared.cancel import request_cancel
 from shared.event_stream import EventWriter
 from shared.logs import get_logger
@@ -211,6 +212,7 @@ class Coordinator:
                       result_ttl=self.settings.result_ttl_seconds,
                       failure_ttl=self.settings.result_ttl_seconds,
                       meta={"model": req.model, "custom_id": req.custom_id})
+        doorbell.ring(self.connection, self.keys, req.model)
         log.info("job.queued", job_id=job_id, model=req.model, attempt=0, queue=queue.name,
                  priority=str(req.priority), max_tokens=req.max_tokens)
         return JobHandle(self, job_id)

@@ -39,6 +39,10 @@ class Keys:
         return [self.queue(model, p, t) for p in (Priority.HIGH, Priority.NORMAL)
                 for t in (*tiers, None)]
 
+    def doorbell(self, model: str) -> str:
+        """List an idle worker of ``model`` blocks on; every enqueue pushes one ring."""
+        return f"{self.prefix}:doorbell:{model}"
+
     def tiers(self, model: str) -> str:
         """Sorted set of the context tiers of a model (every per-slot context a worker of it
         has served with): kept when workers leave, so jobs queued for a tier stay served."""

@@ -19,6 +19,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
+from shared import doorbell
 from shared.event_stream import EventWriter
 from shared.logs import get_logger
 from shared.registry import FleetRegistry
@@ -111,6 +112,7 @@ class RecoveryMonitor:
                 is not None):
             return False
         _requeue_front(self._conn, job)
+        doorbell.ring(self._conn, self._keys, (job.meta or {}).get("model", ""))
         attempt = int(self._conn.get(self._keys.attempts(job.id)) or 1)
         EventWriter.for_job(self._conn, self._settings, job.id, attempt).progress(
             "requeued", worker=lost_worker)

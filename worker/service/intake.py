@@ -5,9 +5,9 @@ popped a job that nothing records; here the pop *is* the record: one Lua script 
 first id of the highest-priority non-empty queue into ``{prefix}:worker:{name}:inflight``, so
 at every instant each job is either in a queue or in exactly one worker's in-flight list, and
 crash recovery requeues whatever a dead worker's list holds. When every queue is empty the
-intake blocks on the last queue it listens to (the model's untiered normal queue, ``BLMOVE``,
-also atomic) for ``idle_poll`` seconds, then looks at all queues again: a job on another
-queue waits at most that long for an idle worker.
+intake waits on the model's doorbell (``shared/doorbell.py``: every enqueue rings it) for up to
+``idle_poll`` seconds, then takes atomically again, so an idle worker starts a new job at once
+whichever of its queues it landed on.
 
 A queue key of the wrong Redis type (a poisoned deployment) would make every take fail: it
 is renamed aside into the quarantine namespace and reported, and the worker keeps serving.
@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 
 from redis import Redis
-from redis.exceptions import ResponseError
 from rq.queue import Queue
 
+from shared import doorbell
 from shared.keys import Keys
 from shared.logs import get_logger
 
@@ -53,10 +53,11 @@ class Taken:
 class JobIntake:
     """One worker's atomic take from its queues (highest priority first) and release."""
 
-    def __init__(self, connection: Redis, keys: Keys, worker_name: str, queues: list[str],
-                 idle_poll: float = 0.5) -> None:
+    def __init__(self, connection: Redis, keys: Keys, worker_name: str, model: str,
+                 queues: list[str], idle_poll: float = 0.5) -> None:
         self._conn = connection
         self._keys = keys
+        self._model = model
         self._worker = worker_name
         self.inflight_key = keys.inflight(worker_name)
         self._queue_keys: list[str] = []
@@ -73,18 +74,11 @@ class JobIntake:
         """The next job, moved into the in-flight list; None when there is none (after
         ``idle_poll`` seconds of waiting when ``block``: an idle worker waits, a busy one
         only looks, so its running slots are not held up)."""
-        queue_keys = self._queue_keys
-        taken = self._take_any(queue_keys)
+        taken = self._take_any(self._queue_keys)
         if taken is not None or not block:
             return taken
-        try:
-            # redis-py's stub says int; BLMOVE takes decimal seconds.
-            raw = self._conn.blmove(queue_keys[-1], self.inflight_key, self._idle_poll,  # type: ignore[arg-type]
-                                    "LEFT", "RIGHT")
-        except ResponseError as exc:  # the key turned into a non-list since the script ran
-            log.error("queue.refused", queue=queue_keys[-1], reason=str(exc))
-            return None
-        return Taken(_text(raw), queue_keys[-1]) if raw is not None else None
+        doorbell.wait(self._conn, self._keys, self._model, self._idle_poll)
+        return self._take_any(self._queue_keys)
 
     def release(self, job_id: str) -> None:
         """The job's run is over (finished, failed, refused or requeued): forget it."""

@@ -37,6 +37,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
+from shared import doorbell
 from shared.cancel import request_cancel
 from shared.keys import Keys
 from shared.logs import get_logger
@@ -274,6 +275,7 @@ class ServingLoop:
     def _requeue(self, job_id: str) -> None:
         rt = self.runtime
         self._ride(lambda: requeue_front(rt.connection, job_id), "job.requeue")
+        self._ride(lambda: doorbell.ring(rt.connection, rt.keys, rt.model_name), "job.requeue")
         attempt = int(rt.connection.get(rt.keys.attempts(job_id)) or 1)
         log.warning("job.requeued", job_id=job_id, worker=rt.worker_name,
                     model=rt.model_name, attempt=attempt, next_attempt=attempt + 1,
@@ -390,7 +392,8 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     tiers = ContextTiers(connection, keys, options.model_name, runtime.n_ctx)
     queues = [Queue(q, connection=connection, serializer=JSONSerializer,
                     default_timeout=settings.job_timeout_seconds) for q in tiers.queues()]
-    loop = ServingLoop(runtime, JobIntake(connection, keys, name, tiers.queues()), queues)
+    loop = ServingLoop(runtime, JobIntake(connection, keys, name, options.model_name,
+                                          tiers.queues()), queues)
     presence = RqPresence.start(
         connection, name, queues, on_shutdown=loop.stopping.set,
         on_stop_job=lambda job_id: request_cancel(connection, keys, job_id,
