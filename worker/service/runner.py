@@ -105,10 +105,9 @@ class ServingLoop:
     a failing job never stops the others.
     """
 
-    def __init__(self, runtime: WorkerRuntime, intake: JobIntake, queues: list[Queue]) -> None:
+    def __init__(self, runtime: WorkerRuntime, intake: JobIntake) -> None:
         self.runtime = runtime
         self.intake = intake
-        self.queues = queues
         #: rq's record of this worker, marked busy or idle (set once it is started).
         self.presence: SimpleWorker | None = None
         self.stopping = threading.Event()
@@ -393,7 +392,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     queues = [Queue(q, connection=connection, serializer=JSONSerializer,
                     default_timeout=settings.job_timeout_seconds) for q in tiers.queues()]
     loop = ServingLoop(runtime, JobIntake(connection, keys, name, options.model_name,
-                                          tiers.queues()), queues)
+                                          tiers.queues()))
     presence = RqPresence.start(
         connection, name, queues, on_shutdown=loop.stopping.set,
         on_stop_job=lambda job_id: request_cancel(connection, keys, job_id,
