@@ -7,6 +7,7 @@ message that names it (pydantic's ``loc``), before anything is queued.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
@@ -122,6 +123,75 @@ class SpecSettings(_Strict):
     @property
     def enabled(self) -> bool:
         return self.method is not SpecMethod.NONE
+
+
+#: Most alternatives ``top_logprobs`` may ask for per token (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+#: Largest seed a request may carry; a request without one is given a random one.
+MAX_SEED = 2**63 - 1
+
+
+class SamplingParams(_Strict):
+    """The target distribution of one request: how a token is chosen from the model's logits.
+
+    One definition serves plain sampling and speculative verification alike
+    (``worker/engine/sampling.py``): the logits are penalised, divided by ``temperature``, cut
+    to ``top_k``, then to the ``top_p`` nucleus, then to tokens of at least ``min_p`` times the
+    top probability, and renormalised (vLLM's and Hugging Face's order). ``temperature`` 0 is
+    greedy (the argmax of the penalised logits). The neutral value of each knob switches it off.
+    """
+
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_k: int = Field(default=0, ge=0, le=1_000_000, description="0: no top-k cut")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="1: no nucleus cut")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="0: no min-p cut")
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, le=10.0,
+        description="CTRL's: a seen token's positive logit is divided by it, a negative one "
+                    "multiplied (prompt and output; 1: off)")
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted once from the logit "
+                                                  "of every token already generated")
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted per occurrence of "
+                                                  "the token in the output so far")
+    seed: int | None = Field(
+        default=None, ge=0, le=MAX_SEED,
+        description="same seed, same tokens; None: a random one, reported back")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def draw_seed() -> int:
+    """A random seed for a request that gave none: below 2**53, so JSON readers that hold
+    numbers as doubles (JavaScript) report it back exactly."""
+    return secrets.randbelow(2**53)
+
+
+class TopLogprob(_Strict):
+    """One candidate token with its log probability under the model's raw distribution
+    (log-softmax of the logits, before penalties, temperature and cuts: OpenAI's and
+    vLLM's default). ``bytes`` are the token's raw UTF-8 bytes (a piece may be part of a
+    character); ``text`` is them decoded with replacement."""
+
+    token: int
+    text: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability and its ``top_logprobs`` most likely
+    alternatives at that position (most likely first)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class WorkerCapacity(_Strict):
