@@ -212,7 +212,11 @@ class ChatMessage(_Strict):
 
 class GenerationRequest(_Strict):
     """One generation: a prompt (text, token ids or chat messages), a budget, sampling and
-    speculation."""
+    speculation.
+
+    Sampling and speculation combine freely: speculative verification samples from the same
+    distribution as plain decoding (``SamplingParams``), and greedy (temperature 0) stays
+    token-exact. ``logprobs`` are of the model's raw distribution (``TokenLogprob``)."""
 
     model: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[\w.\-]+$")
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
@@ -224,8 +228,15 @@ class GenerationRequest(_Strict):
         default=False, description="text prompt: turn special-token text (<bos>) into tokens"
     )
     max_tokens: int = Field(default=128, ge=1, le=MAX_TOKENS_CAP)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    sampling: SamplingParams = Field(
+        default_factory=SamplingParams,
+        description="the target distribution; default greedy (temperature 0); a request "
+                    "without a seed is given one at submit, reported in its final event")
+    logprobs: bool = Field(
+        default=False, description="return each generated token's log probability")
+    top_logprobs: int = Field(
+        default=0, ge=0, le=MAX_TOP_LOGPROBS,
+        description="and this many most likely alternatives per token (needs logprobs)")
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=MAX_STOP_SEQUENCES
     )
@@ -233,8 +244,22 @@ class GenerationRequest(_Strict):
     priority: Priority = Priority.NORMAL
     custom_id: str | None = Field(default=None, max_length=256)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sampling_fields_are_nested(cls, data: Any) -> Any:
+        """A sampling knob at the top level (the old flat ``temperature``/``seed``) is named
+        with where it belongs instead of a bare "extra inputs are not permitted"."""
+        if isinstance(data, Mapping):
+            flat = sorted(k for k in data if k in SamplingParams.model_fields)
+            if flat:
+                names = ", ".join(repr(k) for k in flat)
+                where = ", ".join(f"sampling.{k}" for k in flat)
+                raise ValueError(f"{names} {'belongs' if len(flat) == 1 else 'belong'} in "
+                                 f"'sampling' (send {where})")
+        return data
+
     @model_validator(mode="after")
-    def _one_prompt_and_greedy_spec(self) -> GenerationRequest:
+    def _consistent(self) -> GenerationRequest:
         given = [self.prompt, self.prompt_tokens, self.messages]
         if sum(x is not None for x in given) != 1:
             raise ValueError(
@@ -247,12 +272,26 @@ class GenerationRequest(_Strict):
             raise ValueError("'prompt' must not be empty")
         if self.prompt_tokens is not None and not self.prompt_tokens:
             raise ValueError("'prompt_tokens' must not be empty")
-        if self.temperature > 0 and self.speculative.enabled:
+        if self.top_logprobs and not self.logprobs:
             raise ValueError(
-                "speculative decoding is greedy-only: temperature must be 0 when "
-                "speculative.method is not 'none' (set speculative.method='none' to sample)"
-            )
+                f"'top_logprobs' ({self.top_logprobs}) needs 'logprobs': true")
         return self
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """What the engine is asked for: None (no logprobs) or the alternatives per token."""
+        return self.top_logprobs if self.logprobs else None
+
+    def with_seed(self) -> GenerationRequest:
+        """This request with a seed: its own, or one drawn now (``draw_seed``). The
+        coordinator calls it before queueing, so a re-run of the job (a crashed worker's,
+        a shutdown requeue) samples the same tokens; the seed counts as set, so it travels
+        on the queue like any other field the request set."""
+        if self.sampling.seed is not None:
+            return self
+        sampling = SamplingParams.model_validate(
+            {**self.sampling.model_dump(exclude_unset=True), "seed": draw_seed()})
+        return self.model_copy(update={"sampling": sampling})  # marks it set
 
 
 class Telemetry(_Strict):
@@ -265,7 +304,7 @@ class Telemetry(_Strict):
     bonus token out; ``mean_acceptance_length`` is vLLM's, which counts it).
     """
 
-    spec_method: str = "none"
+    spec_method: SpecMethod = SpecMethod.NONE
     draft_max: int = 0
     drafts: int = 0
     drafted: int = 0
@@ -288,7 +327,7 @@ class Telemetry(_Strict):
     prompt_tokens: int = 0
     replay_events: int = 0
     replay_tokens: int = 0
-    checkpoint_mode: str | None = None
+    checkpoint_mode: CheckpointMode | None = None
     checkpoint_saves: int = 0
     host_fallbacks: int = 0
     host_fallback_reason: str | None = None
@@ -326,6 +365,8 @@ class TokenEvent(_EventBase):
     tokens: list[int]
     text: str
     index: int = Field(ge=0, description="position of tokens[0] in the generation")
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None, description="one per token in tokens (the request asked for logprobs)")
 
 
 class TelemetryEvent(_EventBase):
@@ -356,6 +397,9 @@ class FinalEvent(_EventBase):
     telemetry: Telemetry | None = None
     worker: str | None = None
     error: str | None = None
+    seed: int | None = Field(default=None, description="the sampling seed the job ran with")
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None, description="one per token in tokens (the request asked for logprobs)")
 
 
 Event = Annotated[
