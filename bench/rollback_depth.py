@@ -59,7 +59,7 @@ def open_engine(model: Path, depth: int, mode: CheckpointMode,
     with capture_llama_log() as lines:
         engine = SpeculativeEngine(EngineConfig(str(model), n_ctx=N_CTX, n_threads=threads,
                                                 spec=spec, checkpoint=mode))
-        reserved = (engine.rollback.reserve(engine.target)
+        reserved = (engine.rollback.reserve(engine.target).bytes_per_slot
                     if isinstance(engine.rollback, CompactRollback) else 0)
     # Only the target has recurrent state: qwen35's MTP draft context holds just the NextN
     # layer's KV, so every "RS buffer" line is the target's.

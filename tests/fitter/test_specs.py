@@ -6,6 +6,7 @@ import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.plan import ModelFacts
 from worker.fitter.specs import engine_specs
 from worker.testmodels import TinyModels
 
@@ -20,9 +21,10 @@ def test_specs_equal_the_engines_contexts(tiny_models: TinyModels, which: str,
                                           spec: SpecSettings) -> None:
     config = EngineConfig(model_path=str(getattr(tiny_models, which)), n_ctx=512, spec=spec)
     with SpeculativeEngine(config) as engine:
-        specs = engine_specs(config, engine.model)
+        specs = engine_specs(config, ModelFacts.of(engine.model))
         assert specs.target == engine.target.spec
-        assert specs.n_rs_seq == engine.target.n_rs_seq
+        assert specs.plan == engine.plan
+        assert specs.plan.n_rs_seq == engine.target.n_rs_seq
         draft = engine.mtp._draft.spec if engine.mtp is not None else None  # noqa: SLF001
         assert specs.draft == draft
         assert specs.at(1024).target == specs.target.with_(n_ctx=1024)

@@ -78,7 +78,7 @@ def test_reserve_allocates_the_device_checkpoint_before_any_request(
     with engine_for(hybrid_model, DRAFT_MAX, DEPTH, CheckpointMode.DEVICE) as engine:
         rollback = compact(engine)
         with capture_llama_log() as at_start:
-            reserved = rollback.reserve(engine.target)
+            reserved = rollback.reserve(engine.target).bytes_per_slot
         oracle = OracleProposer(expected, engine.model.n_vocab, seed=3)
         with capture_llama_log() as serving:
             result = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle)
@@ -100,7 +100,7 @@ def test_fault_injection_at_start_reserves_host_storage(
         rollback = compact(engine)
         oracle = OracleProposer(expected, engine.model.n_vocab, seed=5)
         with capture_logs() as logs:
-            reserved = rollback.reserve(engine.target)
+            reserved = rollback.reserve(engine.target).bytes_per_slot
             result = engine.generate(PROMPT, MATRIX_TOKENS, proposer=oracle)
 
     assert reserved > 0

@@ -128,7 +128,7 @@ def test_reserve_pins_one_checkpoint_per_slot(hybrid_model: Path) -> None:
     with compact_engine(hybrid_model, 4, 5, 1, CheckpointMode.DEVICE) as engine:
         rollback = engine.rollback
         assert isinstance(rollback, CompactRollback)
-        per_slot = rollback.reserve(engine.target)
+        per_slot = rollback.reserve(engine.target).bytes_per_slot
         assert per_slot > 0
         assert all(store.reserved_bytes() == per_slot for store in rollback.stores)
         assert all(engine.target.pos_max(seq) < 0 for seq in range(4)), "probe tokens left"

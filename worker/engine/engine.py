@@ -13,6 +13,7 @@ to get right.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from time import perf_counter
 
 from shared.logs import get_logger
@@ -26,11 +27,11 @@ from worker.engine.config import (
 )
 from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
+from worker.engine.plan import ModelFacts, plan_engine
 from worker.engine.proposers.base import Draft, Proposer
 from worker.engine.proposers.factory import (
     make_proposer,
     make_suffix_shared,
-    resolve_engine_method,
     resolve_request_method,
     uses_mtp,
 )
@@ -73,20 +74,27 @@ class SpeculativeEngine:
         if config.slots < 1:
             raise ValueError(f"slots must be at least 1, got {config.slots}")
         self.config = config
-        wanted = config.spec.method
-        self.model = Model(model_spec(config))
         self._slots: dict[int, Slot] = {}
+        #: What the engine allocated from llama.cpp, freed newest first by :meth:`close`.
+        self._allocated = ExitStack()
+        self.model = Model(model_spec(config))
+        self._allocated.callback(self.model.close)
         try:
-            self.method = resolve_engine_method(wanted, self.model)
-            self.draft_max = config.spec.draft_max if self.method is not SpecMethod.NONE else 0
-            self.rollback = make_rollback(self.model, self.draft_max, config.spec.rollback_depth,
-                                          config.checkpoint, config.fail_device_checkpoint,
-                                          config.slots)
-            spec = target_spec(config, self.rollback.n_rs_seq, self.draft_max)
+            #: Every load-time decision (method, N, rollback, checkpoints), made once.
+            self.plan = plan_engine(config, ModelFacts.of(self.model))
+            self.method = self.plan.method
+            self.draft_max = self.plan.draft_max
+            self.rollback = make_rollback(self.plan, config.fail_device_checkpoint)
+            self._allocated.callback(self.rollback.close)
+            spec = target_spec(config, self.plan.n_rs_seq, self.draft_max)
             self.target = Context(self.model, spec)
+            self._allocated.callback(self.target.close)
             self.mtp = (MtpDrafter(self.model, self.target, draft_spec(config, self.draft_max))
-                        if uses_mtp(self.method) else None)
+                        if self.plan.mtp else None)
+            if self.mtp is not None:
+                self._allocated.callback(self.mtp.close)
             self.verifier = Verifier(self.target, self.rollback, spec.n_batch)
+            self._allocated.callback(self.verifier.close)
             # Calibration decodes on the target: a failure there must free the model too.
             self.shape = (best_lengths(measure_costs(self.target, self.verifier.batch,
                                                      self.draft_max + 1))
@@ -100,7 +108,7 @@ class SpeculativeEngine:
         except BaseException:
             self.close()
             raise
-        self._lifetime = SpecCounters(spec_method=str(self.method), draft_max=self.draft_max)
+        self._lifetime = SpecCounters(spec_method=self.method, draft_max=self.draft_max)
         #: Finished requests' counters per method: the row budget's prior for the next ones.
         self._by_method: dict[SpecMethod, SpecCounters] = {}
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
@@ -212,11 +220,10 @@ class SpeculativeEngine:
         return self._lifetime.to_telemetry()
 
     def close(self) -> None:
-        for part in ("verifier", "rollback", "mtp", "target", "model"):
-            obj = getattr(self, part, None)
-            if obj is not None:
-                obj.close()
-                setattr(self, part, None)
+        """Free every llama.cpp allocation, newest first; a second call does nothing. Slots
+        still active are dropped with their sequences' memory: a closed engine serves none."""
+        self._slots.clear()
+        self._allocated.close()
 
     # -- internals -------------------------------------------------------------------------
     def _check_request(self, prompt: Sequence[int], max_tokens: int) -> None:

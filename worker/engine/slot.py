@@ -16,6 +16,7 @@ from time import perf_counter
 from shared.protocol import FinishReason, SpecMethod, SpecSettings, Telemetry
 from worker.engine.draft_length_policy import DraftLengthPolicy
 from worker.engine.proposers.base import Proposer, VerifyOutcome
+from worker.engine.rollback.base import RollbackStats
 from worker.engine.sampling import TokenPicker
 from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
@@ -70,7 +71,7 @@ class Slot:
     pick: TokenPicker
     stream: TextStream
     counters: SpecCounters
-    rollback_before: dict[str, object]
+    rollback_before: RollbackStats
     history: list[int]
     generated: list[int] = field(default_factory=list)
     phase: Phase = Phase.PREFILL

@@ -7,16 +7,10 @@ figures can never be computed two different ways.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from shared.protocol import Telemetry
-
-#: Rollback counters that add up across generations (the rest are the latest state).
-ROLLBACK_SUMS = ("replay_events", "replay_tokens", "checkpoint_saves", "host_fallbacks")
-#: What a rollback policy may report (its ``telemetry()`` keys beyond these are its own).
-ROLLBACK_FIELDS = (*ROLLBACK_SUMS, "checkpoint_mode", "rollback_depth", "host_fallback_reason",
-                   "checkpoint_reservation_bytes")
+from shared.protocol import SpecMethod, Telemetry
+from worker.engine.rollback.base import RollbackStats
 
 
 def _add_lists(into: list[int], other: list[int]) -> None:
@@ -37,7 +31,8 @@ def _count_positions(into: list[int], n: int) -> None:
 class SpecCounters:
     """Raw counts and seconds; every rate is derived only when rendering."""
 
-    spec_method: str = "none"
+    #: The method's wire value (a :class:`SpecMethod` is one too).
+    spec_method: str = SpecMethod.NONE
     draft_max: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -54,7 +49,7 @@ class SpecCounters:
     decode_seconds: float = 0.0
     #: Wall time of the decode loop (after prefill): drafting, verifying and bookkeeping.
     wall_seconds: float = 0.0
-    rollback: dict[str, object] = field(default_factory=dict)
+    rollback: RollbackStats = field(default_factory=RollbackStats)
 
     def record_verify(self, drafted: int, accepted: int) -> None:
         """One verify decode of ``drafted`` drafts of which the first ``accepted`` matched."""
@@ -67,12 +62,9 @@ class SpecCounters:
         _count_positions(self.drafted_per_position, drafted)
         _count_positions(self.accepted_per_position, accepted)
 
-    def set_rollback(self, before: Mapping[str, object], after: Mapping[str, object]) -> None:
+    def set_rollback(self, before: RollbackStats, after: RollbackStats) -> None:
         """Rollback counters live as long as the engine; keep this generation's share."""
-        self.rollback = dict(after)
-        for key in ROLLBACK_SUMS:
-            if key in after:
-                self.rollback[key] = int(after[key]) - int(before.get(key, 0))  # type: ignore[call-overload]
+        self.rollback = after - before
 
     def merge(self, other: SpecCounters) -> None:
         """Fold one generation into a lifetime total."""
@@ -84,18 +76,14 @@ class SpecCounters:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         _add_lists(self.drafted_per_position, other.drafted_per_position)
         _add_lists(self.accepted_per_position, other.accepted_per_position)
-        merged = dict(other.rollback)
-        for key in ROLLBACK_SUMS:
-            if key in other.rollback:
-                merged[key] = int(self.rollback.get(key, 0)) + int(other.rollback[key])  # type: ignore[call-overload]
-        self.rollback = merged
+        self.rollback = self.rollback + other.rollback
 
     def to_telemetry(self) -> Telemetry:
         def ratio(a: float, b: float) -> float:
             return a / b if b > 0 else 0.0
 
         return Telemetry(
-            spec_method=self.spec_method,
+            spec_method=SpecMethod(self.spec_method),
             draft_max=self.draft_max,
             drafts=self.drafts,
             drafted=self.drafted,
@@ -117,5 +105,6 @@ class SpecCounters:
             effective_tokens_per_second=ratio(self.generated_tokens, self.wall_seconds),
             generated_tokens=self.generated_tokens,
             prompt_tokens=self.prompt_tokens,
-            **{k: v for k, v in self.rollback.items() if k in ROLLBACK_FIELDS},  # type: ignore[arg-type]
+            # RollbackStats' fields are Telemetry's: a field only one of them has fails here.
+            **asdict(self.rollback),
         )

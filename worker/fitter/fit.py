@@ -16,7 +16,7 @@ from typing import Final, Literal
 
 from shared.protocol import CheckpointMode, DeviceFit, FitReport, SpecSettings
 from worker.engine.config import EngineConfig, model_spec
-from worker.engine.proposers.factory import uses_suffix
+from worker.engine.plan import ModelFacts
 from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device, require_device
 from worker.fitter.errors import FitError
 from worker.fitter.measure import (
@@ -83,7 +83,7 @@ class _Sizer:
         self.slots = config.slots
         self.model, _ = load_model(model_spec(config, no_alloc=True))
         try:
-            self.specs: EngineSpecs = engine_specs(config, self.model)
+            self.specs: EngineSpecs = engine_specs(config, ModelFacts.of(self.model))
         except ValueError as exc:  # e.g. MTP asked of a model without a head
             self.model.close()
             raise FitError(str(exc)) from exc
@@ -123,14 +123,15 @@ class _Sizer:
     @property
     def lookup_cache(self) -> int:
         """The suffix drafter's output-cache bound (host memory: a CPU worker's device)."""
-        return self.config.lookup_cache_bytes if uses_suffix(self.specs.method) else 0
+        return self.config.lookup_cache_bytes if self.specs.plan.suffix else 0
 
     @property
     def checkpoint_per_slot(self) -> int:
         """Bytes one slot's checkpoint occupies on the device (0 when none is needed)."""
-        if not self.specs.checkpoints or self.state is None:
+        mode = self.specs.plan.checkpoint
+        if mode is None or self.state is None:
             return 0
-        if self.config.checkpoint is CheckpointMode.DEVICE:
+        if mode is CheckpointMode.DEVICE:
             return self.state.group
         return self.state.host_checkpoint if self.device == "cpu" else 0
 
@@ -141,7 +142,7 @@ class _Sizer:
         # hidden row for every batch entry.
         hidden = spec.n_batch if specs.draft is not None else 0
         return measure_context(self.model, spec, self.device,
-                               self.slots * (specs.draft_max + 1), hidden)
+                               self.slots * (specs.plan.draft_max + 1), hidden)
 
     def at(self, n_ctx: int) -> Breakdown:
         """Every component's bytes on the device at ``n_ctx`` (see docs/fitter.md)."""
@@ -156,7 +157,7 @@ class _Sizer:
                  if draft_spec is not None else None)
         group = self.state.group if self.state else 0
         live = self.slots * group
-        snapshots = self.slots * self.specs.n_rs_seq * group
+        snapshots = self.slots * self.specs.plan.n_rs_seq * group
         self._check_recurrent(target.recurrent, live + snapshots, n_ctx)
         parts = [target, draft] if draft else [target]
         return Breakdown(
@@ -184,7 +185,7 @@ class _Sizer:
         if abs(reported - exact) > _LOG_RESOLUTION + exact // 100:
             raise FitError(
                 f"recurrent memory mismatch at n_ctx={n_ctx}: llama.cpp reports "
-                f"{mib(reported)} MiB, {self.slots} slot(s) x (1 + {self.specs.n_rs_seq}) "
+                f"{mib(reported)} MiB, {self.slots} slot(s) x (1 + {self.specs.plan.n_rs_seq}) "
                 f"groups of {self.state.group if self.state else 0} B give {mib(exact)} MiB"
             )
 
@@ -381,8 +382,9 @@ def _report(sizer: _Sizer, n_ctx: int, budget: _Budget, source: str) -> FitRepor
     details: dict[str, object] = {
         "memory_source": memory.source,
         "n_ctx_source": source,  # "fitted", or "fixed" by the operator (--ctx)
-        "n_rs_seq": sizer.specs.n_rs_seq,
-        "checkpoint_mode": sizer.config.checkpoint.value if sizer.specs.checkpoints else None,
+        "n_rs_seq": sizer.specs.plan.n_rs_seq,
+        "checkpoint_mode": (sizer.specs.plan.checkpoint.value
+                            if sizer.specs.plan.checkpoint else None),
         "kv_bytes_per_token": round(_kv_bytes_per_token(sizer, n_ctx), 1),
         "host_bytes": fitted.host_bytes,
         "runtime_growth_bytes": fitted.runtime_growth,
@@ -397,9 +399,9 @@ def _report(sizer: _Sizer, n_ctx: int, budget: _Budget, source: str) -> FitRepor
         devices=[DeviceFit(device=memory.device, total_bytes=memory.total_bytes,
                            free_bytes=memory.free_bytes, margin_bytes=budget.margin,
                            components=fitted.components)],
-        spec_method=str(sizer.specs.method), draft_max=sizer.specs.draft_max,
+        spec_method=str(sizer.specs.plan.method), draft_max=sizer.specs.plan.draft_max,
         # The snapshots really kept (D, or N when unset); none on a pure-attention model.
-        rollback_depth=sizer.specs.n_rs_seq or None, components=fitted.components,
+        rollback_depth=sizer.specs.plan.n_rs_seq or None, components=fitted.components,
         details=details,
     )
 
@@ -409,7 +411,7 @@ def _state_details(sizer: _Sizer, n_ctx: int, fitted: Breakdown) -> dict[str, ob
     (target at n_rs_seq = D + 1 minus at D), kept only as a diagnostic."""
     if sizer.state is None:
         return {}
-    one_more = sizer.target(n_ctx, sizer.specs.n_rs_seq + 1)
+    one_more = sizer.target(n_ctx, sizer.specs.plan.n_rs_seq + 1)
     return {
         "snapshot_group_bytes": sizer.state.group,
         "checkpoint_device_bytes_per_slot": sizer.state.group,

@@ -34,22 +34,25 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
     """
     report = fit.report
     rollback = engine.rollback
-    if not isinstance(rollback, CompactRollback):
+    if not engine.plan.checkpoints:
         if report.components.get("checkpoint_reservation"):
             raise FitError("the fit reserved checkpoint memory but the engine does not "
                            "checkpoint: the fit and the engine were built from different settings")
         _log_reserve(report, None, 0, None, {})
         return _as_reserved(report, None, 0)
     breakdown = f"fit breakdown: {breakdown_text(report.components)}"
-    if len(rollback.stores) != report.slots:
-        raise FitError(f"the engine holds {len(rollback.stores)} checkpoint stores but the fit "
-                       f"reserved {report.slots} slots ({breakdown})")
+    if not isinstance(rollback, CompactRollback):  # what a plan that checkpoints builds
+        raise FitError(f"the engine's plan checkpoints but its rollback is "
+                       f"{type(rollback).__name__} ({breakdown})")
+    if engine.plan.slots != report.slots:
+        raise FitError(f"the engine serves {engine.plan.slots} slots but the fit reserved "
+                       f"{report.slots} ({breakdown})")
     try:
         with capture_llama_log() as lines:
-            reserved = rollback.reserve(engine.target)
+            reservation = rollback.reserve(engine.target)
     except (LlamaError, RollbackError) as exc:
         raise FitError(f"checkpoint reservation failed: {exc} ({breakdown})") from exc
-    mode = rollback.stores[0].mode  # reserve() leaves every slot in one mode
+    mode, reserved = reservation.mode, reservation.bytes_per_slot
     key = ("checkpoint_device_bytes_per_slot" if mode is CheckpointMode.DEVICE
            else "checkpoint_host_bytes_per_slot")
     measured = report.details.get(key)
@@ -65,7 +68,7 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
                  parse_buffers(lines).sizes.get("checkpoint", {}))
     as_reserved = _as_reserved(report, mode, reserved)
     # Why a device reservation fell back (None: it did not), for the worker's metrics.
-    as_reserved.details["checkpoint_fallback"] = rollback.stores[0].fallback_reason
+    as_reserved.details["checkpoint_fallback"] = reservation.fallback_reason
     return as_reserved
 
 

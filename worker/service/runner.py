@@ -311,9 +311,7 @@ class ContextTiers:
 
 def loaded_capacity(engine: SpeculativeEngine) -> WorkerCapacity:
     """What this worker's engine was loaded with, published for admission at submit."""
-    return WorkerCapacity(method=engine.method, draft_max=engine.draft_max,
-                          rollback_depth=(engine.target.n_rs_seq if engine.model.is_recurrent
-                                          else None))
+    return engine.plan.capacity()
 
 
 def _package_version() -> str:

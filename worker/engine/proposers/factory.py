@@ -1,8 +1,9 @@
-"""Which drafter runs: the engine's method at load time, then each request's within it.
+"""Which drafter runs: each request's method within the one the engine loaded.
 
-``auto`` means "the best this model can do": MTP when the GGUF carries a NextN head, n-gram
-otherwise. ``suffix`` and ``mtp+suffix`` need engine-wide state (measured row costs, the
-output cache), built once at load by :func:`make_suffix_shared`. Asking for more than the
+The engine's own method is resolved by its plan (:func:`worker.engine.plan.resolve_method`:
+``auto`` is MTP when the GGUF carries a NextN head, n-gram otherwise). ``suffix`` and
+``mtp+suffix`` need engine-wide state (measured row costs, the output cache), built once at
+load by :func:`make_suffix_shared`. Asking for more than the
 engine was built for is an error with a message, never a silent fallback to something else.
 """
 
@@ -13,12 +14,12 @@ from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.combined import MtpSuffixProposer
-from worker.engine.proposers.mtp import MtpProposer, require_mtp_head
+from worker.engine.proposers.mtp import MtpProposer
 from worker.engine.proposers.ngram import NgramProposer
 from worker.engine.proposers.none import NoDraft
 from worker.engine.proposers.output_cache import OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
-from worker.llm import Batch, Context, Model
+from worker.llm import Batch, Context
 
 
 def uses_mtp(method: SpecMethod) -> bool:
@@ -29,15 +30,6 @@ def uses_mtp(method: SpecMethod) -> bool:
 def uses_suffix(method: SpecMethod) -> bool:
     """An engine loaded for ``method`` needs row costs and an output cache."""
     return method in (SpecMethod.SUFFIX, SpecMethod.MTP_SUFFIX)
-
-
-def resolve_engine_method(method: SpecMethod, model: Model) -> SpecMethod:
-    """The concrete method an engine is built for; ``mtp`` on a head-less model is an error."""
-    if method is SpecMethod.AUTO:
-        return SpecMethod.MTP if model.has_mtp_head else SpecMethod.NGRAM
-    if uses_mtp(method):
-        require_mtp_head(model)
-    return method
 
 
 def resolve_request_method(requested: SpecMethod, engine: SpecMethod) -> SpecMethod:

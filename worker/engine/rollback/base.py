@@ -16,13 +16,47 @@ that restores the checkpoints of the deep rejections and replays them all in one
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Protocol
 
+from shared.protocol import CheckpointMode
 from worker.llm import Context
+
+#: Marks the :class:`RollbackStats` counters that add up across generations.
+_COUNT: dict[str, Any] = {"count": True}
 
 
 class RollbackError(RuntimeError):
     """llama.cpp did not roll the state back; continuing would decode from a wrong state."""
+
+
+@dataclass(frozen=True)
+class RollbackStats:
+    """What a rollback policy did for one sequence, as :class:`shared.protocol.Telemetry`
+    reports it. Policies count for as long as the engine lives: a generation's share is
+    ``after - before``, and a lifetime total is the sum of the shares. Counters add up; the
+    other fields are the latest state (``a + b`` keeps ``b``'s)."""
+
+    replay_events: int = field(default=0, metadata=_COUNT)
+    replay_tokens: int = field(default=0, metadata=_COUNT)
+    checkpoint_saves: int = field(default=0, metadata=_COUNT)
+    host_fallbacks: int = field(default=0, metadata=_COUNT)
+    #: Where the sequence's checkpoints are stored now (None: the policy never checkpoints).
+    checkpoint_mode: CheckpointMode | None = None
+    host_fallback_reason: str | None = None
+    checkpoint_reservation_bytes: int | None = None
+    #: Direct rollback snapshots (None: a pure-attention model, trimmed instead).
+    rollback_depth: int | None = None
+
+    def _counts(self, other: RollbackStats, sign: int) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) + sign * getattr(other, f.name)
+                for f in fields(self) if f.metadata.get("count")}
+
+    def __add__(self, later: RollbackStats) -> RollbackStats:
+        return replace(later, **self._counts(later, 1))
+
+    def __sub__(self, before: RollbackStats) -> RollbackStats:
+        return replace(self, **self._counts(before, -1))
 
 
 class Rollback(Protocol):
@@ -51,9 +85,8 @@ class Rollback(Protocol):
         """``seq`` is handed to another request: forget its checkpoint."""
         ...
 
-    def telemetry(self, seq: int) -> dict[str, object]:
-        """Counters of ``seq`` for :class:`shared.protocol.Telemetry` (replay_events,
-        replay_tokens, checkpoint_mode, checkpoint_saves, host_fallbacks, rollback_depth)."""
+    def telemetry(self, seq: int) -> RollbackStats:
+        """What the policy did for ``seq`` so far (since the engine loaded)."""
         ...
 
     def close(self) -> None:

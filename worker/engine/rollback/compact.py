@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from shared.logs import get_logger
 from shared.protocol import CheckpointMode
-from worker.engine.rollback.base import RollbackError
+from worker.engine.rollback.base import RollbackError, RollbackStats
 from worker.engine.rollback.checkpoint import CheckpointStore
 from worker.engine.rollback.kv_trim import trim_tail
 from worker.llm import Batch, Context, LlamaError
@@ -41,6 +41,16 @@ class _Replay:
     tokens: list[int]
     pos0: int
     depth: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What :meth:`CompactRollback.reserve` pinned: every slot's storage, in one mode."""
+
+    mode: CheckpointMode
+    bytes_per_slot: int
+    #: Why the device reservation fell back to host storage (None: it did not).
+    fallback_reason: str | None
 
 
 class CompactRollback:
@@ -61,9 +71,9 @@ class CompactRollback:
         self._pending: list[_Replay] = []
         self._replay = Batch(slots * (draft_max + 1))
 
-    def reserve(self, target: Context) -> int:
+    def reserve(self, target: Context) -> Reservation:
         """Allocate every slot's checkpoint storage up front (the fitter calls this at worker
-        start); returns the bytes reserved per slot.
+        start); returns the mode and the bytes reserved per slot.
 
         A device reservation that fails for one slot selects host storage for every slot: at
         start-up a failure says the device cannot hold checkpoints this run (seed 003), and
@@ -78,7 +88,8 @@ class CompactRollback:
                     sizes[i] = store.reserve(target)
         if len(set(sizes)) != 1:
             raise RollbackError(f"the slots' checkpoint reservations differ: {sizes} bytes")
-        return sizes[0]
+        reason = next((st.fallback_reason for st in self.stores if st.fallback_reason), None)
+        return Reservation(self.stores[0].mode, sizes[0], reason)
 
     def prepare(self, target: Context, seq: int, n_draft: int) -> None:
         """Checkpoint the state before a verify only when its draft is longer than D: any
@@ -124,18 +135,13 @@ class CompactRollback:
         """A finished slot's checkpoint must never be restored into the next request's."""
         self.stores[seq].discard()
 
-    def telemetry(self, seq: int) -> dict[str, object]:
+    def telemetry(self, seq: int) -> RollbackStats:
         store = self.stores[seq]
-        return {
-            "replay_events": self.replay_events[seq],
-            "replay_tokens": self.replay_tokens[seq],
-            "checkpoint_mode": store.mode.value,
-            "checkpoint_saves": store.saves,
-            "host_fallbacks": store.fallbacks,
-            "host_fallback_reason": store.fallback_reason,
-            "checkpoint_reservation_bytes": store.reserved_bytes(),
-            "rollback_depth": self.n_rs_seq,
-        }
+        return RollbackStats(
+            replay_events=self.replay_events[seq], replay_tokens=self.replay_tokens[seq],
+            checkpoint_saves=store.saves, host_fallbacks=store.fallbacks,
+            checkpoint_mode=store.mode, host_fallback_reason=store.fallback_reason,
+            checkpoint_reservation_bytes=store.reserved_bytes(), rollback_depth=self.n_rs_seq)
 
     def close(self) -> None:
         """Free the replay batch (llama.cpp memory) with the engine, not at garbage collection."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.engine.rollback.base import RollbackError
+from worker.engine.rollback.base import RollbackError, RollbackStats
 from worker.llm import Context
 
 
@@ -41,8 +41,8 @@ class KvTrimRollback:
     def release(self, seq: int) -> None:
         """No per-sequence state."""
 
-    def telemetry(self, seq: int) -> dict[str, object]:
-        return {"rollback_depth": None}
+    def telemetry(self, seq: int) -> RollbackStats:
+        return RollbackStats()
 
     def close(self) -> None:
         """Nothing allocated."""

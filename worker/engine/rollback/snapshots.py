@@ -10,7 +10,7 @@ refused by llama.cpp with a ``False`` that :func:`trim_tail` turns into a
 
 from __future__ import annotations
 
-from worker.engine.rollback.base import RollbackError
+from worker.engine.rollback.base import RollbackError, RollbackStats
 from worker.engine.rollback.kv_trim import KvTrimRollback
 from worker.llm import Context
 
@@ -29,5 +29,5 @@ class SnapshotRollback(KvTrimRollback):
                 "the target context was created with"
             )
 
-    def telemetry(self, seq: int) -> dict[str, object]:
-        return {"rollback_depth": self.n_rs_seq}
+    def telemetry(self, seq: int) -> RollbackStats:
+        return RollbackStats(rollback_depth=self.n_rs_seq)

@@ -1,0 +1,98 @@
+"""The engine plan: every load-time decision from the config and the model's facts, once.
+
+The plan is a pure function of values, so most cases need no model; the last test checks that
+an engine really builds what its plan says, on the real tiny models.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, Telemetry
+from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.plan import ModelFacts, RollbackKind, plan_engine
+from worker.engine.proposers.mtp import MtpUnavailableError
+from worker.engine.rollback import RollbackStats
+from worker.testmodels import TinyModels
+
+DENSE = ModelFacts("dense.gguf", recurrent=False, mtp_head=False)
+HYBRID = ModelFacts("hybrid.gguf", recurrent=True, mtp_head=True)
+TRUNK = ModelFacts("trunk.gguf", recurrent=True, mtp_head=False)
+
+
+def config(method: SpecMethod, draft_max: int = 6, depth: int | None = None,
+           slots: int = 1) -> EngineConfig:
+    spec = SpecSettings(method=method, draft_max=draft_max, rollback_depth=depth)
+    return EngineConfig("m.gguf", slots=slots, spec=spec, checkpoint=CheckpointMode.HOST)
+
+
+def test_auto_resolves_to_what_the_model_can_do() -> None:
+    assert plan_engine(config(SpecMethod.AUTO), HYBRID).method is SpecMethod.MTP
+    assert plan_engine(config(SpecMethod.AUTO), TRUNK).method is SpecMethod.NGRAM
+    with pytest.raises(MtpUnavailableError, match="trunk.gguf has no MTP"):
+        plan_engine(config(SpecMethod.MTP_SUFFIX), TRUNK)
+
+
+def test_no_drafting_means_no_draft_width_and_no_snapshots() -> None:
+    plan = plan_engine(config(SpecMethod.NONE, draft_max=6, depth=2), HYBRID)
+    assert (plan.draft_max, plan.n_rs_seq, plan.rollback) == (0, 0, RollbackKind.SNAPSHOTS)
+    assert not plan.checkpoints and not plan.mtp
+
+
+@pytest.mark.parametrize(("facts", "depth", "kind", "n_rs_seq", "checkpoint"), [
+    (DENSE, None, RollbackKind.KV_TRIM, 0, None),
+    (DENSE, 2, RollbackKind.KV_TRIM, 0, None),
+    (HYBRID, None, RollbackKind.SNAPSHOTS, 6, None),
+    (HYBRID, 6, RollbackKind.SNAPSHOTS, 6, None),
+    (HYBRID, 2, RollbackKind.COMPACT, 2, CheckpointMode.HOST),
+])
+def test_rollback_follows_the_model_and_the_depth(
+        facts: ModelFacts, depth: int | None, kind: RollbackKind, n_rs_seq: int,
+        checkpoint: CheckpointMode | None) -> None:
+    plan = plan_engine(config(SpecMethod.NGRAM, draft_max=6, depth=depth, slots=3), facts)
+    assert (plan.rollback, plan.n_rs_seq, plan.checkpoint, plan.slots) == (
+        kind, n_rs_seq, checkpoint, 3)
+    capacity = plan.capacity()
+    assert capacity.rollback_depth == (None if facts is DENSE else n_rs_seq)
+    assert (capacity.method, capacity.draft_max) == (SpecMethod.NGRAM, 6)
+
+
+def test_rollback_stats_add_counts_and_keep_the_latest_state() -> None:
+    before = RollbackStats(replay_events=2, replay_tokens=9, checkpoint_saves=5,
+                           checkpoint_mode=CheckpointMode.DEVICE, rollback_depth=2)
+    after = RollbackStats(replay_events=3, replay_tokens=12, checkpoint_saves=9,
+                          host_fallbacks=1, checkpoint_mode=CheckpointMode.HOST,
+                          host_fallback_reason="short_write", rollback_depth=2)
+    share = after - before
+    assert (share.replay_events, share.replay_tokens, share.checkpoint_saves,
+            share.host_fallbacks) == (1, 3, 4, 1)
+    assert share.checkpoint_mode is CheckpointMode.HOST
+    assert share + share == RollbackStats(2, 6, 8, 2, CheckpointMode.HOST, "short_write",
+                                          None, 2)
+
+
+def test_telemetry_enums_keep_their_wire_strings() -> None:
+    t = Telemetry(spec_method="mtp+suffix", checkpoint_mode="host")
+    assert t.spec_method is SpecMethod.MTP_SUFFIX and t.checkpoint_mode is CheckpointMode.HOST
+    wire = t.model_dump(mode="json")
+    assert (wire["spec_method"], wire["checkpoint_mode"]) == ("mtp+suffix", "host")
+    assert Telemetry.model_validate_json(t.model_dump_json()) == t
+
+
+@pytest.mark.parametrize(("which", "spec"), [
+    ("dense", SpecSettings(method=SpecMethod.NGRAM, draft_max=4)),
+    ("hybrid", SpecSettings(method=SpecMethod.AUTO, draft_max=5, rollback_depth=2)),
+])
+def test_the_engine_is_built_from_its_plan(tiny_models: TinyModels, which: str,
+                                           spec: SpecSettings) -> None:
+    cfg = EngineConfig(str(getattr(tiny_models, which)), n_ctx=256, n_threads=1, spec=spec)
+    with SpeculativeEngine(cfg) as engine:
+        plan = engine.plan
+        assert plan == plan_engine(cfg, ModelFacts.of(engine.model))
+        assert (engine.method, engine.draft_max) == (plan.method, plan.draft_max)
+        assert engine.target.n_rs_seq == plan.n_rs_seq
+        assert (engine.mtp is not None) == plan.mtp
+        assert type(engine.rollback).__name__ == {
+            RollbackKind.KV_TRIM: "KvTrimRollback", RollbackKind.SNAPSHOTS: "SnapshotRollback",
+            RollbackKind.COMPACT: "CompactRollback"}[plan.rollback]
+    engine.close()  # closing twice is harmless

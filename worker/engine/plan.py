@@ -1,0 +1,117 @@
+"""What an engine will be, decided once from its config and the model's facts.
+
+Every choice that sizes an engine's contexts and memory is made here, by one pure function:
+the concrete drafting method (``auto`` resolved, MTP refused on a head-less model), the draft
+width N (``0`` when the engine does not speculate), the rollback policy and the recurrent
+snapshots ``n_rs_seq`` it needs, and whether every slot needs checkpoint storage. The engine
+builds itself from the plan, and the fitter measures contexts built from the very same plan
+before any engine exists, so the two can never decide differently (and the fitter allocates
+nothing to find out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from shared.protocol import CheckpointMode, SpecMethod, WorkerCapacity
+from worker.engine.config import EngineConfig
+from worker.engine.proposers.factory import uses_mtp, uses_suffix
+from worker.engine.proposers.mtp import MtpUnavailableError
+from worker.llm import Model
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan needs to know about a model (read from a loaded, or no-alloc, one)."""
+
+    path: str
+    #: Recurrent or hybrid: rejected drafts need snapshots (or a checkpoint) to roll back.
+    recurrent: bool
+    #: The GGUF carries an MTP (NextN) head.
+    mtp_head: bool
+
+    @classmethod
+    def of(cls, model: Model) -> ModelFacts:
+        return cls(model.spec.path, model.is_recurrent, model.has_mtp_head)
+
+
+class RollbackKind(Enum):
+    """Which rollback policy the target gets (:func:`worker.engine.rollback.make_rollback`)."""
+
+    #: Pure attention: rejected positions are trimmed from the KV cache.
+    KV_TRIM = "kv_trim"
+    #: Recurrent, one snapshot per draft position (D unset, or D >= N).
+    SNAPSHOTS = "snapshots"
+    #: Recurrent, D < N snapshots plus one checkpoint per slot, restored and replayed.
+    COMPACT = "compact"
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """The decisions an engine is built from (see :func:`plan_engine`)."""
+
+    #: The concrete method the engine loads (never ``auto``).
+    method: SpecMethod
+    #: Draft width N the contexts are sized for; 0 when the method does not draft.
+    draft_max: int
+    rollback: RollbackKind
+    #: Recurrent snapshots per sequence the target is created with (D, or N for D = N).
+    n_rs_seq: int
+    #: Where checkpoints start out (the configured mode), or None when the engine never
+    #: checkpoints (pure attention, or D = N).
+    checkpoint: CheckpointMode | None
+    slots: int
+
+    @property
+    def checkpoints(self) -> bool:
+        """Every slot needs checkpoint storage (compact rollback)."""
+        return self.checkpoint is not None
+
+    @property
+    def mtp(self) -> bool:
+        """The engine has an MTP draft context."""
+        return uses_mtp(self.method)
+
+    @property
+    def suffix(self) -> bool:
+        """The engine has the suffix drafters' row costs and output cache."""
+        return uses_suffix(self.method)
+
+    @property
+    def rollback_depth(self) -> int | None:
+        """The snapshots a recurrent target keeps (what a request's ``rollback_depth`` must
+        match); None for a pure-attention model, which has nothing to roll back."""
+        return None if self.rollback is RollbackKind.KV_TRIM else self.n_rs_seq
+
+    def capacity(self) -> WorkerCapacity:
+        """What a worker loaded from this plan can serve (requests may only narrow it)."""
+        return WorkerCapacity(method=self.method, draft_max=self.draft_max,
+                              rollback_depth=self.rollback_depth)
+
+
+def resolve_method(method: SpecMethod, model: ModelFacts) -> SpecMethod:
+    """The concrete method an engine is built for: ``auto`` is MTP when the model has a NextN
+    head, n-gram otherwise; MTP asked of a head-less model is an error, never a substitute."""
+    if method is SpecMethod.AUTO:
+        return SpecMethod.MTP if model.mtp_head else SpecMethod.NGRAM
+    if uses_mtp(method) and not model.mtp_head:
+        raise MtpUnavailableError(
+            f"{model.path} has no MTP (NextN) head (nextn_predict_layers = 0): "
+            "use spec method 'ngram' or 'auto'")
+    return method
+
+
+def plan_engine(config: EngineConfig, model: ModelFacts) -> EnginePlan:
+    """The plan of an engine built from ``config`` on ``model``."""
+    method = resolve_method(config.spec.method, model)
+    draft_max = config.spec.draft_max if method is not SpecMethod.NONE else 0
+    depth = config.spec.rollback_depth
+    if not model.recurrent:
+        kind, n_rs_seq = RollbackKind.KV_TRIM, 0
+    elif depth is None or depth >= draft_max:
+        kind, n_rs_seq = RollbackKind.SNAPSHOTS, draft_max
+    else:
+        kind, n_rs_seq = RollbackKind.COMPACT, depth
+    checkpoint = config.checkpoint if kind is RollbackKind.COMPACT else None
+    return EnginePlan(method, draft_max, kind, n_rs_seq, checkpoint, config.slots)
