@@ -36,6 +36,7 @@ from shared.protocol import (
     JobStatus,
     Telemetry,
     TokenEvent,
+    TokenLogprob,
     WorkerInfo,
 )
 from shared.recovery import RecoveryMonitor
@@ -65,6 +66,9 @@ class JobResult:
     attempts: int
     finish_reason: str | None = None
     error: str | None = None
+    #: The sampling seed the job ran with: the same request with it gives the same tokens.
+    seed: int | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def from_final(cls, final: FinalEvent) -> JobResult:
@@ -73,14 +77,17 @@ class JobResult:
                    text=final.text, telemetry=final.telemetry, worker=final.worker,
                    attempts=final.attempt,
                    finish_reason=str(final.finish_reason) if final.finish_reason else None,
-                   error=final.error)
+                   error=final.error, seed=final.seed, logprobs=final.logprobs)
 
     def to_json(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "status": str(self.status), "tokens": self.tokens,
-                "text": self.text,
-                "telemetry": self.telemetry.model_dump() if self.telemetry else None,
-                "worker": self.worker, "attempts": self.attempts,
-                "finish_reason": self.finish_reason, "error": self.error}
+        body: dict[str, Any] = {
+            "job_id": self.job_id, "status": str(self.status), "tokens": self.tokens,
+            "text": self.text, "telemetry": self.telemetry.model_dump() if self.telemetry else None,
+            "worker": self.worker, "attempts": self.attempts,
+            "finish_reason": self.finish_reason, "error": self.error, "seed": self.seed}
+        if self.logprobs is not None:
+            body["logprobs"] = [lp.model_dump(mode="json") for lp in self.logprobs]
+        return body
 
 
 class StreamGapError(RuntimeError):
@@ -196,7 +203,8 @@ class Coordinator:
         """Validate and queue one request; ``SubmitError`` says why it was refused.
 
         ``job_id`` lets a caller record the job (a batch line) before it can run."""
-        req = parse_request(request)
+        # The seed is fixed here, before queueing: a re-run of the job samples the same tokens.
+        req = parse_request(request).with_seed()
         workers = self._serving(req.model)
         check_admission(req, workers, self.known_models, self.settings.require_live_worker)
         job_id = job_id or uuid.uuid4().hex
@@ -214,7 +222,8 @@ class Coordinator:
                       meta={"model": req.model, "custom_id": req.custom_id})
         doorbell.ring(self.connection, self.keys, req.model)
         log.info("job.queued", job_id=job_id, model=req.model, attempt=0, queue=queue.name,
-                 priority=str(req.priority), max_tokens=req.max_tokens)
+                 priority=str(req.priority), max_tokens=req.max_tokens,
+                 seed=req.sampling.seed)
         return JobHandle(self, job_id)
 
     def handle(self, job_id: str) -> JobHandle:

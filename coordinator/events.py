@@ -23,7 +23,7 @@ from redis import Redis
 from shared.keys import STREAM_FIELD, Keys
 from shared.logs import get_logger
 from shared.outage import ride_out
-from shared.protocol import AnyEvent, FinalEvent, TokenEvent, parse_event
+from shared.protocol import AnyEvent, FinalEvent, TokenEvent, TokenLogprob, parse_event
 
 _FIELD = STREAM_FIELD.encode()
 
@@ -113,23 +113,42 @@ class TextDeltas:
     def __init__(self, cursor: StreamCursor, shown: int = 0) -> None:
         self.cursor = cursor
         self.shown = shown
+        #: The logprobs of the tokens the last :meth:`feed` brought (a request that asked
+        #: for them): each token's handed out once too, by its position.
+        self.logprobs: list[TokenLogprob] = []
+        self._resumed_at = shown
         self._chars: dict[int, int] = {}  # characters of each attempt's text so far
         self._tokens: dict[int, int] = {}
+        self._logprobs_shown = 0  # tokens whose logprobs were handed out (same seed: same)
         self._newest = 0
 
     def feed(self, event: AnyEvent) -> str:
-        """The new text ``event`` brings (often ``""``)."""
+        """The new text ``event`` brings (often ``""``); its new logprobs in ``logprobs``."""
         self._newest = max(self._newest, event.attempt)
+        self.logprobs = []
         if isinstance(event, TokenEvent) and not self.cursor.gaps:
             if event.index < self._tokens.get(event.attempt, 0):
                 return ""
             self._tokens[event.attempt] = event.index + len(event.tokens)
             end = self._chars.get(event.attempt, 0) + len(event.text)
             self._chars[event.attempt] = end
+            if self._resumed_at and end <= self._resumed_at:  # the client has had these
+                self._logprobs_shown = max(self._logprobs_shown,
+                                           event.index + len(event.tokens))
+            else:
+                self._take_logprobs(event.logprobs, event.index)
             return self._beyond(event.text, end)
         if isinstance(event, FinalEvent) and event.attempt >= self._newest:
+            self._take_logprobs(event.logprobs, 0)
             return self._beyond(event.text, len(event.text))
         return ""
+
+    def _take_logprobs(self, logprobs: list[TokenLogprob] | None, index: int) -> None:
+        """Those of ``logprobs`` (the tokens from ``index`` on) not handed out yet."""
+        if not logprobs:
+            return
+        self.logprobs = logprobs[max(0, self._logprobs_shown - index):]
+        self._logprobs_shown = max(self._logprobs_shown, index + len(logprobs))
 
     def _beyond(self, piece: str, end: int) -> str:
         """The part of ``piece`` (which ends at character ``end``) not handed out yet; only

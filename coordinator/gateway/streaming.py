@@ -97,10 +97,13 @@ async def sse_chunks(redis: aioredis.Redis, keys: Keys, endpoint: str, job_id: s
 
     if endpoint == schemas.CHAT and shown == 0:
         yield event(schemas.chunk(endpoint, job_id, model, created, role=True, text=""))
+    offset = shown  # completions' text_offset: the characters of the tokens before
     async for ev in job_events(redis, keys, cursor):
         delta = deltas.feed(ev)
-        if delta:
-            yield event(schemas.chunk(endpoint, job_id, model, created, text=delta))
+        if delta or deltas.logprobs:  # a token may hold part of a character: no text yet
+            yield event(schemas.chunk(endpoint, job_id, model, created, text=delta,
+                                      logprobs=deltas.logprobs or None, offset=offset))
+            offset += sum(len(lp.text) for lp in deltas.logprobs)
         if isinstance(ev, FinalEvent) and cursor.done:
             if ev.status is JobStatus.FAILED:
                 yield event({"error": {"message": ev.error or "the job failed",

@@ -86,10 +86,12 @@ def test_batch_round_trip_with_five_bad_lines_of_fifty(deployment: Deployment) -
     assert client.files.retrieve(batch.output_file_id).bytes == len(
         client.files.content(batch.output_file_id).read())
     assert batch.id in [b.id for b in client.batches.list()]
-    # the same result from a direct request
+    # the same result from a direct request with the seed the line's job sampled with
+    first = output[0]["response"]["body"]
     direct = Coordinator(deployment.settings).submit(
-        {"model": MODEL_NAME, "prompt_tokens": [2, 7], "max_tokens": 4}).result(timeout=30)
-    assert output[0]["response"]["body"]["choices"][0]["text"] == direct.text
+        {"model": MODEL_NAME, "prompt_tokens": [2, 7], "max_tokens": 4,
+         "sampling": {"temperature": 1.0, "seed": first["specfleet"]["seed"]}}).result(timeout=30)
+    assert first["choices"][0]["text"] == direct.text
 
 
 def test_batch_refusals(deployment: Deployment) -> None:

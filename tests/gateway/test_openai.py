@@ -24,11 +24,20 @@ PROMPT = [5, 17, 33, 2]
 
 
 def test_completion_is_the_fleets_own_result(deployment: Deployment) -> None:
+    """OpenAI's default temperature (1) samples; the seed drawn for the job is reported
+    under ``specfleet`` and gives the same tokens to a direct request."""
     client, settings = deployment.client(), deployment.settings
     reply = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12)
+    seed = reply.specfleet["seed"]
+    assert isinstance(seed, int)
     direct = Coordinator(settings).submit(
+        {"model": MODEL_NAME, "prompt_tokens": PROMPT, "max_tokens": 12,
+         "sampling": {"temperature": 1.0, "seed": seed}}).result(timeout=30)
+    assert reply.choices[0].text == direct.text and direct.seed == seed
+    greedy = Coordinator(settings).submit(
         {"model": MODEL_NAME, "prompt_tokens": PROMPT, "max_tokens": 12}).result(timeout=30)
-    assert reply.choices[0].text == direct.text
+    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12,
+                                     temperature=0).choices[0].text == greedy.text
     assert reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (4, 12)
     job_id = reply.specfleet["job_id"]
@@ -56,6 +65,30 @@ def test_chat_streamed_and_not_tell_the_same_story(deployment: Deployment,
     with Model(ModelSpec(str(chat_model))) as model:
         rendered = build_prompt(model, GenerationRequest(model=MODEL_NAME, messages=messages))
     assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == len(rendered)
+
+
+def test_logprobs_streamed_and_not_are_the_same_numbers(deployment: Deployment) -> None:
+    """Chat: OpenAI's ``logprobs.content`` with ``top_logprobs`` alternatives, the same in a
+    stream's chunks as in the whole reply (same seed: same tokens); completions: the legacy
+    shape. Sampling with speculation (the default ``auto``) is no longer refused."""
+    client = deployment.client()
+    ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+               temperature=0.8, top_p=0.95, seed=5, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 8
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and t.bytes for t in content)
+    assert whole.specfleet["seed"] == 5
+    chunks = list(client.chat.completions.create(**ask, stream=True))  # type: ignore[call-overload]
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+    legacy = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6,
+                                       temperature=0.8, seed=5, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
 
 
 def test_refusals_are_openai_errors_with_the_right_status(deployment: Deployment) -> None:

@@ -1,0 +1,135 @@
+"""OpenAI's sampling and logprob fields, read into our request and written back in OpenAI's
+shapes (no fleet needed: the translation itself, end to end runs in test_openai.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from coordinator.gateway import schemas
+from coordinator.gateway.errors import from_validation
+from shared.protocol import (
+    FinalEvent,
+    GenerationRequest,
+    JobStatus,
+    TokenLogprob,
+    TopLogprob,
+)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": [1, 2, 3]}
+
+
+def _ours(endpoint: str, body: dict[str, Any]) -> GenerationRequest:
+    request, _ = schemas.parse_body(endpoint, body)
+    return GenerationRequest.model_validate(request)
+
+
+def _refusal(endpoint: str, body: dict[str, Any]) -> tuple[str | None, str]:
+    with pytest.raises(ValidationError) as info:
+        schemas.parse_body(endpoint, body)
+    error = from_validation(info.value)
+    return error.param, error.message
+
+
+def test_temperature_defaults_to_openais_one_and_zero_is_greedy() -> None:
+    assert _ours(schemas.CHAT, CHAT).sampling.temperature == 1.0
+    assert _ours(schemas.COMPLETIONS, COMPLETION).sampling.temperature == 1.0
+    greedy = _ours(schemas.CHAT, {**CHAT, "temperature": 0})
+    assert greedy.sampling.greedy
+    # sampling no longer switches speculation off: unset settings are the worker's
+    assert "speculative" not in greedy.model_fields_set
+    assert _ours(schemas.CHAT, {**CHAT, "temperature": 0.7}).speculative.method == "auto"
+
+
+def test_every_openai_and_vllm_sampling_field_reaches_the_request() -> None:
+    body = {**COMPLETION, "temperature": 0.7, "top_p": 0.9, "seed": 42,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 40, "min_p": 0.05,
+            "repetition_penalty": 1.1}
+    sampling = _ours(schemas.COMPLETIONS, body).sampling
+    assert sampling.model_dump() == {
+        "temperature": 0.7, "top_p": 0.9, "seed": 42, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1}
+    assert _ours(schemas.CHAT, {**CHAT, "top_k": -1}).sampling.top_k == 0  # vLLM's "off"
+
+
+def test_speculative_settings_pass_only_what_was_set() -> None:
+    req = _ours(schemas.CHAT, {**CHAT, "temperature": 0.8,
+                               "specfleet": {"speculative": {"method": "ngram"}}})
+    assert req.speculative.method == "ngram"
+    assert req.speculative.model_fields_set == {"method"}  # draft_max: the worker's
+
+
+@pytest.mark.parametrize(("body", "param", "fragment"), [
+    ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
+    ({"temperature": True}, "temperature", "valid number"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({"min_p": -0.1}, "min_p", "greater than or equal to 0"),
+    ({"top_k": -2}, "top_k", "greater than or equal to -1"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
+    ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ({"seed": "7"}, "seed", "valid integer"),
+    ({"logprobs": 1}, "logprobs", "valid boolean"),
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+])
+def test_chat_sampling_refusals_name_the_field(body: dict[str, Any], param: str,
+                                                fragment: str) -> None:
+    where, message = _refusal(schemas.CHAT, {**CHAT, **body})
+    assert where == param and fragment in message
+
+
+def test_completions_take_the_legacy_integer_logprobs() -> None:
+    req = _ours(schemas.COMPLETIONS, {**COMPLETION, "logprobs": 3})
+    assert (req.logprobs, req.top_logprobs) == (True, 3)
+    assert _ours(schemas.COMPLETIONS, {**COMPLETION, "logprobs": 0}).logprobs_k == 0
+    assert _ours(schemas.COMPLETIONS, COMPLETION).logprobs_k is None
+    assert _refusal(schemas.COMPLETIONS, {**COMPLETION, "logprobs": 6})[0] == "logprobs"
+    assert _refusal(schemas.COMPLETIONS, {**COMPLETION, "logprobs": True})[0] == "logprobs"
+    chat = _ours(schemas.CHAT, {**CHAT, "logprobs": True, "top_logprobs": 2})
+    assert chat.logprobs_k == 2
+    assert _ours(schemas.CHAT, {**CHAT, "logprobs": True}).logprobs_k == 0
+    assert _ours(schemas.CHAT, {**CHAT, "logprobs": False, "top_logprobs": 0}).logprobs_k is None
+
+
+def _lp(token: int, text: str, logprob: float, *alts: tuple[int, str, float]) -> TokenLogprob:
+    return TokenLogprob(token=token, text=text, bytes=list(text.encode()), logprob=logprob,
+                        top_logprobs=[TopLogprob(token=t, text=x, bytes=list(x.encode()),
+                                                 logprob=v) for t, x, v in alts])
+
+
+LOGPROBS = [_lp(5, "He", -0.1, (5, "He", -0.1), (9, "A", -2.5)),
+            _lp(6, "llo", -0.7, (7, "y", -0.6), (6, "llo", -0.7))]
+FINAL = FinalEvent(job_id="j1", attempt=1, seq=5, status=JobStatus.FINISHED,
+                   finish_reason="length", tokens=[5, 6], text="Hello", seed=1234,
+                   logprobs=LOGPROBS)
+
+
+def test_chat_logprobs_are_in_openais_shape() -> None:
+    body = schemas.response_body(schemas.CHAT, "m", FINAL)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content[1] == {"token": "llo", "logprob": -0.7, "bytes": [108, 108, 111],
+                          "top_logprobs": [{"token": "y", "logprob": -0.6, "bytes": [121]},
+                                           {"token": "llo", "logprob": -0.7,
+                                            "bytes": [108, 108, 111]}]}
+    assert body["specfleet"]["seed"] == 1234
+    chunk = schemas.chunk(schemas.CHAT, "j1", "m", 0, text="llo", logprobs=LOGPROBS[1:])
+    assert chunk["choices"][0]["logprobs"]["content"] == content[1:]
+    unasked = FINAL.model_copy(update={"logprobs": None})
+    assert schemas.response_body(schemas.CHAT, "m", unasked)["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_are_in_the_legacy_shape() -> None:
+    logprobs = schemas.response_body(schemas.COMPLETIONS, "m", FINAL)["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": ["He", "llo"], "token_logprobs": [-0.1, -0.7],
+                        # the chosen token and its alternatives: up to logprobs + 1 entries
+                        "top_logprobs": [{"He": -0.1, "A": -2.5}, {"y": -0.6, "llo": -0.7}],
+                        "text_offset": [0, 2]}
+    chunk = schemas.chunk(schemas.COMPLETIONS, "j1", "m", 0, text="llo",
+                          logprobs=LOGPROBS[1:], offset=2)
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [2]
