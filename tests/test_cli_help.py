@@ -17,6 +17,7 @@ from helpers import specfleet
 from typer.testing import CliRunner
 
 from coordinator.cli import app
+from shared.protocol import SamplingParams
 from shared.settings import REDIS_URL_VARIABLES
 
 #: Internal references that mean nothing to a user (design notes, issue numbers).
@@ -66,3 +67,30 @@ def test_the_redis_option_names_the_variables_that_also_set_it() -> None:
     text = _words(proc.stdout)
     assert f"Redis URL [env var: {', '.join(REDIS_URL_VARIABLES)}]" in text
     assert "hunter2secret" not in proc.stdout + proc.stderr
+
+
+def _options(path: list[str]) -> dict[str, str]:
+    """A command's options by name, each with its help line (``typer``'s click command)."""
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]  # type: ignore[attr-defined]
+    return {opt: param.help or "" for param in command.params
+            for opt in getattr(param, "opts", []) if opt.startswith("--")}
+
+
+def test_generate_and_submit_take_the_same_sampling_options() -> None:
+    """Declared once (``coordinator/cli/options.py``, one option per ``SamplingParams``
+    field): the two commands that describe a generation show them identically."""
+    sampling = {f"--{name.replace('_', '-')}" for name in SamplingParams.model_fields}
+    generate, submit = _options(["generate"]), _options(["submit"])
+    for option in [*sorted(sampling), "--logprobs"]:
+        assert option in generate and generate[option] == submit[option], option
+    assert "greedy" in generate["--temperature"] and "--spec none" not in generate["--temperature"]
+
+
+def test_the_model_options_read_the_same_in_fit_and_worker() -> None:
+    fit, worker = _options(["fit"]), _options(["worker"])
+    for option in ("--model", "--device", "--budget-mib", "--fit-target-mib", "--ctx-min",
+                   "--ctx", "--spec", "--draft-max", "--rollback-depth", "--checkpoint",
+                   "--threads", "--slots"):
+        assert fit[option] == worker[option], option

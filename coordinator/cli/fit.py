@@ -7,7 +7,6 @@ reason and the breakdown on stderr.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,7 +16,7 @@ from rich.console import Console
 from coordinator.cli import options as opt
 from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
+from shared.protocol import CheckpointMode, SpecSettings, describe_validation_error
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError, fit_worker
 from worker.fitter.fit import parse_slots
 from worker.fitter.report import render_table
@@ -26,23 +25,19 @@ from worker.llm import LlamaError
 
 @app.command()
 def fit(
-    model: Annotated[Path, typer.Option(help="GGUF model file")],
-    device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
-    budget_mib: Annotated[float | None, typer.Option(
-        help="memory to fit into, overriding what the device reports")] = None,
-    fit_target_mib: Annotated[float, typer.Option(
-        help="margin left free on the device")] = DEFAULT_FIT_TARGET_MIB,
+    model: opt.ModelFile,
+    device: opt.Device = "cpu",
+    budget_mib: opt.BudgetMib = None,
+    fit_target_mib: opt.FitTargetMib = DEFAULT_FIT_TARGET_MIB,
     slots: opt.Slots = "1",
-    spec: Annotated[SpecMethod, typer.Option(help="drafting method")] = SpecMethod.AUTO,
-    draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
-    rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
-    checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
-    = CheckpointMode.DEVICE,
-    ctx_min: Annotated[int, typer.Option(min=1, help="refuse to fit less context")]
-    = DEFAULT_CTX_MIN,
+    spec: opt.Spec = opt.DEFAULT_SPEC.method,
+    draft_max: opt.DraftMax = opt.DEFAULT_SPEC.draft_max,
+    rollback_depth: opt.RollbackDepth = opt.DEFAULT_SPEC.rollback_depth,
+    checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
+    ctx_min: opt.CtxMin = DEFAULT_CTX_MIN,
     ctx: opt.FixedCtx = None,
     allow_ctx_above_train: opt.AllowCtxAboveTrain = False,
-    threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
+    threads: opt.Threads = opt.DEFAULT_THREADS,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
     """Fit the largest context for MODEL on DEVICE and print the measured breakdown.

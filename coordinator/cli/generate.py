@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail
 from shared.logs import configure_logging
-from shared.protocol import CheckpointMode, SpecMethod, Telemetry
+from shared.protocol import CheckpointMode, Telemetry
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback import RollbackError
 from worker.llm import LlamaError
 
 
 def _summary(t: Telemetry) -> str:
-    """Seed 000's reading of the numbers: acceptance, then what it bought, then the rates."""
+    """Acceptance, then what it bought, then the rates (wall time is the one to believe)."""
     return (f"{t.spec_method}: {t.accepted}/{t.drafted} drafts accepted "
             f"({100 * t.acceptance:.1f}%), {t.tokens_per_verify:.2f} tokens per verify decode "
             f"({t.target_decodes} decodes for {t.generated_tokens} tokens); "
@@ -33,7 +32,7 @@ def _summary(t: Telemetry) -> str:
 
 
 def _replays(t: Telemetry) -> str:
-    """Compact rollback's share (seed 003's "replays = events / tokens"), when it ran."""
+    """Compact rollback's share (replays = events / tokens), when it ran."""
     if not t.checkpoint_mode:
         return ""
     return (f"; replays {t.replay_events} events / {t.replay_tokens} tokens, "
@@ -41,33 +40,34 @@ def _replays(t: Telemetry) -> str:
 
 
 @app.command()
+@opt.sampling_options
 def generate(
-    model: Annotated[Path, typer.Option(help="GGUF model file")],
+    model: opt.ModelFile,
     max_tokens: opt.MaxTokens,
     prompt: opt.Prompt = None,
     prompt_tokens: opt.PromptTokens = None,
-    spec: opt.Spec = SpecMethod.AUTO,
+    spec: opt.Spec = opt.DEFAULT_SPEC.method,
     draft_max: opt.DraftMax = opt.DEFAULT_SPEC.draft_max,
     draft_min: opt.DraftMin = opt.DEFAULT_SPEC.draft_min,
     p_min: opt.PMin = opt.DEFAULT_SPEC.p_min,
-    adaptive: opt.Adaptive = False,
-    rollback_depth: opt.RollbackDepth = None,
-    checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
-    = CheckpointMode.DEVICE,
-    temperature: opt.Temperature = 0.0,
-    seed: opt.Seed = 0,
+    adaptive: opt.Adaptive = opt.DEFAULT_SPEC.adaptive,
+    rollback_depth: opt.RollbackDepth = opt.DEFAULT_SPEC.rollback_depth,
+    checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
+    logprobs: opt.Logprobs = None,
     calibrate_verify: Annotated[bool, typer.Option(
         help="time verify widths at load; verify only draft lengths that pay off")] = False,
-    threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
+    threads: opt.Threads = opt.DEFAULT_THREADS,
     ctx: Annotated[int, typer.Option(min=2, help="context size in tokens")] = 4096,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: opt.AsJson = False,
+    *,
+    sampling: dict[str, Any],
 ) -> None:
     """Generate from one prompt with the speculative engine, in this process."""
     configure_logging(level="warning")
     req = opt.build_request(prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                             spec=spec, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
                             adaptive=adaptive, rollback_depth=rollback_depth,
-                            temperature=temperature, seed=seed)
+                            sampling=sampling, logprobs=logprobs)
     config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads,
                           spec=req.speculative,
                           checkpoint=checkpoint, calibrate_verify=calibrate_verify,
@@ -76,12 +76,17 @@ def generate(
         with SpeculativeEngine(config) as engine:
             tokens = req.prompt_tokens or engine.tokenize(req.prompt or "")
             result = engine.generate(tokens, req.max_tokens, req.speculative,
-                                     temperature=req.temperature, seed=req.seed)
+                                     sampling=req.sampling, logprobs=req.logprobs_k)
     except (ValueError, LlamaError, RollbackError, NotImplementedError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     if as_json:
-        print(json.dumps({"tokens": result.tokens, "text": result.text,
-                          "telemetry": result.telemetry.model_dump(mode="json")}))
+        out: dict[str, Any] = {"tokens": result.tokens, "text": result.text,
+                               "seed": result.seed,
+                               "telemetry": result.telemetry.model_dump(mode="json")}
+        if req.logprobs:
+            out["logprobs"] = [lp.model_dump(mode="json") for lp in result.logprobs]
+        print(json.dumps(out))
     else:
         print(result.text)
         sys.stderr.write(_summary(result.telemetry) + "\n")
+        sys.stderr.write(opt.sampling_line(req.sampling, result.seed) + "\n")

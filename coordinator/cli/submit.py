@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from redis import RedisError
@@ -14,39 +14,45 @@ from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator, JobResult
 from coordinator.validation import SubmitError
 from shared.logs import configure_logging
-from shared.protocol import JobStatus, Priority, SpecMethod
+from shared.protocol import JobStatus, Priority, SamplingParams
 
 
-def print_result(result: JobResult, as_json: bool, streamed: bool) -> None:
-    """The final object (``--json``) or the text; a failed or cancelled job exits non-zero."""
+def print_result(result: JobResult, as_json: bool, streamed: bool,
+                 sampling: SamplingParams | None = None) -> None:
+    """The final object (``--json``) or the text, and on stderr what it sampled with and
+    its seed; a failed or cancelled job exits non-zero."""
     if as_json:
         print(json.dumps(result.to_json()))
     elif not streamed:
         print(result.text)
+    if not as_json and sampling is not None and result.seed is not None:
+        sys.stderr.write(opt.sampling_line(sampling, result.seed) + "\n")
     if result.status is not JobStatus.FINISHED:
         fail(f"job {result.job_id} {result.status}: {result.error or result.finish_reason}",
              code=1)
 
 
 @app.command()
+@opt.sampling_options
 def submit(
     model: Annotated[str, typer.Option(help="served model name")],
     max_tokens: opt.MaxTokens,
     prompt: opt.Prompt = None,
     prompt_tokens: opt.PromptTokens = None,
-    spec: opt.Spec = SpecMethod.AUTO,
+    spec: opt.Spec = opt.DEFAULT_SPEC.method,
     draft_max: opt.WorkerDraftMax = None,
     draft_min: opt.DraftMin = opt.DEFAULT_SPEC.draft_min,
     p_min: opt.PMin = opt.DEFAULT_SPEC.p_min,
-    adaptive: opt.Adaptive = False,
+    adaptive: opt.Adaptive = opt.DEFAULT_SPEC.adaptive,
     rollback_depth: opt.WorkerRollbackDepth = None,
-    temperature: opt.Temperature = 0.0,
-    seed: opt.Seed = 0,
+    logprobs: opt.Logprobs = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop sequence (repeatable)")] = None,
     priority: Annotated[Priority, typer.Option(help="queue priority")] = Priority.NORMAL,
     stream: Annotated[bool, typer.Option(help="print text as it is generated")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one final JSON object")] = False,
     timeout: Annotated[float | None, typer.Option(help="seconds to wait for the result")] = None,
+    *,
+    sampling: dict[str, Any],
 ) -> None:
     """Submit one generation to the fleet and wait for its result."""
     settings = environment_settings()
@@ -54,8 +60,9 @@ def submit(
     request = opt.build_request(prompt=prompt, prompt_tokens=prompt_tokens,
                                 max_tokens=max_tokens, spec=spec, draft_max=draft_max,
                                 draft_min=draft_min, p_min=p_min, adaptive=adaptive,
-                                rollback_depth=rollback_depth, temperature=temperature,
-                                seed=seed, model=model, stop=stop or (), priority=priority)
+                                rollback_depth=rollback_depth, sampling=sampling,
+                                logprobs=logprobs, model=model, stop=stop or (),
+                                priority=priority)
     try:
         handle = Coordinator(settings).submit(request)
         if stream:
@@ -71,4 +78,4 @@ def submit(
         fail(str(exc), code=1)
     except RedisError as exc:
         fail_redis(settings, exc)
-    print_result(result, as_json, streamed=stream)
+    print_result(result, as_json, streamed=stream, sampling=request.sampling)

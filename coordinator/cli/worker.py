@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
@@ -13,9 +12,8 @@ from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from shared.logs import configure_logging
 from shared.outage import RedisOutage
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, describe_validation_error
+from shared.protocol import CheckpointMode, SpecSettings, describe_validation_error
 from shared.redact import RedisURL
-from shared.settings import REDIS_URL_VARIABLES
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
 from worker.fitter.fit import parse_slots
 from worker.service.runner import serve
@@ -24,31 +22,24 @@ from worker.service.startup import WorkerOptions
 
 @app.command()
 def worker(
-    model: Annotated[Path, typer.Option(help="GGUF model file")],
+    model: opt.ModelFile,
     model_name: Annotated[str | None, typer.Option(help="name clients submit to "
                                                    "(default: the file name without .gguf)")]
     = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda:N (pinned before llama.cpp loads)")]
-    = "cpu",
-    budget_mib: Annotated[float | None, typer.Option(help="memory to fit into, MiB "
-                                                     "(default: the device's free memory)")]
-    = None,
-    fit_target_mib: Annotated[float, typer.Option(help="margin the fitter leaves free, MiB")]
-    = DEFAULT_FIT_TARGET_MIB,
-    ctx_min: Annotated[int, typer.Option(min=1, help="refuse to start with less context")]
-    = DEFAULT_CTX_MIN,
-    redis: Annotated[str | None, typer.Option(
-        help="Redis URL", envvar=list(REDIS_URL_VARIABLES))] = None,
+    device: opt.Device = "cpu",
+    budget_mib: opt.BudgetMib = None,
+    fit_target_mib: opt.FitTargetMib = DEFAULT_FIT_TARGET_MIB,
+    ctx_min: opt.CtxMin = DEFAULT_CTX_MIN,
+    redis: opt.RedisUrl = None,
     name: Annotated[str | None, typer.Option(help="worker name (default: host-device-pid)")]
     = None,
     ctx: opt.FixedCtx = None,
     allow_ctx_above_train: opt.AllowCtxAboveTrain = False,
-    spec: Annotated[SpecMethod, typer.Option(help="drafting method capacity")] = SpecMethod.AUTO,
-    draft_max: Annotated[int, typer.Option(help="draft width ceiling N")] = 8,
-    rollback_depth: Annotated[int | None, typer.Option(help="direct rollback depth D")] = None,
-    checkpoint: Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
-    = CheckpointMode.DEVICE,
-    threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
+    spec: opt.Spec = opt.DEFAULT_SPEC.method,
+    draft_max: opt.DraftMax = opt.DEFAULT_SPEC.draft_max,
+    rollback_depth: opt.RollbackDepth = opt.DEFAULT_SPEC.rollback_depth,
+    checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
+    threads: opt.Threads = opt.DEFAULT_THREADS,
     slots: opt.Slots = "1",
     metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve Prometheus "
                                                      "/metrics on this port (0: a free one, "

@@ -13,8 +13,9 @@ _json = st.recursive(
                                                                 max_size=4),
     max_leaves=8,
 )
-_FIELDS = ["model", "prompt", "prompt_tokens", "max_tokens", "temperature", "seed", "stop",
-           "speculative", "priority", "custom_id", "bogus"]
+_FIELDS = ["model", "prompt", "prompt_tokens", "max_tokens", "sampling", "logprobs",
+           "top_logprobs", "temperature", "stop", "speculative", "priority", "custom_id",
+           "bogus"]
 
 
 @st.composite

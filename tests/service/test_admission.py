@@ -76,5 +76,5 @@ def test_fuzzed_requests_are_refused_with_clear_errors(coordinator: Coordinator,
         assert ("invalid request:" in message or "must be a JSON object" in message
                 or "unknown model" in message or "exceeds" in message)
         assert _queued(coordinator) == before
-    else:  # the mutation happened to be valid (e.g. seed=0): it was queued
+    else:  # the mutation happened to be valid (e.g. sampling={}): it was queued
         assert _queued(coordinator) == before + 1

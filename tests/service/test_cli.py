@@ -26,20 +26,27 @@ def _cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_submit_json_equals_generate_in_process(fleet: Fleet, dense_model: Path) -> None:
+    """Sampled with a seed (the default ``--spec auto``): the fleet and the in-process
+    engine give the same tokens; without ``--seed`` the one drawn at submit is reported and
+    repeats the run."""
     fleet.start("w1")
-    args = ("--prompt-tokens", "5,6,7", "--max-tokens", "24")
+    args = ("--prompt-tokens", "5,6,7", "--max-tokens", "24", "--temperature", "0.9",
+            "--top-k", "40")
     submitted = _cli(fleet, "submit", "--model", MODEL_NAME, *args, "--json")
-    generated = _cli(fleet, "generate", "--model", str(dense_model), "--ctx", str(CTX),
-                     "--threads", "1", *args, "--json")
     assert submitted.returncode == 0, submitted.stderr
     result = json.loads(submitted.stdout)
-    assert {"job_id", "tokens", "text", "telemetry", "worker", "attempts"} <= set(result)
+    assert {"job_id", "tokens", "text", "telemetry", "worker", "attempts", "seed"} <= set(result)
+    seed = str(result["seed"])
+    generated = _cli(fleet, "generate", "--model", str(dense_model), "--ctx", str(CTX),
+                     "--threads", "1", *args, "--seed", seed, "--json")
+    assert generated.returncode == 0, generated.stderr
     assert result["tokens"] == json.loads(generated.stdout)["tokens"]
     assert result["worker"] == "w1" and result["attempts"] == 1
 
-    streamed = _cli(fleet, "submit", "--model", MODEL_NAME, *args, "--stream")
+    streamed = _cli(fleet, "submit", "--model", MODEL_NAME, *args, "--seed", seed, "--stream")
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == result["text"] + "\n"
+    assert f"; seed {seed} (--seed {seed} repeats it)" in streamed.stderr
 
 
 def test_submit_errors_are_one_line_and_non_zero(fleet: Fleet) -> None:
