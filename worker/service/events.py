@@ -7,8 +7,10 @@ engine's committed tokens so a fast engine does not pay one Redis round trip per
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from shared.event_stream import EventWriter
+from shared.protocol import TokenLogprob
 
 
 class TokenChunker:
@@ -16,11 +18,14 @@ class TokenChunker:
 
     A chunk is sent once it holds ``chunk`` tokens or has waited ``flush_seconds``, so a fast
     engine does not pay one Redis round trip per token and a slow one still streams live.
-    Text deltas are never split: a chunk carries whole ``on_tokens`` deliveries.
+    Text deltas are never split: a chunk carries whole ``on_tokens`` deliveries. With
+    ``logprobs`` on, each delivery's logprobs (one per token) travel in the same chunk.
     """
 
-    def __init__(self, writer: EventWriter, chunk: int = 8, flush_seconds: float = 0.05) -> None:
+    def __init__(self, writer: EventWriter, chunk: int = 8, flush_seconds: float = 0.05,
+                 logprobs: bool = False) -> None:
         self._writer = writer
+        self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
         self._chunk = chunk
         self._flush_seconds = flush_seconds
         self._tokens: list[int] = []
@@ -28,12 +33,16 @@ class TokenChunker:
         self._index = 0
         self._since = time.monotonic()
 
-    def add(self, tokens: list[int], text: str) -> None:
-        """The engine's ``on_tokens`` callback."""
+    def add(self, tokens: list[int], text: str, logprobs: Sequence[TokenLogprob] = ()) -> None:
+        """One delivery of committed tokens (and their logprobs, when asked for)."""
         if not self._tokens:
             self._since = time.monotonic()
         self._tokens.extend(tokens)
         self._text.append(text)
+        if self._logprobs is not None:
+            if len(logprobs) != len(tokens):
+                raise ValueError(f"{len(logprobs)} logprobs for {len(tokens)} tokens")
+            self._logprobs.extend(logprobs)
         if (len(self._tokens) >= self._chunk
                 or time.monotonic() - self._since >= self._flush_seconds):
             self.flush()
@@ -43,7 +52,9 @@ class TokenChunker:
         if not self._tokens:
             return
         self._writer.emit("token", tokens=self._tokens, text="".join(self._text),
-                          index=self._index)
+                          index=self._index, logprobs=self._logprobs)
         self._index += len(self._tokens)
         self._tokens = []
         self._text = []
+        if self._logprobs is not None:
+            self._logprobs = []

@@ -12,6 +12,7 @@ shows it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -29,6 +30,7 @@ from shared.protocol import (
     FinishReason,
     GenerationRequest,
     JobStatus,
+    TokenLogprob,
     WorkerCapacity,
     describe_validation_error,
 )
@@ -131,8 +133,7 @@ class JobRun:
         self.log = logger
         self._cancel = rt.cancels.begin(job_id)
         self._chunker = TokenChunker(writer, rt.settings.token_chunk,
-                                     rt.settings.token_flush_seconds)
-        self.tokens = rt.metrics.token_sink(job_id, self._chunker.add)
+                                     rt.settings.token_flush_seconds, logprobs=req.logprobs)
 
     @classmethod
     def open(cls, rt: WorkerRuntime, job_id: str, request: Any) -> JobRun:
@@ -151,10 +152,18 @@ class JobRun:
         return cls(rt, job_id, writer, req, prompt, logger)
 
     def slot_request(self) -> SlotRequest:
+        # The coordinator gave the request its seed before queueing; one that arrived
+        # without (an old client writing the queue itself) gets one drawn by the engine.
         req = self.req
-        return SlotRequest(self.prompt, req.max_tokens, req.speculative, req.temperature,
-                           req.seed, req.stop,
+        return SlotRequest(self.prompt, req.max_tokens, req.speculative,
+                           sampling=req.sampling, stop=req.stop, logprobs=req.logprobs_k,
                            log_fields={"job_id": self.job_id, "attempt": self.writer.attempt})
+
+    def tokens(self, tokens: list[int], text: str,
+               logprobs: Sequence[TokenLogprob] = ()) -> None:
+        """One step's committed tokens (and their logprobs): timed, then streamed."""
+        self.rt.metrics.tokens(self.job_id, len(tokens))
+        self._chunker.add(tokens, text, logprobs)
 
     def should_stop(self) -> bool:
         """Checked once per engine step: a cancel, a second SIGTERM, or this worker lost."""
@@ -183,7 +192,8 @@ class JobRun:
         final = self.writer.final(
             status=JobStatus.CANCELLED if cancelled else JobStatus.FINISHED,
             finish_reason=result.finish_reason, tokens=result.tokens, text=result.text,
-            telemetry=result.telemetry, worker=rt.worker_name)
+            telemetry=result.telemetry, worker=rt.worker_name, seed=result.seed,
+            logprobs=result.logprobs if self.req.logprobs else None)
         self.log.info("job.cancelled" if cancelled else "job.finished",
                       finish_reason=str(result.finish_reason), tokens=len(result.tokens),
                       effective_tps=round(result.telemetry.effective_tokens_per_second, 2))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
@@ -187,14 +186,6 @@ class WorkerMetrics:
             else:
                 clock.gaps.append(now - (clock.last_token or now))
             clock.last_token = now
-
-    def token_sink(self, job_id: str,
-                   forward: Callable[[list[int], str], None]) -> Callable[[list[int], str], None]:
-        """The engine's ``on_tokens`` for ``job_id``: times each delivery, then forwards it."""
-        def sink(tokens: list[int], text: str) -> None:
-            self.tokens(job_id, len(tokens))
-            forward(tokens, text)
-        return sink
 
     def job_finished(self, job_id: str, telemetry: Telemetry | None, outcome: str) -> None:
         """A run of ``job_id`` ended with ``outcome`` (one of :data:`OUTCOMES`); ``telemetry``

@@ -37,7 +37,6 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
-from shared import doorbell
 from shared.cancel import request_cancel
 from shared.keys import Keys
 from shared.logs import get_logger
@@ -204,7 +203,7 @@ class ServingLoop:
         for update in updates:
             r = self._running[update.slot.seq]
             if update.verified:
-                r.run.tokens(update.tokens, update.text)
+                r.run.tokens(update.tokens, update.text, update.logprobs)
             if update.result is not None:
                 self._complete(r, update.result)
 
@@ -273,9 +272,9 @@ class ServingLoop:
 
     def _requeue(self, job_id: str) -> None:
         rt = self.runtime
-        self._ride(lambda: requeue_front(rt.connection, job_id), "job.requeue")
-        self._ride(lambda: doorbell.ring(rt.connection, rt.keys, rt.model_name), "job.requeue")
-        attempt = int(rt.connection.get(rt.keys.attempts(job_id)) or 1)
+        self._ride(lambda: requeue_front(rt.connection, rt.keys, job_id), "job.requeue")
+        attempt = int(self._ride(lambda: rt.connection.get(rt.keys.attempts(job_id)),
+                                 "job.requeue") or 1)
         log.warning("job.requeued", job_id=job_id, worker=rt.worker_name,
                     model=rt.model_name, attempt=attempt, next_attempt=attempt + 1,
                     reason="shutdown")
