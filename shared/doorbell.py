@@ -10,6 +10,7 @@ costs at most the waiter's timeout, after which it looks at its queues anyway.
 from __future__ import annotations
 
 from redis import Redis
+from redis.client import Pipeline
 
 from shared.keys import Keys
 
@@ -19,10 +20,16 @@ MAX_RINGS = 1024
 
 def ring(connection: Redis, keys: Keys, model: str) -> None:
     """A job of ``model`` is waiting: wake one idle worker."""
-    pipe = connection.pipeline(transaction=False)
+    with connection.pipeline(transaction=False) as pipe:
+        ring_in(pipe, keys, model)
+        pipe.execute()
+
+
+def ring_in(pipe: Pipeline, keys: Keys, model: str) -> None:
+    """Queue a ring on ``pipe``, beside the enqueue it announces: one round trip, and the
+    job and its ring land together."""
     pipe.lpush(keys.doorbell(model), 1)
     pipe.ltrim(keys.doorbell(model), 0, MAX_RINGS - 1)
-    pipe.execute()
 
 
 def wait(connection: Redis, keys: Keys, model: str, timeout: float) -> bool:

@@ -21,6 +21,7 @@ from rq.serializers import JSONSerializer
 
 from shared import doorbell
 from shared.event_stream import EventWriter
+from shared.keys import Keys
 from shared.logs import get_logger
 from shared.registry import FleetRegistry
 from shared.settings import Settings
@@ -31,11 +32,12 @@ log = get_logger("recovery")
 _UNFINISHED = {JobStatus.QUEUED, JobStatus.STARTED}
 
 
-def requeue_front(connection: Redis, job_id: str) -> Job | None:
-    """Put a job back at the front of its queue; None when it no longer exists."""
+def requeue_front(connection: Redis, keys: Keys, job_id: str) -> Job | None:
+    """Put a job back at the front of its queue and ring its model's doorbell; None when it
+    no longer exists."""
     job = _fetch(connection, job_id)
     if job is not None:
-        _requeue_front(connection, job)
+        _requeue_front(connection, keys, job)
     return job
 
 
@@ -46,18 +48,21 @@ def _fetch(connection: Redis, job_id: str) -> Job | None:
         return None
 
 
-def _requeue_front(connection: Redis, job: Job) -> None:
+def _requeue_front(connection: Redis, keys: Keys, job: Job) -> None:
     """Remove ``job`` from the started registry (its executions) and the failed registry,
-    so rq's own cleanup can never later mark the re-run as abandoned, then enqueue it at
-    the front of its queue."""
+    so rq's own cleanup can never later mark the re-run as abandoned, enqueue it at the
+    front of its queue and ring its model's doorbell: one transaction, so the job is never
+    requeued without leaving the registries, nor left waiting without a ring."""
     queue = Queue(job.origin, connection=connection, serializer=JSONSerializer)
-    with connection.pipeline() as pipe:
-        queue.started_job_registry.remove_executions(job, pipeline=pipe)
-        queue.failed_job_registry.remove(job, pipeline=pipe)
-        pipe.execute()
     job.started_at = None
     job.ended_at = None
-    queue.enqueue_job(job, at_front=True)
+    with connection.pipeline() as pipe:
+        pipe.multi()  # explicit, so rq's enqueue adds to this transaction instead of opening one
+        queue.started_job_registry.remove_executions(job, pipeline=pipe)
+        queue.failed_job_registry.remove(job, pipeline=pipe)
+        queue.enqueue_job(job, pipeline=pipe, at_front=True)
+        doorbell.ring_in(pipe, keys, (job.meta or {}).get("model", ""))
+        pipe.execute()
 
 
 class RecoveryMonitor:
@@ -111,8 +116,7 @@ class RecoveryMonitor:
                 or self._conn.lpos(Queue(job.origin, connection=self._conn).key, job.id)
                 is not None):
             return False
-        _requeue_front(self._conn, job)
-        doorbell.ring(self._conn, self._keys, (job.meta or {}).get("model", ""))
+        _requeue_front(self._conn, self._keys, job)
         attempt = int(self._conn.get(self._keys.attempts(job.id)) or 1)
         EventWriter.for_job(self._conn, self._settings, job.id, attempt).progress(
             "requeued", worker=lost_worker)
