@@ -84,10 +84,6 @@ class Context:
         self._hidden_row = ctypes.c_float * model.n_embd
 
     @property
-    def n_ctx(self) -> int:
-        return int(llama_cpp.llama_n_ctx(self.ptr))
-
-    @property
     def n_rs_seq(self) -> int:
         """Rollback snapshots per sequence actually granted (0 on architectures without)."""
         return int(llama_cpp.llama_n_rs_seq(self.ptr))
