@@ -30,14 +30,21 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
+from shared.protocol import Telemetry
+
 #: Label for records whose worker no line of their source names.
 UNKNOWN = "-"
 #: Records held per source until its worker is known (a start-up is a few dozen lines).
 _PENDING_MAX = 10_000
 
-_SUMMED = ("drafts", "drafted", "accepted", "target_decodes", "generated_tokens",
-           "prompt_tokens", "replay_events", "replay_tokens", "checkpoint_saves")
-_SECONDS = ("draft_seconds", "decode_seconds", "wall_seconds")
+#: Telemetry's counts, summed over generations: its plain ``int`` fields but the draft width
+#: (a setting, not a count) and host fallbacks (counted by reason from ``checkpoint.fallback``).
+_COUNTS = tuple(name for name, f in Telemetry.model_fields.items()
+                if f.annotation is int and name not in ("draft_max", "host_fallbacks"))
+#: Its seconds, summed (the per-token and per-second rates are derived, never summed).
+_SECONDS = tuple(name for name in Telemetry.model_fields if name.endswith("_seconds"))
+#: Its per-draft-position lists, summed position by position.
+_POSITIONS = tuple(name for name in Telemetry.model_fields if name.endswith("_per_position"))
 
 
 def _ratio(a: float, b: float) -> float:
@@ -49,20 +56,11 @@ class Tally:
     """What happened in one group (a worker, a model, a job, or the whole fleet)."""
 
     generations: int = 0
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_decodes: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    replay_events: int = 0
-    replay_tokens: int = 0
-    checkpoint_saves: int = 0
-    draft_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    wall_seconds: float = 0.0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
+    #: Telemetry's counts and seconds, summed over the generations (named as in Telemetry).
+    sums: dict[str, float] = field(default_factory=lambda: {
+        **dict.fromkeys(_COUNTS, 0), **dict.fromkeys(_SECONDS, 0.0)})
+    positions: dict[str, list[int]] = field(
+        default_factory=lambda: {name: [] for name in _POSITIONS})
     jobs_started: int = 0
     jobs_finished: int = 0
     jobs_cancelled: int = 0
@@ -76,36 +74,29 @@ class Tally:
     def add_telemetry(self, t: dict[str, Any]) -> None:
         """One ``generation.finished`` event's telemetry."""
         self.generations += 1
-        for name in _SUMMED:
-            setattr(self, name, getattr(self, name) + int(t.get(name) or 0))
+        for name in _COUNTS:
+            self.sums[name] += int(t.get(name) or 0)
         for name in _SECONDS:
-            setattr(self, name, getattr(self, name) + float(t.get(name) or 0.0))
-        _add(self.accepted_per_position, t.get("accepted_per_position") or [])
-        _add(self.drafted_per_position, t.get("drafted_per_position") or [])
+            self.sums[name] += float(t.get(name) or 0.0)
+        for name in _POSITIONS:
+            _add(self.positions[name], t.get(name) or [])
 
     def to_json(self) -> dict[str, Any]:
         """Counts plus the rates derived from them (docs/telemetry.md defines each)."""
+        s, positions = self.sums, self.positions
+        accepted, drafts, generated = s["accepted"], s["drafts"], s["generated_tokens"]
         return {
-            "generations": self.generations, "generated_tokens": self.generated_tokens,
-            "prompt_tokens": self.prompt_tokens, "drafts": self.drafts,
-            "drafted": self.drafted, "accepted": self.accepted,
-            "acceptance": _ratio(self.accepted, self.drafted),
-            "accepted_per_position": list(self.accepted_per_position),
-            "drafted_per_position": list(self.drafted_per_position),
+            "generations": self.generations, **s,
+            **{name: list(counts) for name, counts in positions.items()},
+            "acceptance": _ratio(accepted, s["drafted"]),
             "acceptance_per_position": [_ratio(a, d) for a, d in
-                                        zip(self.accepted_per_position,
-                                            self.drafted_per_position, strict=False)],
-            "mean_accepted_length": _ratio(self.accepted, self.drafts),
-            "mean_acceptance_length": 1 + _ratio(self.accepted, self.drafts)
-            if self.drafts else 0.0,
-            "target_decodes": self.target_decodes,
-            "tokens_per_verify": _ratio(self.generated_tokens, self.target_decodes),
-            "replay_events": self.replay_events, "replay_tokens": self.replay_tokens,
-            "replay_ratio": _ratio(self.replay_events, self.target_decodes),
-            "checkpoint_saves": self.checkpoint_saves,
-            "draft_seconds": self.draft_seconds, "decode_seconds": self.decode_seconds,
-            "wall_seconds": self.wall_seconds,
-            "effective_tokens_per_second": _ratio(self.generated_tokens, self.wall_seconds),
+                                        zip(positions["accepted_per_position"],
+                                            positions["drafted_per_position"], strict=False)],
+            "mean_accepted_length": _ratio(accepted, drafts),
+            "mean_acceptance_length": 1 + _ratio(accepted, drafts) if drafts else 0.0,
+            "tokens_per_verify": _ratio(generated, s["target_decodes"]),
+            "replay_ratio": _ratio(s["replay_events"], s["target_decodes"]),
+            "effective_tokens_per_second": _ratio(generated, s["wall_seconds"]),
             "jobs_started": self.jobs_started, "jobs_finished": self.jobs_finished,
             "jobs_cancelled": self.jobs_cancelled, "interruptions": self.interruptions,
             "failures": sum(self.failures.values()),
