@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peer_server import SERVER_ENV, complete, find_server, llama_server  # noqa: E402
+from prompts import MERGE_INTERVALS  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings  # noqa: E402
@@ -57,20 +58,7 @@ METHODS = {
 }
 SERVER_SPEC = {"plain": ("--spec-type", "none"), "ngram": ("--spec-type", "ngram-mod")}
 
-CODE = '''def merge_intervals(intervals):
-    """Merge overlapping [start, end] intervals and return them sorted."""
-    if not intervals:
-        return []
-    ordered = sorted(intervals, key=lambda pair: pair[0])
-    merged = [list(ordered[0])]
-    for start, end in ordered[1:]:
-        last = merged[-1]
-        if start <= last[1]:
-            last[1] = max(last[1], end)
-        else:
-            merged.append([start, end])
-    return merged
-'''
+CODE = MERGE_INTERVALS
 ROWS = "\n".join(f"{i},item-{i * 7 % 13},{i * 3.25:.2f},{'yes' if i % 3 else 'no'}"
                  for i in range(1, 13))
 TASKS = [

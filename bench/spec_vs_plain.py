@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peer_server import SERVER_ENV, complete, find_server, llama_server  # noqa: E402
+from prompts import MERGE_INTERVALS  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
@@ -60,20 +61,7 @@ def _turn(user: str, answer_start: str = "") -> str:
     return (f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n{answer_start}")
 
 
-CODE = '''def merge_intervals(intervals):
-    """Merge overlapping [start, end] intervals and return them sorted."""
-    if not intervals:
-        return []
-    ordered = sorted(intervals, key=lambda pair: pair[0])
-    merged = [list(ordered[0])]
-    for start, end in ordered[1:]:
-        last = merged[-1]
-        if start <= last[1]:
-            last[1] = max(last[1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
+CODE = MERGE_INTERVALS + '''
 
 def total_covered(intervals):
     """Length of the union of the intervals."""

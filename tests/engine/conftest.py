@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 from helpers import N_CTX, PROMPT, greedy
@@ -48,14 +49,17 @@ def subject(model: Path, method: SpecMethod) -> Iterator[Subject]:
         yield Subject(engine, greedy(engine, TOKENS))
 
 
-@pytest.fixture(scope="session")
-def hybrid_mtp(hybrid_model: Path) -> Iterator[Subject]:
-    yield from subject(hybrid_model, SpecMethod.MTP)
+def subject_fixture(model: str, method: SpecMethod,
+                    scope: Literal["session", "module"] = "session") -> Any:
+    """A fixture yielding :func:`subject` of ``method`` on the model fixture ``model``."""
+    @pytest.fixture(scope=scope)
+    def fixture(request: pytest.FixtureRequest) -> Iterator[Subject]:
+        yield from subject(request.getfixturevalue(model), method)
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def dense_ngram(dense_model: Path) -> Iterator[Subject]:
-    yield from subject(dense_model, SpecMethod.NGRAM)
+hybrid_mtp = subject_fixture("hybrid_model", SpecMethod.MTP)
+dense_ngram = subject_fixture("dense_model", SpecMethod.NGRAM)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ draft from but must never copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from .conftest import (
     assert_consistent,
     first_difference,
     open_engine,
-    subject,
+    subject_fixture,
 )
 
 WIDTHS = range(1, N_MAX + 1)
@@ -34,14 +33,8 @@ WIDTHS = range(1, N_MAX + 1)
 OTHER_PROMPT = [11, 250, 3, 99, 42, 17, 5, 8, 200]
 
 
-@pytest.fixture(scope="module")
-def dense_suffix(dense_model: Path) -> Iterator[Subject]:
-    yield from subject(dense_model, SpecMethod.SUFFIX)
-
-
-@pytest.fixture(scope="module")
-def hybrid_mtp_suffix(hybrid_model: Path) -> Iterator[Subject]:
-    yield from subject(hybrid_model, SpecMethod.MTP_SUFFIX)
+dense_suffix = subject_fixture("dense_model", SpecMethod.SUFFIX, scope="module")
+hybrid_mtp_suffix = subject_fixture("hybrid_model", SpecMethod.MTP_SUFFIX, scope="module")
 
 
 #: (engine fixture, the request's method).
