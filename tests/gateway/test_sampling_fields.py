@@ -8,12 +8,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from coordinator.events import StreamCursor, TextDeltas
 from coordinator.gateway import schemas
 from coordinator.gateway.errors import from_validation
 from shared.protocol import (
     FinalEvent,
     GenerationRequest,
     JobStatus,
+    TokenEvent,
     TokenLogprob,
     TopLogprob,
 )
@@ -133,3 +135,26 @@ def test_completion_logprobs_are_in_the_legacy_shape() -> None:
     chunk = schemas.chunk(schemas.COMPLETIONS, "j1", "m", 0, text="llo",
                           logprobs=LOGPROBS[1:], offset=2)
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [2]
+
+
+def _token_event(attempt: int, seq: int, index: int, pieces: list[str]) -> TokenEvent:
+    return TokenEvent(job_id="j1", attempt=attempt, seq=seq, index=index,
+                      tokens=list(range(index, index + len(pieces))), text="".join(pieces),
+                      logprobs=[_lp(index + i, p, -0.5) for i, p in enumerate(pieces)])
+
+
+def test_stream_logprobs_are_handed_out_once_across_duplicates_and_re_runs() -> None:
+    """A duplicated token event (a retried write) and a re-run after a crash (same seed: the
+    same tokens again) add no logprobs twice; a client resuming at character 3 gets those of
+    the tokens after it only."""
+    events = [_token_event(1, 1, 0, ["ab", "c"]), _token_event(1, 2, 0, ["ab", "c"]),
+              _token_event(2, 3, 0, ["ab", "c", "de"]), _token_event(2, 4, 3, ["f"])]
+    deltas = TextDeltas(StreamCursor("j1"))
+    handed = []
+    for event in events:
+        text = deltas.feed(event)
+        handed.append((text, [lp.text for lp in deltas.logprobs]))
+    assert handed == [("abc", ["ab", "c"]), ("", []), ("de", ["de"]), ("f", ["f"])]
+    resumed = TextDeltas(StreamCursor("j1"), shown=3)
+    texts = [(resumed.feed(e), [lp.text for lp in resumed.logprobs]) for e in events]
+    assert texts == [("", []), ("", []), ("de", ["de"]), ("f", ["f"])]
