@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.protocol import FinishReason, SpecMethod, SpecSettings
+from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings
 from worker.engine.proposers.mtp import MtpUnavailableError
 
 from .conftest import PROMPT, Subject, assert_consistent, open_engine
@@ -33,19 +33,26 @@ def test_request_cannot_widen_the_engine_method(dense_ngram: Subject) -> None:
         dense_ngram.engine.generate(PROMPT, 5, SpecSettings(method=SpecMethod.MTP))
 
 
-def test_temperature_with_speculation_is_rejected(dense_ngram: Subject) -> None:
-    with pytest.raises(ValueError, match="greedy-only"):
-        dense_ngram.engine.generate(PROMPT, 5, NGRAM4, temperature=0.7)
-
-
 def test_sampling_without_speculation_is_seeded(soft_hybrid_mtp: Subject) -> None:
-    """On the soft-output model a temperature really changes the choice of tokens."""
+    """On the soft-output model a temperature really changes the choice of tokens, and the
+    seed a request gave is the one it reports."""
     plain = SpecSettings(method=SpecMethod.NONE)
-    runs = [soft_hybrid_mtp.engine.generate(PROMPT, 40, plain, temperature=1.5, seed=s).tokens
+    runs = [soft_hybrid_mtp.engine.generate(PROMPT, 40, plain,
+                                            sampling=SamplingParams(temperature=1.5, seed=s))
             for s in (1, 1, 2)]
-    assert runs[0] == runs[1]
-    assert runs[0] != runs[2]
-    assert runs[0] != soft_hybrid_mtp.reference[:40]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].tokens != runs[2].tokens
+    assert runs[0].tokens != soft_hybrid_mtp.reference[:40]
+    assert [r.seed for r in runs] == [1, 1, 2]
+
+
+def test_a_request_without_a_seed_is_given_one_that_reproduces_it(
+        soft_hybrid_mtp: Subject) -> None:
+    sampled = SamplingParams(temperature=1.5)
+    first = soft_hybrid_mtp.engine.generate(PROMPT, 30, sampling=sampled)
+    again = soft_hybrid_mtp.engine.generate(
+        PROMPT, 30, sampling=sampled.model_copy(update={"seed": first.seed}))
+    assert again.tokens == first.tokens
 
 
 def test_draft_max_is_clamped_to_the_engine_capacity(dense_ngram: Subject) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import PROMPT
 
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
+from shared.protocol import CheckpointMode, SamplingParams, SpecMethod, SpecSettings
 from worker.engine.proposers.base import Draft, Proposer, VerifyOutcome
+from worker.engine.sampling import make_sampler
 
 from .conftest import LONG_TOKENS, engine_for
 from .oracle import Planned
@@ -55,7 +56,8 @@ def test_mtp_drafter_with_compact_rollback_is_exact(
                         adaptive=varied, p_min=0.5 if varied else 0.0)
     with engine_for(hybrid_model, draft_max, depth, mode, method=SpecMethod.MTP) as engine:
         assert engine.mtp is not None
-        recording = Recording(engine.mtp.proposer(0))  # an idle engine admits into slot 0
+        # An idle engine admits into slot 0; greedy, so the head drafts its argmax.
+        recording = Recording(engine.mtp.proposer(0, make_sampler(SamplingParams(), len(PROMPT))))
         result = engine.generate(PROMPT, LONG_TOKENS, spec, proposer=recording)
 
     assert result.tokens == hybrid_reference[:LONG_TOKENS]

@@ -17,7 +17,7 @@ from contextlib import ExitStack
 from time import perf_counter
 
 from shared.logs import get_logger
-from shared.protocol import FinishReason, SpecMethod, SpecSettings, Telemetry
+from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings, Telemetry
 from worker.engine.config import (
     PREFILL_CHUNK,
     EngineConfig,
@@ -27,6 +27,7 @@ from worker.engine.config import (
 )
 from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
+from worker.engine.logprobs import make_logprobs
 from worker.engine.plan import ModelFacts, plan_engine
 from worker.engine.proposers.base import Draft, Proposer
 from worker.engine.proposers.factory import (
@@ -38,7 +39,7 @@ from worker.engine.proposers.factory import (
 from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
 from worker.engine.rollback import make_rollback
 from worker.engine.row_budget import plan_widths, reach
-from worker.engine.sampling import make_picker
+from worker.engine.sampling import make_sampler
 from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
 from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
@@ -137,27 +138,25 @@ class SpeculativeEngine:
         """Start ``request`` in a free slot; it is prefilled and decoded by the next steps.
 
         Bad requests (empty or out-of-vocabulary prompt, ``max_tokens < 1``, a prompt that
-        leaves no room in the per-slot context, a method the engine was not loaded for,
-        sampling with speculation) are a ``ValueError`` here, before anything is allocated.
+        leaves no room in the per-slot context, a method the engine was not loaded for) are a
+        ``ValueError`` here, before anything is allocated.
         """
         spec = request.spec or self.config.spec
         method = resolve_request_method(spec.method, self.method)
-        if request.temperature > 0 and method is not SpecMethod.NONE:
-            raise ValueError("speculative decoding is greedy-only: use temperature 0, "
-                             "or speculation method 'none' to sample")
         self._check_request(request.prompt_tokens, request.max_tokens)
         seq = next((s for s in range(self.config.slots) if s not in self._slots), None)
         if seq is None:
             raise NoFreeSlotError(f"all {self.config.slots} slots are busy")
         draft_max = min(spec.draft_max, self.draft_max) if method is not SpecMethod.NONE else 0
+        sampler = make_sampler(request.sampling, len(request.prompt_tokens))
         if self.mtp is not None:
             self.mtp.reset(seq)
-        mtp = self.mtp.proposer(seq) if self.mtp is not None else None
+        mtp = self.mtp.proposer(seq, sampler) if self.mtp is not None else None
         slot = Slot(
             seq=seq, request=request, method=method, spec=spec, draft_max=draft_max,
             proposer=request.proposer or make_proposer(method, spec, mtp, self.suffix),
             policy=make_policy(draft_max, spec.adaptive, self.shape),
-            pick=make_picker(request.temperature, request.seed),
+            sampler=sampler, logprobs=make_logprobs(self.model, request.logprobs),
             stream=TextStream(self.model, request.stop),
             counters=SpecCounters(spec_method=str(method), draft_max=draft_max,
                                   prompt_tokens=len(request.prompt_tokens)),
@@ -186,22 +185,25 @@ class SpeculativeEngine:
             raise
 
     def generate(self, prompt_tokens: list[int], max_tokens: int,
-                 spec: SpecSettings | None = None, *, temperature: float = 0.0, seed: int = 0,
-                 stop: Sequence[str] = (),
+                 spec: SpecSettings | None = None, *, sampling: SamplingParams | None = None,
+                 logprobs: int | None = None, stop: Sequence[str] = (),
                  on_tokens: Callable[[list[int], str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
                  proposer: Proposer | None = None) -> GenerationResult:
         """Generate up to ``max_tokens`` after ``prompt_tokens``: one slot, stepped to the end.
 
         ``spec`` narrows the engine's capacity for this request (a larger ``draft_max`` is
-        clamped to the engine's). ``on_tokens`` receives each step's newly committed tokens
+        clamped to the engine's); ``sampling`` is the target distribution (None: greedy) and
+        ``logprobs`` asks for each token's log probability and that many alternatives (see
+        :class:`SlotRequest`). ``on_tokens`` receives each step's newly committed tokens
         and their text; ``should_stop`` is polled once per decode step to cancel.
         ``proposer`` replaces the drafter ``spec`` selects (tests drive rollback with an oracle).
         Other slots admitted meanwhile are stepped along with it (their updates are dropped:
         callers that share an engine drive :meth:`step` themselves).
         """
-        slot = self.admit(SlotRequest(prompt_tokens, max_tokens, spec, temperature, seed, stop,
-                                      proposer))
+        slot = self.admit(SlotRequest(prompt_tokens, max_tokens, spec,
+                                      sampling or SamplingParams(), stop, proposer,
+                                      logprobs=logprobs))
         notify = on_tokens or _ignore
         cancelled = should_stop or _never
         while True:
@@ -247,28 +249,33 @@ class SpeculativeEngine:
         chunks = self._chunks([s for s in self.active if s.phase is Phase.PREFILL])
         drafts = self._draft(decoding)
         if self.step_costs is not None and len(decoding) > 1:
-            chances = [reach(s.counters, len(d), self._by_method.get(s.method))
+            chances = [reach(s.counters, len(d.tokens), self._by_method.get(s.method))
                        for s, d in zip(decoding, drafts, strict=True)]
             widths = plan_widths(chances, self.step_costs.seconds)
-            drafts = [d[:w] for d, w in zip(drafts, widths, strict=True)]
-        jobs = [VerifyJob(s.seq, s.history[-1], d, len(s.history) - 1, s.pick, s.proposer)
+            # A sampled draft keeps its width: which positions are drafts decides its tokens,
+            # and they must not depend on the neighbours' (point masses do not care).
+            drafts = [d.cut(w) if d.dists is None else d
+                      for d, w in zip(drafts, widths, strict=True)]
+        jobs = [VerifyJob(s.seq, s.history[-1], d, len(s.history) - 1, s.sampler, s.proposer,
+                          s.history, s.logprobs)
                 for s, d in zip(decoding, drafts, strict=True)]
         if not jobs and not chunks:
             return updates
         outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
         if self.step_costs is not None and not chunks:
-            self.step_costs.observe(sum(len(j.draft) + 1 for j in jobs), times.decode)
+            self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.decode)
         for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
             c = slot.counters
             c.draft_seconds += times.observe
             c.decode_seconds += times.target
-            c.record_verify(len(draft), outcome.n_accepted)
-            slot.policy.update(len(draft), outcome.n_accepted)
+            c.record_verify(len(draft.tokens), outcome.n_accepted)
+            slot.policy.update(len(draft.tokens), outcome.n_accepted)
             committed = slot.commit(outcome, self.model, self.config.n_ctx)
             if slot.finish is not None:
                 updates.append(self._finish(slot, slot.finish, committed))
             else:
-                updates.append(SlotUpdate(slot, committed, slot.stream.take(final=False), True))
+                updates.append(SlotUpdate(slot, committed, slot.stream.take(final=False), True,
+                                          logprobs=slot.logprobs_of_last(len(committed))))
         return updates
 
     def _measure_step_costs(self) -> RowCosts:
@@ -313,7 +320,7 @@ class SpeculativeEngine:
         slot.phase = Phase.DECODE
         slot.ready_at = perf_counter()
 
-    def _draft(self, slots: list[Slot]) -> list[list[int]]:
+    def _draft(self, slots: list[Slot]) -> list[Draft]:
         """Every decoding slot's draft for this step: MTP slots of this engine's drafter in
         one batched chain (each is charged the chain's time: it waited for all of it), the
         others through their own proposer."""
@@ -324,21 +331,20 @@ class SpeculativeEngine:
         if batched and self.mtp is not None:
             t0 = perf_counter()
             requests = [DraftRequest(slots[i].seq, slots[i].history, widths[i],
-                                     slots[i].spec.p_min) for i in batched]
+                                     slots[i].spec.p_min, slots[i].sampler) for i in batched]
             for i, chained in zip(batched, self.mtp.draft(requests), strict=True):
                 drafts[i] = chained
             seconds = perf_counter() - t0
             for i in batched:
                 slots[i].counters.draft_seconds += seconds
-        out: list[list[int]] = []
+        out: list[Draft] = []
         for slot, width, draft in zip(slots, widths, drafts, strict=True):
             if draft is None:
                 t0 = perf_counter()
                 draft = slot.proposer.propose(slot.history, width, slot.spec.p_min)
                 slot.counters.draft_seconds += perf_counter() - t0
-            tokens = draft.tokens
-            keep = self.shape[len(tokens)] if len(tokens) >= slot.spec.draft_min else 0
-            out.append(tokens[:keep])
+            n = len(draft.tokens)
+            out.append(draft.cut(self.shape[n] if n >= slot.spec.draft_min else 0))
         return out
 
     def _width(self, slot: Slot) -> int:
@@ -364,7 +370,8 @@ class SpeculativeEngine:
         self._by_method.setdefault(slot.method, SpecCounters()).merge(c)
         telemetry = c.to_telemetry()
         text = slot.stream.take(final=True)
-        result = GenerationResult(slot.generated, slot.stream.text, reason, telemetry)
+        result = GenerationResult(slot.generated, slot.stream.text, reason, telemetry,
+                                  slot.sampler.seed, slot.generated_logprobs)
         log.info("generation.finished", **slot.request.log_fields, seq=slot.seq,
                  finish_reason=str(reason),
                  method=str(slot.method), prompt_tokens=len(slot.request.prompt_tokens),
@@ -372,12 +379,12 @@ class SpeculativeEngine:
                  tokens_per_verify=round(telemetry.tokens_per_verify, 3),
                  effective_tps=round(telemetry.effective_tokens_per_second, 2),
                  telemetry=telemetry.model_dump(mode="json"))
-        return SlotUpdate(slot, list(committed), text, verified, result)
+        return SlotUpdate(slot, list(committed), text, verified, result,
+                          slot.logprobs_of_last(len(committed)))
 
     def _release(self, slot: Slot) -> None:
-        """Give ``slot``'s sequence back: its KV and recurrent state, checkpoint, sampler."""
+        """Give ``slot``'s sequence back: its KV and recurrent state, checkpoint."""
         slot.phase = Phase.DONE
-        slot.pick.close()
         del self._slots[slot.seq]
         self.rollback.release(slot.seq)
         if self.target is not None:

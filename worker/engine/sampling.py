@@ -1,59 +1,294 @@
-"""Choosing the token a target output row commits: greedy argmax or temperature sampling.
+"""Choosing tokens: the target distribution, and how verification keeps it exact.
 
-The verify step asks a picker for every row it checks, so greedy speculation and plain
-sampling share one loop. Sampling runs in llama.cpp's own sampler chain: a softmax over a
-262k vocabulary in numpy would cost more than the decode it follows.
+One definition of "the target distribution" (:func:`target_distribution`, the stages in
+:class:`~shared.protocol.SamplingParams`) serves plain sampling, the MTP head's drafts and
+speculative verification, so speculation cannot change what a request samples from.
+
+Verification is Leviathan et al.'s rejection sampling: a draft token ``x`` drawn with
+probability ``q(x)`` is accepted with probability ``min(1, p(x)/q(x))``; on a rejection the
+token is drawn from the normalised residual ``max(0, p - q)``; after a full accept the bonus
+token is drawn from ``p``. A lookup drafter's token is a point mass (``q(x) = 1``), so it is
+accepted with probability ``p(x)`` and its residual is ``p`` without ``x``.
+
+Randomness is keyed, not streamed: the uniform that decides the token at position ``t`` is
+a hash of (seed, t), so it does not depend on how many draws other positions, other slots or
+other widths took. The acceptance region of ``x`` is placed on ``x``'s own interval of ``p``'s
+cumulative distribution (token-id order) and the residual draw reuses the rest of the same
+uniform; for a point-mass draft that makes the committed token exactly the one plain
+sampling draws from the same uniform, whatever was drafted. So with plain, n-gram or suffix
+drafting the same seed gives the same tokens as plain sampling, whatever the widths and the
+batching; with MTP drafts (sampled from the head's distribution) the same seed gives the same
+tokens for the same widths. Greedy is the temperature-0 case and stays token-exact.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
 from typing import Protocol
 
-import llama_cpp
+import numpy as np
 
+from shared.protocol import SamplingParams, draw_seed
+from worker.engine.proposers.base import Draft
 from worker.llm import Context
 
-
-class TokenPicker(Protocol):
-    """Picks the token for output row ``row`` of the context's last decode."""
-
-    def __call__(self, ctx: Context, row: int) -> int: ...
-
-    def close(self) -> None: ...
+_MASK64 = (1 << 64) - 1
+#: Thresholds (relative to the top token's weight) tried in turn to find the ``top_p``
+#: nucleus without sorting the whole vocabulary; 0 is the full sort, never needed in practice.
+_NUCLEUS_FLOORS = (1e-3, 1e-6, 1e-10, 0.0)
 
 
-class GreedyPicker:
-    """Argmax straight on the logits view (no copy of the vocabulary-sized row)."""
+class Stream(IntEnum):
+    """What a keyed uniform decides at a position; each has its own hash stream."""
 
-    def __call__(self, ctx: Context, row: int) -> int:
-        return ctx.argmax(row)
-
-    def close(self) -> None:
-        """Nothing to free; present so every picker can be closed the same way."""
+    TARGET = 0
+    DRAFT = 1
 
 
-class TemperatureSampler:
-    """Temperature then a seeded draw, so a (prompt, seed) pair always gives the same text."""
-
-    def __init__(self, temperature: float, seed: int) -> None:
-        params = llama_cpp.llama_sampler_chain_default_params()
-        params.no_perf = True
-        self._chain = llama_cpp.llama_sampler_chain_init(params)
-        for stage in (llama_cpp.llama_sampler_init_temp(temperature),
-                      llama_cpp.llama_sampler_init_dist(seed)):
-            llama_cpp.llama_sampler_chain_add(self._chain, stage)
-
-    def __call__(self, ctx: Context, row: int) -> int:
-        return int(llama_cpp.llama_sampler_sample(self._chain, ctx.ptr, row))
-
-    def close(self) -> None:
-        if self._chain is not None:
-            llama_cpp.llama_sampler_free(self._chain)
-            self._chain = None
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a bijective 64-bit hash with full avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-def make_picker(temperature: float, seed: int) -> TokenPicker:
-    """Greedy at temperature 0 (the only mode speculation accepts), sampling above."""
-    if temperature > 0:
-        return TemperatureSampler(temperature, seed)
-    return GreedyPicker()
+def keyed_uniform(seed: int, position: int, stream: Stream) -> float:
+    """A uniform in [0, 1) that depends on (seed, position, stream) only."""
+    return (_mix(_mix(_mix(seed) ^ position) ^ int(stream)) >> 11) * 2.0**-53
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """A distribution over token ids: ``ids`` ascending, ``weights`` positive, unnormalised."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+
+    @classmethod
+    def point(cls, token: int) -> Distribution:
+        """A lookup drafter's proposal: all mass on ``token``."""
+        return cls(np.array([token], dtype=np.int64), np.ones(1))
+
+    @property
+    def total(self) -> float:
+        return float(self.weights.sum())
+
+    def probs(self, tokens: np.ndarray) -> np.ndarray:
+        """Probability of every id in ``tokens`` (0 outside the support)."""
+        at = np.minimum(np.searchsorted(self.ids, tokens), len(self.ids) - 1)
+        hit = self.ids[at] == tokens
+        return np.where(hit, self.weights[at], 0.0) / self.total
+
+    def prob(self, token: int) -> float:
+        return float(self.probs(np.array([token]))[0])
+
+    def mass_below(self, token: int) -> float:
+        """Probability of the ids smaller than ``token``: where ``token``'s interval starts."""
+        return float(self.weights[: np.searchsorted(self.ids, token)].sum()) / self.total
+
+    def pick(self, u: float) -> int:
+        """Inverse CDF in id order: the token whose interval holds ``u``."""
+        cum = np.cumsum(self.weights)
+        at = int(np.searchsorted(cum, u * cum[-1], side="right"))
+        return int(self.ids[min(at, len(self.ids) - 1)])
+
+    def residual(self, q: Distribution) -> Distribution:
+        """``max(0, p - q)`` over this distribution's support (unnormalised). ``p == q``
+        leaves nothing; then a rejection had probability 0 and ``p`` itself is returned."""
+        rest = np.maximum(self.weights / self.total - q.probs(self.ids), 0.0)
+        keep = rest > 0
+        if not keep.any():
+            return self
+        return Distribution(self.ids[keep], rest[keep])
+
+
+def accept_or_resample(p: Distribution, q: Distribution, x: int, u: float) -> tuple[bool, int]:
+    """Leviathan's test of draft ``x`` (drawn from ``q``) against the target ``p``, decided by
+    one uniform ``u``: accepted with probability ``min(1, p(x)/q(x))``, else the token is the
+    residual's, drawn with what is left of ``u`` (uniform again given the rejection).
+
+    The acceptance region starts where ``x``'s interval of ``p`` starts (wrapping past 1 when
+    ``p(x)/q(x)`` runs over), so a point-mass draft is accepted exactly when plain sampling
+    with ``u`` would have drawn ``x``, and its residual draw lands on plain sampling's token.
+    """
+    a = min(1.0, p.prob(x) / q.prob(x))
+    if a >= 1.0:
+        return True, x
+    start = p.mass_below(x)
+    end = start + a
+    if end <= 1.0:
+        if start <= u < end:
+            return True, x
+        rest = u if u < start else u - a
+    else:
+        if u >= start or u < end - 1.0:
+            return True, x
+        rest = u - (end - 1.0)
+    return False, p.residual(q).pick(min(rest / (1.0 - a), np.nextafter(1.0, 0.0)))
+
+
+def penalised_logits(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
+                     n_prompt: int) -> np.ndarray:
+    """``logits`` (a view, left untouched) with the repetition penalty over every token of
+    ``history`` and the presence / frequency penalties over its generated part
+    (``history[n_prompt:]``); the view itself when no penalty is on."""
+    if not params.penalised:
+        return logits
+    z = logits.astype(np.float32, copy=True)
+    if params.repetition_penalty != 1.0 and history:
+        seen = np.unique(np.asarray(history, dtype=np.int64))
+        v = z[seen]
+        z[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    generated = history[n_prompt:]
+    if (params.presence_penalty or params.frequency_penalty) and generated:
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        z[ids] -= params.presence_penalty + params.frequency_penalty * counts
+    return z
+
+
+def target_distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
+                        n_prompt: int) -> Distribution:
+    """The distribution a request samples the next token from (temperature > 0): penalties,
+    temperature, then the top-k, top-p and min-p cuts (:class:`SamplingParams`)."""
+    z = penalised_logits(logits, params, history, n_prompt)
+    weights = np.exp((z - z.max()) / params.temperature, dtype=np.float64)
+    n_vocab = len(weights)
+    keep: np.ndarray | None = None  # None: every id
+    if 0 < params.top_k < n_vocab:
+        keep = np.sort(np.argpartition(weights, n_vocab - params.top_k)[n_vocab - params.top_k:])
+    if params.top_p < 1.0:
+        keep = _nucleus(weights, keep, params.top_p)
+    if params.min_p > 0.0:
+        top = weights.max() if keep is None else weights[keep].max()
+        floor = weights >= params.min_p * top
+        keep = np.flatnonzero(floor) if keep is None else keep[floor[keep]]
+    if keep is None:
+        return Distribution(np.arange(n_vocab), weights)
+    return Distribution(keep, weights[keep])
+
+
+def _nucleus(weights: np.ndarray, keep: np.ndarray | None, top_p: float) -> np.ndarray:
+    """The smallest set of most likely ids (among ``keep``) holding ``top_p`` of their mass,
+    ascending. Only ids above a floor are sorted: once the ids above it hold ``top_p``, the
+    nucleus cannot reach below it."""
+    ids = np.arange(len(weights)) if keep is None else keep
+    w = weights[ids]
+    goal = top_p * w.sum()
+    top = w.max()
+    for floor in _NUCLEUS_FLOORS:
+        above = np.flatnonzero(w >= floor * top)
+        if w[above].sum() >= goal or floor == 0.0:
+            break
+    order = above[np.lexsort((ids[above], -w[above]))]  # most likely first, ties by id
+    cut = int(np.searchsorted(np.cumsum(w[order]), goal)) + 1
+    return np.sort(ids[order[:cut]])
+
+
+def top_probability(logits: np.ndarray, token: int) -> float:
+    """Softmax probability of ``token`` among ``logits`` (the head's confidence in it)."""
+    return float(1.0 / np.exp(logits - logits[token], dtype=np.float64).sum())
+
+
+class Sampler(Protocol):
+    """One request's token choice: drafting (the MTP head) and verification share it, so
+    both use the same distribution. ``seed`` is the one in use (drawn when none was given)."""
+
+    seed: int
+    #: Whether the distribution depends on the history (penalties): callers pass the drafts
+    #: so far along with it only then.
+    penalised: bool
+
+    def draft(self, logits: np.ndarray, position: int, history: Sequence[int],
+              p_min: float) -> tuple[int, Distribution | None] | None:
+        """The drafter's token for ``position`` from its ``logits`` after ``history``, and
+        the distribution it was drawn from (None: a point mass); None when its probability
+        is under ``p_min``."""
+        ...
+
+    def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
+               draft: Draft) -> tuple[int, int]:
+        """Check ``draft`` against the target's rows ``row0..`` (``history`` ends with the
+        token at ``pos0`` that opened them): drafts accepted, and the next token."""
+        ...
+
+
+class _RequestSampler:
+    """What both samplers keep: the request's parameters, its seed, its prompt length."""
+
+    def __init__(self, params: SamplingParams, seed: int, n_prompt: int) -> None:
+        self.params = params
+        self.seed = seed
+        self.n_prompt = n_prompt
+        self.penalised = params.penalised
+
+
+class GreedySampler(_RequestSampler):
+    """Temperature 0: the argmax of the (penalised) logits; drafts are kept while they equal
+    it. Unpenalised, every row of a verify is one 2-D argmax on the logits buffer."""
+
+
+    def draft(self, logits: np.ndarray, position: int, history: Sequence[int],
+              p_min: float) -> tuple[int, Distribution | None] | None:
+        z = penalised_logits(logits, self.params, history, self.n_prompt)
+        token = int(np.argmax(z))
+        if p_min > 0 and top_probability(z, token) < p_min:
+            return None
+        return token, None
+
+    def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
+               draft: Draft) -> tuple[int, int]:
+        tokens = draft.tokens
+        if self.penalised:
+            choices = [int(np.argmax(penalised_logits(ctx.logits(row0 + i), self.params,
+                                                      [*history, *tokens[:i]], self.n_prompt)))
+                       for i in range(len(tokens) + 1)]  # row i has seen drafts 1..i
+        else:
+            choices = ctx.logits_rows(row0, len(tokens) + 1).argmax(axis=1).tolist()
+        n = 0
+        while n < len(tokens) and choices[n] == tokens[n]:
+            n += 1
+        return n, int(choices[n])
+
+
+class RandomSampler(_RequestSampler):
+    """Temperature > 0: draws from :func:`target_distribution` with keyed uniforms, and
+    verifies drafts by rejection sampling (:func:`accept_or_resample`)."""
+
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int]) -> Distribution:
+        return target_distribution(logits, self.params, history, self.n_prompt)
+
+    def draft(self, logits: np.ndarray, position: int, history: Sequence[int],
+              p_min: float) -> tuple[int, Distribution | None] | None:
+        q = self.distribution(logits, history)
+        token = q.pick(keyed_uniform(self.seed, position, Stream.DRAFT))
+        if p_min > 0 and q.prob(token) < p_min:
+            return None
+        return token, q
+
+    def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
+               draft: Draft) -> tuple[int, int]:
+        tokens = draft.tokens
+        penalised = self.penalised
+        for i in range(len(tokens) + 1):
+            seen = [*history, *tokens[:i]] if penalised else history  # row i saw drafts 1..i
+            p = self.distribution(ctx.logits(row0 + i), seen)
+            u = keyed_uniform(self.seed, pos0 + 1 + i, Stream.TARGET)
+            if i == len(tokens):
+                return i, p.pick(u)
+            q = draft.dists[i] if draft.dists is not None else Distribution.point(tokens[i])
+            accepted, token = accept_or_resample(p, q, tokens[i], u)
+            if not accepted:
+                return i, token
+        raise AssertionError("unreachable: the loop returns at the bonus row")
+
+
+def make_sampler(params: SamplingParams, n_prompt: int) -> Sampler:
+    """The sampler of one request; ``n_prompt`` tokens of its history are the prompt."""
+    seed = params.seed if params.seed is not None else draw_seed()
+    if params.greedy:
+        return GreedySampler(params, seed, n_prompt)
+    return RandomSampler(params, seed, n_prompt)

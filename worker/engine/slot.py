@@ -1,7 +1,7 @@
 """One sequence of the engine's target context and the request it is serving.
 
 The engine runs up to ``slots`` generations at once; each lives in a :class:`Slot` with
-everything that is per request: its sequence id, drafter, width policy, token picker, text
+everything that is per request: its sequence id, drafter, width policy, sampler, text
 stream with stop strings, cancel flag, history and telemetry counters. The engine's step only
 sees slots, so one request's state can never leak into another's.
 """
@@ -13,11 +13,19 @@ from dataclasses import dataclass, field
 from enum import Enum
 from time import perf_counter
 
-from shared.protocol import FinishReason, SpecMethod, SpecSettings, Telemetry
+from shared.protocol import (
+    FinishReason,
+    SamplingParams,
+    SpecMethod,
+    SpecSettings,
+    Telemetry,
+    TokenLogprob,
+)
 from worker.engine.draft_length_policy import DraftLengthPolicy
+from worker.engine.logprobs import LogprobReporter
 from worker.engine.proposers.base import Proposer, VerifyOutcome
 from worker.engine.rollback.base import RollbackStats
-from worker.engine.sampling import TokenPicker
+from worker.engine.sampling import Sampler
 from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
 from worker.llm import Model
@@ -27,8 +35,11 @@ from worker.llm import Model
 class SlotRequest:
     """What a caller asks one slot to generate (see :meth:`SpeculativeEngine.admit`).
 
-    ``spec`` narrows the engine's capacity (None: the engine's own); ``proposer`` replaces the
-    drafter ``spec`` selects (tests drive rollback with an oracle). ``log_fields`` go on the
+    ``spec`` narrows the engine's capacity (None: the engine's own); ``sampling`` is the
+    target distribution (greedy by default; a seed of None is drawn and reported in the
+    result); ``logprobs`` None returns none, ``k`` returns each token's log probability and
+    its ``k`` most likely alternatives; ``proposer`` replaces the drafter ``spec`` selects
+    (tests drive rollback with an oracle). ``log_fields`` go on the
     engine's own log events of this slot (a worker running several jobs at once passes the
     job id, so ``generation.finished`` names the job it belongs to).
     """
@@ -36,19 +47,24 @@ class SlotRequest:
     prompt_tokens: Sequence[int]
     max_tokens: int
     spec: SpecSettings | None = None
-    temperature: float = 0.0
-    seed: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     proposer: Proposer | None = None
     log_fields: Mapping[str, object] = field(default_factory=dict)
+    logprobs: int | None = None
 
 
 @dataclass
 class GenerationResult:
+    """``seed``: the one the sampler used (drawn when the request gave none);
+    ``logprobs``: one per token when the request asked for them."""
+
     tokens: list[int]
     text: str
     finish_reason: FinishReason
     telemetry: Telemetry
+    seed: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Phase(Enum):
@@ -68,12 +84,14 @@ class Slot:
     draft_max: int
     proposer: Proposer
     policy: DraftLengthPolicy
-    pick: TokenPicker
+    sampler: Sampler
+    logprobs: LogprobReporter
     stream: TextStream
     counters: SpecCounters
     rollback_before: RollbackStats
     history: list[int]
     generated: list[int] = field(default_factory=list)
+    generated_logprobs: list[TokenLogprob] = field(default_factory=list)
     phase: Phase = Phase.PREFILL
     #: Prompt positions the target has decoded (the last prompt token opens the first verify).
     prefilled: int = 0
@@ -87,9 +105,14 @@ class Slot:
         """Prompt positions still to decode before the slot can verify."""
         return len(self.request.prompt_tokens) - 1 - self.prefilled
 
+    def logprobs_of_last(self, n: int) -> list[TokenLogprob]:
+        """The logprobs of the last ``n`` generated tokens (none when not asked for)."""
+        return self.generated_logprobs[len(self.generated_logprobs) - n:] if n else []
+
     def commit(self, outcome: VerifyOutcome, model: Model, n_ctx: int) -> list[int]:
         """Take the verify's accepted drafts and bonus token up to the first ending (end of
-        generation, stop string, ``max_tokens``, end of the context); returns what was kept."""
+        generation, stop string, ``max_tokens``, end of the context); returns what was kept
+        (their logprobs, when asked for, are the last ones of ``generated_logprobs``)."""
         committed: list[int] = []
         for token in [*outcome.accepted, outcome.bonus]:
             if model.is_eog(token):
@@ -107,6 +130,7 @@ class Slot:
                 break
         self.generated += committed
         self.history += committed
+        self.generated_logprobs += outcome.logprobs[: len(committed)]
         return committed
 
 
@@ -115,8 +139,9 @@ class SlotUpdate:
     """What one engine step did for one slot.
 
     ``verified``: the slot took part in this step's verify (``tokens`` may still be empty: an
-    end-of-generation token commits nothing). ``result`` is set when the slot finished; its
-    sequence is free again from the next :meth:`SpeculativeEngine.admit`.
+    end-of-generation token commits nothing). ``logprobs`` match ``tokens`` when the request
+    asked for them. ``result`` is set when the slot finished; its sequence is free again from
+    the next :meth:`SpeculativeEngine.admit`.
     """
 
     slot: Slot
@@ -124,3 +149,4 @@ class SlotUpdate:
     text: str
     verified: bool
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)

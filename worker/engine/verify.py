@@ -1,9 +1,10 @@
 """The verify step: ONE target decode of every slot's ``[last, d1..dn]`` (and of the prompt
 chunks being prefilled), that keeps what the target agrees with.
 
-Every verify row gets logits. Row ``i`` of a slot holds the target's own choice after
-``[.., last, d1..di]``, so the drafts are accepted while ``pick(row i) == d(i+1)``; the first
-row that disagrees (or row ``n`` after a full accept) gives the next token for free (the
+Every verify row gets logits. Row ``i`` of a slot holds the target's distribution after
+``[.., last, d1..di]``, and the slot's sampler decides how many drafts it keeps (greedy: while
+its argmax equals ``d(i+1)``; sampled: rejection sampling, ``worker/engine/sampling.py``); the
+first rejected row (or row ``n`` after a full accept) gives the next token for free (the
 bonus). Order matters once the decode is done (notes, "several sequences"): every slot's
 outcome is read and its proposer told while the verify's output rows are still there, the
 prompt chunks are handed on (MTP feeds their hidden rows), then every slot's tail is rolled
@@ -17,22 +18,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 
-from worker.engine.proposers.base import Proposer, VerifyOutcome
+from worker.engine.logprobs import LogprobReporter
+from worker.engine.proposers.base import Draft, Proposer, VerifyOutcome
 from worker.engine.rollback import Rollback
-from worker.engine.sampling import TokenPicker
+from worker.engine.sampling import Sampler
 from worker.llm import Batch, Context
 
 
 @dataclass(frozen=True)
 class VerifyJob:
-    """One slot's verify: ``draft`` after ``last`` at ``pos0`` of sequence ``seq``."""
+    """One slot's verify: ``draft`` after ``last`` at ``pos0`` of sequence ``seq``
+    (``history`` ends with ``last``)."""
 
     seq: int
     last: int
-    draft: list[int]
+    draft: Draft
     pos0: int
-    pick: TokenPicker
+    sampler: Sampler
     proposer: Proposer
+    history: list[int]
+    logprobs: LogprobReporter
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,8 @@ class Verifier:
         chunk_rows = [batch.add(c.tokens, c.pos0, False, seq=c.seq) for c in chunks]
         rows: list[int] = []
         for job in jobs:
-            self.rollback.prepare(self.target, job.seq, len(job.draft))
-            rows.append(batch.add([job.last, *job.draft], job.pos0, True, seq=job.seq))
+            self.rollback.prepare(self.target, job.seq, len(job.draft.tokens))
+            rows.append(batch.add([job.last, *job.draft.tokens], job.pos0, True, seq=job.seq))
         td = perf_counter()
         self.target.decode(batch)
         decode = perf_counter() - td
@@ -90,21 +95,19 @@ class Verifier:
             prefilled(chunk, row0)
         t2 = perf_counter()
         for job, outcome in zip(jobs, outcomes, strict=True):
-            if outcome.n_accepted < len(job.draft):
-                self.rollback.rewind(self.target, job.seq, [job.last, *job.draft], job.pos0,
-                                     outcome.n_accepted)
+            if outcome.n_accepted < len(outcome.draft):
+                self.rollback.rewind(self.target, job.seq, [job.last, *outcome.draft],
+                                     job.pos0, outcome.n_accepted)
         self.rollback.settle(self.target)
         t3 = perf_counter()
         return outcomes, StepTimes(target=(t1 - t0) + (t3 - t2), decode=decode, observe=t2 - t1)
 
     def _accept(self, job: VerifyJob, row0: int) -> VerifyOutcome:
-        draft, pick = job.draft, job.pick
-        n_accepted = 0
-        token = pick(self.target, row0)
-        while n_accepted < len(draft) and token == draft[n_accepted]:
-            n_accepted += 1
-            token = pick(self.target, row0 + n_accepted)
-        return VerifyOutcome(job.pos0, job.last, draft, n_accepted, token, row0)
+        n_accepted, token = job.sampler.verify(self.target, row0, job.pos0, job.history,
+                                               job.draft)
+        drafts = job.draft.tokens
+        logprobs = job.logprobs.report(self.target, row0, [*drafts[:n_accepted], token])
+        return VerifyOutcome(job.pos0, job.last, drafts, n_accepted, token, row0, logprobs)
 
     def close(self) -> None:
         self.batch.close()

@@ -80,7 +80,8 @@ class Context:
         self._n_embd = model.n_embd
         # Row views are taken for every verified row and drafted token: with the array types
         # built once, a view is ~3x cheaper than np.ctypeslib.as_array, which rebuilds them.
-        self._logits_row = ctypes.c_float * model.n_vocab
+        self._n_vocab = model.n_vocab
+        self._logits_row = ctypes.c_float * self._n_vocab
         self._hidden_row = ctypes.c_float * model.n_embd
 
     @property
@@ -99,6 +100,19 @@ class Context:
         if not ptr:
             raise LlamaError(f"no logits for output row {row}")
         return _view(ptr, self._logits_row)
+
+    def logits_rows(self, row0: int, n: int) -> np.ndarray:
+        """Logits of ``n`` consecutive output rows from ``row0`` as one ``(n, n_vocab)`` view
+        (llama.cpp keeps the outputs in batch order, so rows with logits are adjacent)."""
+        first = llama_cpp.llama_get_logits_ith(self.ptr, row0)
+        last = llama_cpp.llama_get_logits_ith(self.ptr, row0 + n - 1)
+        if not first or not last:
+            raise LlamaError(f"no logits for output rows {row0}..{row0 + n - 1}")
+        n_vocab = self._n_vocab
+        gap = ctypes.addressof(last.contents) - ctypes.addressof(first.contents)
+        if gap != (n - 1) * n_vocab * ctypes.sizeof(ctypes.c_float):
+            return np.stack([self.logits(row0 + i) for i in range(n)])
+        return np.ctypeslib.as_array(first, shape=(n, n_vocab))
 
     def argmax(self, row: int) -> int:
         """Greedy token of output row ``row``: argmax straight on the view, no copy."""

@@ -8,8 +8,12 @@ n-gram lookup, a test oracle) plugs into the same loop without ``if method == ..
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from shared.protocol import TokenLogprob
+    from worker.engine.sampling import Distribution
 
 
 @dataclass(frozen=True)
@@ -17,20 +21,30 @@ class Draft:
     """Proposed continuation of ``last_token``.
 
     A draft shorter than the width asked for was cut short (p-min, no n-gram continuation, a
-    failed draft decode); the width policy reads that from its length alone.
+    failed draft decode); the width policy reads that from its length alone. ``dists`` are
+    the distributions the tokens were sampled from (the MTP head under sampling), for
+    rejection sampling; None: every token is a point mass (lookup drafts, greedy drafts).
     """
 
     tokens: list[int]
+    dists: list[Distribution] | None = None
+
+    def cut(self, width: int) -> Draft:
+        """The first ``width`` tokens (a width policy or the row budget shortened it)."""
+        if width >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:width], None if self.dists is None else self.dists[:width])
 
 
 @dataclass(frozen=True)
 class VerifyOutcome:
     """What one verify decode of ``[last_token, *draft]`` at ``pos0`` established.
 
-    ``n_accepted`` drafts matched the target's argmax; ``bonus`` is the target's token at the
-    first unverified row. The verify's rows start at entry ``row0`` of the target's batch
-    (several slots share one decode): entry ``row0 + i`` holds the logits and hidden state of
-    ``[last_token, *draft][i]``.
+    ``n_accepted`` drafts were accepted (greedy: they matched the target's argmax); ``bonus``
+    is the target's token at the first unverified row. ``logprobs`` describe the accepted
+    drafts and the bonus, in order, when the request asked for them. The verify's rows start
+    at entry ``row0`` of the target's batch (several slots share one decode): entry
+    ``row0 + i`` holds the logits and hidden state of ``[last_token, *draft][i]``.
     """
 
     pos0: int
@@ -39,6 +53,7 @@ class VerifyOutcome:
     n_accepted: int
     bonus: int
     row0: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def accepted(self) -> list[int]:

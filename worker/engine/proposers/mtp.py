@@ -19,12 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shared.logs import get_logger
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.llm import Batch, Context, ContextSpec, LlamaError, Model
+
+if TYPE_CHECKING:
+    from worker.engine.sampling import Distribution, Sampler
 
 log = get_logger("engine.mtp")
 
@@ -44,12 +48,15 @@ def require_mtp_head(model: Model) -> None:
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """One slot's share of a batched draft: ``history`` ends with the next verify's token."""
+    """One slot's share of a batched draft: ``history`` ends with the next verify's token;
+    ``sampler`` is the slot's (greedy: the head's argmax; sampled: a draw from the head's
+    distribution under the request's sampling, kept for rejection sampling)."""
 
     seq: int
     history: Sequence[int]
     width: int
     p_min: float
+    sampler: Sampler
 
 
 @dataclass
@@ -82,13 +89,13 @@ class MtpDrafter:
         self._target = target
         target.expose_hidden(masked=False)
         self._draft = Context(model, spec)
-        self._draft.expose_hidden(masked=True)
+        self._draft.expose_hidden(masked=False)
         self._batch = Batch(spec.n_batch, model.n_embd)
         self._seqs = [_SeqState(model.n_embd) for _ in range(spec.n_seq_max)]
 
-    def proposer(self, seq: int) -> MtpProposer:
-        """The drafter of slot ``seq`` (one generation's)."""
-        return MtpProposer(self, seq)
+    def proposer(self, seq: int, sampler: Sampler) -> MtpProposer:
+        """The drafter of slot ``seq`` (one generation's, drafting with its ``sampler``)."""
+        return MtpProposer(self, seq, sampler)
 
     def reset(self, seq: int) -> None:
         """A new generation in ``seq``: forget the previous one's draft KV and hand-over."""
@@ -120,6 +127,7 @@ class MtpDrafter:
         the head's own guesses, so they are trimmed from the draft KV afterwards.
         """
         tokens: list[list[int]] = [[] for _ in requests]
+        dists: list[list[Distribution | None]] = [[] for _ in requests]
         row: dict[int, int] = {}
         batch = self._batch.clear()
         for i, r in enumerate(requests):
@@ -143,11 +151,14 @@ class MtpDrafter:
             batch.clear()
             for i, at in row.items():
                 r = requests[i]
-                logits = self._draft.logits(at)
-                token = int(np.argmax(logits))
-                if r.p_min > 0 and _top_probability(logits, token) < r.p_min:
+                seen = [*r.history, *tokens[i]] if r.sampler.penalised else r.history
+                picked = r.sampler.draft(self._draft.logits(at), len(r.history) + step, seen,
+                                         r.p_min)
+                if picked is None:
                     continue
+                token, dist = picked
                 tokens[i].append(token)
+                dists[i].append(dist)
                 if len(tokens[i]) < r.width:
                     nxt[i] = batch.add([token], len(r.history) + step, True,
                                        self._draft.hidden(at)[None, :], r.seq)
@@ -164,7 +175,7 @@ class MtpDrafter:
             state.fed = len(r.history)
             if not self._draft.seq_rm(state.fed, seq=r.seq):
                 raise LlamaError(f"could not trim the MTP draft context at position {state.fed}")
-        return [Draft(t) for t in tokens]
+        return [Draft(t, _sampled(d)) for t, d in zip(tokens, dists, strict=True)]
 
     def close(self) -> None:
         self._batch.close()
@@ -192,20 +203,23 @@ class MtpDrafter:
 class MtpProposer:
     """One slot's MTP drafter: the :class:`Proposer` face of :class:`MtpDrafter` for ``seq``."""
 
-    def __init__(self, drafter: MtpDrafter, seq: int) -> None:
+    def __init__(self, drafter: MtpDrafter, seq: int, sampler: Sampler) -> None:
         self.drafter = drafter
         self.seq = seq
+        self.sampler = sampler
 
     def start(self, prompt: Sequence[int]) -> None:
         """Nothing to do: the engine fed the prompt to the draft context as it prefilled."""
 
     def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
-        return self.drafter.draft([DraftRequest(self.seq, history, width, p_min)])[0]
+        return self.drafter.draft([DraftRequest(self.seq, history, width, p_min,
+                                                self.sampler)])[0]
 
     def observe(self, outcome: VerifyOutcome) -> None:
         self.drafter.observe(self.seq, outcome)
 
 
-def _top_probability(logits: np.ndarray, top: int) -> float:
-    """Softmax probability of the argmax ``top`` (the head's confidence in its draft)."""
-    return float(1.0 / np.exp(logits - logits[top]).sum())
+def _sampled(dists: list[Distribution | None]) -> list[Distribution] | None:
+    """The draft's distributions when its tokens were sampled; None for argmax drafts."""
+    kept = [d for d in dists if d is not None]
+    return kept if kept and len(kept) == len(dists) else None
