@@ -23,9 +23,11 @@ tokens for the same widths. Greedy is the temperature-0 case and stays token-exa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -35,9 +37,9 @@ from worker.engine.proposers.base import Draft
 from worker.llm import Context
 
 _MASK64 = (1 << 64) - 1
-#: Thresholds (relative to the top token's weight) tried in turn to find the ``top_p``
-#: nucleus without sorting the whole vocabulary; 0 is the full sort, never needed in practice.
-_NUCLEUS_FLOORS = (1e-3, 1e-6, 1e-10, 0.0)
+#: Log-probability floors (relative to the top token) tried in turn to find the ``top_p``
+#: nucleus without sorting the whole vocabulary; -inf is the full sort, never needed in practice.
+_NUCLEUS_FLOORS = (math.log(1e-3), math.log(1e-6), math.log(1e-10), -math.inf)
 
 
 class Stream(IntEnum):
@@ -60,9 +62,16 @@ def keyed_uniform(seed: int, position: int, stream: Stream) -> float:
     return (_mix(_mix(_mix(seed) ^ position) ^ int(stream)) >> 11) * 2.0**-53
 
 
+#: Above this many ids, inverse-CDF picks go block by block instead of one vocabulary-long
+#: cumulative sum (262k entries: ~1 ms for the sum, ~0.1 ms by blocks).
+_PICK_BLOCK = 512
+
+
 @dataclass(frozen=True)
 class Distribution:
-    """A distribution over token ids: ``ids`` ascending, ``weights`` positive, unnormalised."""
+    """A distribution over token ids: ``ids`` ascending, ``weights`` non-negative and
+    unnormalised (a zero weight is never drawn). A distribution over the whole vocabulary
+    (temperature alone) holds every id, and is indexed directly."""
 
     ids: np.ndarray
     weights: np.ndarray
@@ -72,37 +81,61 @@ class Distribution:
         """A lookup drafter's proposal: all mass on ``token``."""
         return cls(np.array([token], dtype=np.int64), np.ones(1))
 
-    @property
+    @cached_property
     def total(self) -> float:
-        return float(self.weights.sum())
+        return float(self.weights.sum(dtype=np.float64))
 
-    def probs(self, tokens: np.ndarray) -> np.ndarray:
-        """Probability of every id in ``tokens`` (0 outside the support)."""
+    @cached_property
+    def dense(self) -> bool:
+        """Every id from 0 up: sorted unique ids ending at ``len - 1`` can be nothing else."""
+        return int(self.ids[-1]) == len(self.ids) - 1
+
+    def _locate(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each of ``tokens`` sits in ``ids``, and whether it is there at all."""
+        if self.dense:
+            hit = tokens < len(self.ids)
+            return np.where(hit, tokens, 0), hit
         at = np.minimum(np.searchsorted(self.ids, tokens), len(self.ids) - 1)
-        hit = self.ids[at] == tokens
-        return np.where(hit, self.weights[at], 0.0) / self.total
+        return at, self.ids[at] == tokens
 
     def prob(self, token: int) -> float:
-        return float(self.probs(np.array([token]))[0])
+        """Probability of ``token`` (0 outside the support)."""
+        at, hit = self._locate(np.array([token]))
+        return float(self.weights[at[0]]) / self.total if hit[0] else 0.0
 
     def mass_below(self, token: int) -> float:
         """Probability of the ids smaller than ``token``: where ``token``'s interval starts."""
-        return float(self.weights[: np.searchsorted(self.ids, token)].sum()) / self.total
+        end = token if self.dense else int(np.searchsorted(self.ids, token))
+        return float(self.weights[:end].sum(dtype=np.float64)) / self.total
 
     def pick(self, u: float) -> int:
         """Inverse CDF in id order: the token whose interval holds ``u``."""
-        cum = np.cumsum(self.weights)
-        at = int(np.searchsorted(cum, u * cum[-1], side="right"))
-        return int(self.ids[min(at, len(self.ids) - 1)])
+        target = u * self.total
+        w, offset = self.weights, 0
+        if len(w) > 4 * _PICK_BLOCK:
+            blocks = np.add.reduceat(w, np.arange(0, len(w), _PICK_BLOCK), dtype=np.float64)
+            cum = np.cumsum(blocks)
+            b = min(int(np.searchsorted(cum, target, side="right")), len(blocks) - 1)
+            offset = b * _PICK_BLOCK
+            target -= float(cum[b - 1]) if b else 0.0
+            w = w[offset:offset + _PICK_BLOCK]
+        cum = np.cumsum(w, dtype=np.float64)
+        at = offset + int(np.searchsorted(cum, target, side="right"))
+        at = min(at, offset + len(w) - 1)
+        while self.weights[at] == 0 and at > 0:  # rounding at the very top: the last drawable
+            at -= 1
+        return int(self.ids[at])
 
     def residual(self, q: Distribution) -> Distribution:
         """``max(0, p - q)`` over this distribution's support (unnormalised). ``p == q``
         leaves nothing; then a rejection had probability 0 and ``p`` itself is returned."""
-        rest = np.maximum(self.weights / self.total - q.probs(self.ids), 0.0)
-        keep = rest > 0
-        if not keep.any():
+        rest = self.weights / self.total
+        at, hit = self._locate(q.ids)
+        np.subtract.at(rest, at[hit], q.weights[hit] / q.total)
+        np.maximum(rest, 0.0, out=rest)
+        if not rest.any():
             return self
-        return Distribution(self.ids[keep], rest[keep])
+        return Distribution(self.ids, rest)
 
 
 def accept_or_resample(p: Distribution, q: Distribution, x: int, u: float) -> tuple[bool, int]:
@@ -152,37 +185,43 @@ def penalised_logits(logits: np.ndarray, params: SamplingParams, history: Sequen
 def target_distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
                         n_prompt: int) -> Distribution:
     """The distribution a request samples the next token from (temperature > 0): penalties,
-    temperature, then the top-k, top-p and min-p cuts (:class:`SamplingParams`)."""
+    temperature, then the top-k, top-p and min-p cuts (:class:`SamplingParams`).
+
+    The cuts are found in log space on the whole vocabulary (the top token is at 0), so only
+    the kept ids are exponentiated: on a 262k vocabulary that is what keeps a verify row's
+    distribution well under a millisecond."""
     z = penalised_logits(logits, params, history, n_prompt)
-    weights = np.exp((z - z.max()) / params.temperature, dtype=np.float64)
-    n_vocab = len(weights)
+    scaled = z - z.max()
+    scaled /= params.temperature
+    n_vocab = len(scaled)
     keep: np.ndarray | None = None  # None: every id
     if 0 < params.top_k < n_vocab:
-        keep = np.sort(np.argpartition(weights, n_vocab - params.top_k)[n_vocab - params.top_k:])
+        keep = np.sort(np.argpartition(scaled, n_vocab - params.top_k)[n_vocab - params.top_k:])
     if params.top_p < 1.0:
-        keep = _nucleus(weights, keep, params.top_p)
+        keep = _nucleus(scaled, keep, params.top_p)
     if params.min_p > 0.0:
-        top = weights.max() if keep is None else weights[keep].max()
-        floor = weights >= params.min_p * top
-        keep = np.flatnonzero(floor) if keep is None else keep[floor[keep]]
+        floor = math.log(params.min_p)  # the top token, always kept, is at 0
+        keep = np.flatnonzero(scaled >= floor) if keep is None else keep[scaled[keep] >= floor]
     if keep is None:
-        return Distribution(np.arange(n_vocab), weights)
-    return Distribution(keep, weights[keep])
+        return Distribution(np.arange(n_vocab), np.exp(scaled))
+    return Distribution(keep, np.exp(scaled[keep], dtype=np.float64))
 
 
-def _nucleus(weights: np.ndarray, keep: np.ndarray | None, top_p: float) -> np.ndarray:
+def _nucleus(scaled: np.ndarray, keep: np.ndarray | None, top_p: float) -> np.ndarray:
     """The smallest set of most likely ids (among ``keep``) holding ``top_p`` of their mass,
     ascending. Only ids above a floor are sorted: once the ids above it hold ``top_p``, the
     nucleus cannot reach below it."""
-    ids = np.arange(len(weights)) if keep is None else keep
-    w = weights[ids]
-    goal = top_p * w.sum()
-    top = w.max()
-    for floor in _NUCLEUS_FLOORS:
-        above = np.flatnonzero(w >= floor * top)
-        if w[above].sum() >= goal or floor == 0.0:
-            break
-    order = above[np.lexsort((ids[above], -w[above]))]  # most likely first, ties by id
+    if keep is None:
+        goal = top_p * float(np.exp(scaled).sum(dtype=np.float64))
+        for floor in _NUCLEUS_FLOORS:
+            ids = np.flatnonzero(scaled >= floor)
+            w = np.exp(scaled[ids], dtype=np.float64)
+            if w.sum() >= goal:
+                break
+    else:
+        ids, w = keep, np.exp(scaled[keep], dtype=np.float64)
+        goal = top_p * w.sum()
+    order = np.lexsort((ids, -w))  # most likely first, ties by id
     cut = int(np.searchsorted(np.cumsum(w[order]), goal)) + 1
     return np.sort(ids[order[:cut]])
 
