@@ -158,7 +158,7 @@ class SpeculativeEngine:
             policy=make_policy(draft_max, spec.adaptive, self.shape),
             sampler=sampler, logprobs=make_logprobs(self.model, request.logprobs),
             stream=TextStream(self.model, request.stop),
-            counters=SpecCounters(spec_method=str(method), draft_max=draft_max,
+            counters=SpecCounters(spec_method=method, draft_max=draft_max,
                                   prompt_tokens=len(request.prompt_tokens)),
             rollback_before=self.rollback.telemetry(seq),
             history=list(request.prompt_tokens),

@@ -31,8 +31,7 @@ def _count_positions(into: list[int], n: int) -> None:
 class SpecCounters:
     """Raw counts and seconds; every rate is derived only when rendering."""
 
-    #: The method's wire value (a :class:`SpecMethod` is one too).
-    spec_method: str = SpecMethod.NONE
+    spec_method: SpecMethod = SpecMethod.NONE
     draft_max: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -83,7 +82,7 @@ class SpecCounters:
             return a / b if b > 0 else 0.0
 
         return Telemetry(
-            spec_method=SpecMethod(self.spec_method),
+            spec_method=self.spec_method,
             draft_max=self.draft_max,
             drafts=self.drafts,
             drafted=self.drafted,
