@@ -230,7 +230,9 @@ def test_lookup_speculation_samples_the_very_tokens_of_plain_sampling(
 def test_same_seed_same_tokens_across_engines_and_beside_other_slots(
         soft_engine: SpeculativeEngine, copy_prompt: list[int]) -> None:
     """MTP drafts are sampled from the head; with the same seed a second engine (another
-    worker) and a busy engine whose other slots sample too give the same tokens."""
+    worker) and a busy engine whose other slots sample too give the same tokens. (This is
+    also what caught the head chaining on other slots' hidden rows: llama.cpp's masked NextN
+    rows are wrong for all but the first sequence of a draft decode with catch-up entries.)"""
     spec = SpecSettings(method=SpecMethod.MTP, draft_max=4, rollback_depth=2)
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
     alone = soft_engine.generate(copy_prompt, 50, spec, sampling=params)

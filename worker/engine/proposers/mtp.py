@@ -89,6 +89,9 @@ class MtpDrafter:
         self._target = target
         target.expose_hidden(masked=False)
         self._draft = Context(model, spec)
+        # Unmasked, like the target: llama.cpp's masked NextN rows (outputs only) come back
+        # wrong for every sequence but the first of a decode with catch-up entries, which
+        # would chain a busy engine's drafts on another slot's state.
         self._draft.expose_hidden(masked=False)
         self._batch = Batch(spec.n_batch, model.n_embd)
         self._seqs = [_SeqState(model.n_embd) for _ in range(spec.n_seq_max)]
