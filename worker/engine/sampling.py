@@ -227,8 +227,12 @@ def _nucleus(scaled: np.ndarray, keep: np.ndarray | None, top_p: float) -> np.nd
 
 
 def top_probability(logits: np.ndarray, token: int) -> float:
-    """Softmax probability of ``token`` among ``logits`` (the head's confidence in it)."""
-    return float(1.0 / np.exp(logits - logits[token], dtype=np.float64).sum())
+    """Softmax probability of ``token`` among ``logits`` (the head's confidence in it).
+
+    Exact, so over the whole row: an estimate from the top candidates (llama.cpp's top-10
+    renormalised) overstates the confidence, and finding them costs numpy more than this
+    float32 pass (~0.2 ms at 262k ids)."""
+    return 1.0 / float(np.exp(logits - logits[token]).sum(dtype=np.float64))
 
 
 class Sampler(Protocol):
