@@ -15,6 +15,8 @@ failure and exits non-zero if any check failed.
 - ``device-checkpoint``: the tiny hybrid (MTP head) served with ``--checkpoint device`` and
   ``--rollback-depth 1`` (every deeper rejection restores the checkpoint) must save device
   checkpoints with no host fallback, and produce exactly the tokens of ``--checkpoint host``.
+- ``sampling``: speculative sampling on the device: MTP sampled with a seed repeats its
+  tokens, n-gram speculation gives plain sampling's tokens with the same seed.
 - ``service``: a worker fitted to the GPU by the fitter (no ``--ctx``) serves a batch through
   Redis; every job finishes; the registration says the device; SIGTERM drains and exits 0.
 - ``slots``: ``bench/slots.py --gpu`` (the multi-slot bench), its markdown tables appended.
@@ -201,9 +203,11 @@ def check_pinning(ctx: Context, check: Check) -> None:
 
 
 def _run_jobs(coordinator: Coordinator, model: str, prompts: list[list[int]],
-              max_tokens: int, spec: dict[str, Any]) -> list[Any]:
+              max_tokens: int, spec: dict[str, Any],
+              sampling: dict[str, Any] | None = None) -> list[Any]:
     handles = [coordinator.submit({"model": model, "prompt_tokens": p, "max_tokens": max_tokens,
-                                   "speculative": spec}) for p in prompts]
+                                   "speculative": spec, "sampling": sampling or {}})
+               for p in prompts]
     return [h.result(timeout=600) for h in handles]
 
 
@@ -233,6 +237,30 @@ def check_device_checkpoint(ctx: Context, check: Check) -> None:
     check.require(check.figures["host_fallbacks"] == 0, "no fallback to host storage")
     check.require([r.tokens for r in device_run] == [r.tokens for r in runs["host"]],
                   "device and host checkpoints give the same tokens")
+
+
+def check_sampling(ctx: Context, check: Check) -> None:
+    """Speculative sampling on the GPU: MTP drafts sampled from the head, verified by rejection
+    sampling, repeat with the same seeds; n-gram speculation gives plain sampling's tokens."""
+    device = ctx.devices()[0]
+    prompts = [[1 + (i * 11 + j) % 60 for j in range(10)] for i in range(4)]
+    sampling = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
+    with worker(ctx, "sampling", ctx.hybrid, device, "--ctx", "1024", "--draft-max", "4",
+                prefix=f"gpucheck-{uuid.uuid4().hex[:8]}") as (_, coordinator):
+        runs = {name: _run_jobs(coordinator, "sampling", prompts, ctx.args.tokens,
+                                {"method": method}, sampling)
+                for name, method in (("mtp", "mtp"), ("mtp-again", "mtp"), ("ngram", "ngram"),
+                                     ("plain", "none"))}
+    tokens = {name: [r.tokens for r in rs] for name, rs in runs.items()}
+    mtp = [r.telemetry for r in runs["mtp"]]
+    check.figures = {"mtp_acceptance": round(sum(t.accepted for t in mtp)
+                                             / max(1, sum(t.drafted for t in mtp)), 3),
+                     "seeds": sorted({r.seed for rs in runs.values() for r in rs})}
+    check.require(all(r.status is JobStatus.FINISHED for rs in runs.values() for r in rs),
+                  "every job finished")
+    check.require(tokens["mtp"] == tokens["mtp-again"], "MTP sampling repeats with its seed")
+    check.require(tokens["ngram"] == tokens["plain"],
+                  "n-gram speculative sampling gives plain sampling's tokens")
 
 
 def check_service(ctx: Context, check: Check) -> None:
@@ -274,7 +302,7 @@ def check_slots(ctx: Context, check: Check) -> None:
 CHECKS: dict[str, Callable[[Context, Check], None]] = {
     "environment": check_environment, "fit-vs-nvml": check_fit_vs_nvml,
     "pinning": check_pinning, "device-checkpoint": check_device_checkpoint,
-    "service": check_service, "slots": check_slots,
+    "sampling": check_sampling, "service": check_service, "slots": check_slots,
 }
 
 
