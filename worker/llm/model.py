@@ -4,11 +4,34 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import llama_cpp
 
+from shared.logs import get_logger
 from worker.llm.backend import LlamaError, init_backend
+
+log = get_logger("llm")
+
+
+@cache
+def repacking_is_safe() -> bool:
+    """Whether llama.cpp may keep repacked copies of the weights ("extra buffer types").
+
+    Not on a CPU with AMX: this llama.cpp's AMX buffer segfaults in the first decode of Gemma
+    3 270M Q4_K_M (its own high-level ``Llama`` too), and it doubles the weights' memory (a
+    repacked copy beside the mapped file: 449 MiB instead of 235). Without it the same build
+    decodes the same model normally, and the fitter measures the same weights on every CPU.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    safe = "amx_int8" not in flags
+    if not safe:
+        log.info("llm.weight_repack_off", reason="cpu_has_amx")
+    return safe
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,7 @@ class Model:
         params.n_gpu_layers = spec.n_gpu_layers
         params.main_gpu = spec.main_gpu
         params.load_mtp = spec.load_mtp
+        params.use_extra_bufts = repacking_is_safe()
         if spec.no_alloc:
             # no_alloc aborts inside llama.cpp unless mmap/mlock loading is off too.
             params.no_alloc = True
