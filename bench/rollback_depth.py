@@ -30,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.logs import configure_logging  # noqa: E402
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings  # noqa: E402
+from shared.protocol import CheckpointMode, SpecMethod  # noqa: E402
+from worker.engine.config import EngineCapacity  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.rollback.compact import CompactRollback  # noqa: E402
 from worker.fitter.buffers import parse_buffers  # noqa: E402
@@ -55,10 +56,10 @@ def open_engine(model: Path, depth: int, mode: CheckpointMode,
                 threads: int) -> tuple[SpeculativeEngine, dict[str, int]]:
     """An MTP engine at N = 5 and depth D, with its checkpoint reserved as a worker does, and
     the recurrent and checkpoint bytes llama.cpp reported while building it."""
-    spec = SpecSettings(method=SpecMethod.MTP, draft_max=DRAFT_MAX, rollback_depth=depth)
+    capacity = EngineCapacity(SpecMethod.MTP, DRAFT_MAX, rollback_depth=depth)
     with capture_llama_log() as lines:
         engine = SpeculativeEngine(EngineConfig(str(model), n_ctx=N_CTX, n_threads=threads,
-                                                spec=spec, checkpoint=mode))
+                                                capacity=capacity, checkpoint=mode))
         reserved = (engine.rollback.reserve(engine.target).bytes_per_slot
                     if isinstance(engine.rollback, CompactRollback) else 0)
     # Only the target has recurrent state: qwen35's MTP draft context holds just the NextN

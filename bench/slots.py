@@ -44,6 +44,7 @@ from prompts import MERGE_INTERVALS  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings  # noqa: E402
+from worker.engine.config import EngineCapacity  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.slot import Phase, SlotRequest  # noqa: E402
 from worker.fitter import FitError, fit_worker  # noqa: E402
@@ -74,10 +75,11 @@ def prompts(engine: SpeculativeEngine, k: int) -> list[list[int]]:
     return [engine.tokenize(f"Request {i + 1}. {TASKS[i % len(TASKS)]}") for i in range(k)]
 
 
-def open_engine(model: str, slots: int, threads: int, gpu: bool,
-                spec: SpecSettings = METHODS["ngram"]) -> SpeculativeEngine:
+def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeEngine:
+    """An n-gram engine of width DRAFT_MAX: each request says its method (METHODS)."""
+    capacity = EngineCapacity(SpecMethod.NGRAM, DRAFT_MAX)
     return SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, slots=slots, n_threads=threads,
-                                          n_gpu_layers=-1 if gpu else 0, spec=spec))
+                                          n_gpu_layers=-1 if gpu else 0, capacity=capacity))
 
 
 def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
@@ -202,19 +204,17 @@ def memory(model: str, device: str) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         hybrid = str(build_tiny_models(Path(tmp)).hybrid)
         cases = {
-            "gemma_ngram": (model, 600.0, SpecSettings(method=SpecMethod.NGRAM,
-                                                        draft_max=DRAFT_MAX)),
-            "hybrid_mtp_D1": (hybrid, 6.0, SpecSettings(method=SpecMethod.MTP, draft_max=5,
-                                                         rollback_depth=1)),
-            "hybrid_mtp_DN": (hybrid, 6.0, SpecSettings(method=SpecMethod.MTP, draft_max=5)),
+            "gemma_ngram": (model, 600.0, EngineCapacity(SpecMethod.NGRAM, DRAFT_MAX)),
+            "hybrid_mtp_D1": (hybrid, 6.0, EngineCapacity(SpecMethod.MTP, 5, rollback_depth=1)),
+            "hybrid_mtp_DN": (hybrid, 6.0, EngineCapacity(SpecMethod.MTP, 5)),
         }
         out: dict[str, object] = {}
-        for name, (path, budget, spec) in cases.items():
+        for name, (path, budget, capacity) in cases.items():
             rows: dict[str, object] = {}
             for s in (1, 2, 4, 8):
                 try:
                     r = fit_worker(path, device=device, budget_mib=budget, fit_target_mib=0,
-                                   slots=s, spec=spec, ctx_min=256,
+                                   slots=s, capacity=capacity, ctx_min=256,
                                    checkpoint=CheckpointMode.DEVICE).report
                 except FitError as exc:
                     rows[str(s)] = {"error": str(exc).split(";")[0]}

@@ -45,6 +45,7 @@ from prompts import MERGE_INTERVALS  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
+from worker.engine.config import EngineCapacity  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.proposers.output_cache import OutputCache  # noqa: E402
 from worker.engine.proposers.suffix import SuffixShared  # noqa: E402
@@ -181,7 +182,8 @@ def main() -> None:
         print(f"llama-server not found ({args.llama_server or '$' + SERVER_ENV + ' unset'}): "
               "running specfleet only; build it as docs/benchmarks.md says", file=sys.stderr)
     engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
-                                            spec=SUFFIX))
+                                            capacity=EngineCapacity(SpecMethod.SUFFIX,
+                                                                    DRAFT_MAX)))
     assert engine.suffix is not None
     print(f"row costs (x one row): {engine.suffix.costs.relative()}", file=sys.stderr)
     texts = {k: v for k, v in workloads().items() if k in args.workloads.split(",")}

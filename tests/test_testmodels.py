@@ -13,7 +13,8 @@ import gguf
 import numpy as np
 import pytest
 
-from shared.protocol import SpecMethod, SpecSettings
+from shared.protocol import SpecMethod
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.llm import (
     Batch,
@@ -117,7 +118,8 @@ def test_greedy_has_wide_margins_and_leaves_the_permutation_sometimes(
 
 
 def _spec_telemetry(path: Path, method: SpecMethod, width: int) -> list:
-    config = EngineConfig(str(path), n_ctx=512, spec=SpecSettings(method=method, draft_max=width))
+    config = EngineConfig(str(path), n_ctx=512,
+                          capacity=EngineCapacity(method=method, draft_max=width))
     with SpeculativeEngine(config) as engine:
         return [engine.generate(p, 220).telemetry for p in PROMPTS[:2]]
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 
 from coordinator.cli import options as opt
 from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
-from shared.protocol import CheckpointMode, SpecSettings, describe_validation_error
+from shared.protocol import CheckpointMode
+from worker.engine.config import EngineCapacity
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError, fit_worker
 from worker.fitter.fit import parse_slots
 from worker.fitter.report import render_table
@@ -46,16 +46,13 @@ def fit(
     will at start-up."""
     configure_logging(level="warning")
     try:
-        settings = SpecSettings(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
-    except ValidationError as exc:
-        fail(describe_validation_error(exc))
-    try:
+        capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
         result = fit_worker(str(model), device=device, budget_mib=budget_mib,
                             fit_target_mib=fit_target_mib, slots=parse_slots(slots),
-                            spec=settings,
-                            ctx_min=ctx_min, n_threads=threads, checkpoint=checkpoint,
+                            capacity=capacity, ctx_min=ctx_min, n_threads=threads,
+                            checkpoint=checkpoint,
                             n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train)
-    except (FitError, LlamaError, ValueError) as exc:
+    except (FitError, LlamaError, ValueError) as exc:  # ValueError: N and D out of range
         fail(str(exc))
     if as_json:
         print(result.report.model_dump_json())

@@ -17,6 +17,7 @@ from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, Telemetry
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback import RollbackError
 from worker.llm import LlamaError
@@ -68,8 +69,10 @@ def generate(
                             spec=spec, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
                             adaptive=adaptive, rollback_depth=rollback_depth,
                             sampling=sampling, logprobs=logprobs)
-    config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads,
-                          spec=req.speculative,
+    # Loaded for exactly what the request asks (build_request has checked N and D); the
+    # request itself carries the drafter knobs, as a submitted one does.
+    capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
+    config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, capacity=capacity,
                           checkpoint=checkpoint, calibrate_verify=calibrate_verify,
                           fail_device_checkpoint=environment_settings().fail_device_checkpoint)
     try:

@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import typer
-from pydantic import ValidationError
 from redis import RedisError
 
 from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from shared.logs import configure_logging
 from shared.outage import RedisOutage
-from shared.protocol import CheckpointMode, SpecSettings, describe_validation_error
+from shared.protocol import CheckpointMode
 from shared.redact import RedisURL
+from worker.engine.config import EngineCapacity
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
 from worker.fitter.fit import parse_slots
 from worker.service.runner import serve
@@ -58,15 +58,14 @@ def worker(
     if not model.is_file():
         fail(f"model file not found: {model}")
     try:
-        spec_settings = SpecSettings(method=spec, draft_max=draft_max,
-                                     rollback_depth=rollback_depth)
-    except ValidationError as exc:
-        fail(describe_validation_error(exc))
+        capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
+    except ValueError as exc:
+        fail(str(exc))
     options = WorkerOptions(
         model_path=str(model), model_name=model_name or model.name.removesuffix(".gguf"),
         device=device, name=name, n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train,
         budget_mib=budget_mib,
-        fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, spec=spec_settings,
+        fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, capacity=capacity,
         checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots))
     try:
         serve(options, settings)

@@ -17,7 +17,8 @@ from typing import Any, Literal
 import pytest
 from helpers import N_CTX, PROMPT, greedy
 
-from shared.protocol import SpecMethod, SpecSettings, Telemetry
+from shared.protocol import SpecMethod, Telemetry
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
 from worker.testmodels import write_qwen35_hybrid
 from worker.testmodels.recipe import Strengths
@@ -39,8 +40,9 @@ class Subject:
 
 def open_engine(model: Path, method: SpecMethod, draft_max: int = N_MAX,
                 n_ctx: int = N_CTX) -> SpeculativeEngine:
-    spec = SpecSettings(method=method, draft_max=draft_max)
-    return SpeculativeEngine(EngineConfig(str(model), n_ctx=n_ctx, n_threads=1, spec=spec))
+    capacity = EngineCapacity(method=method, draft_max=draft_max)
+    return SpeculativeEngine(EngineConfig(str(model), n_ctx=n_ctx, n_threads=1,
+                                          capacity=capacity))
 
 
 def subject(model: Path, method: SpecMethod) -> Iterator[Subject]:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from shared.protocol import SpecMethod, SpecSettings
+from shared.protocol import SpecMethod
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
 
@@ -82,6 +83,6 @@ def plain_greedy(model: Path, prompt: tuple[int, ...], n_tokens: int, n_ctx: int
     """The plain one-token-at-a-time greedy continuation on a one-slot engine: the reference
     every slot's output must equal, whatever runs beside it."""
     config = EngineConfig(str(model), n_ctx=n_ctx, n_threads=1,
-                          spec=SpecSettings(method=SpecMethod.NONE))
+                          capacity=EngineCapacity(method=SpecMethod.NONE))
     with SpeculativeEngine(config) as engine:
         return engine.generate(list(prompt), n_tokens).tokens

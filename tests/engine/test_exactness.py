@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.proposers.base import Draft, VerifyOutcome
 
@@ -94,8 +95,8 @@ def test_calibrated_verify_shape_keeps_output_exact(dense_model: Path,
                                                    dense_ngram: Subject) -> None:
     """Trimming drafts to the measured cheapest verify widths changes speed, not tokens."""
     spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=N_MAX)
-    config = EngineConfig(str(dense_model), n_ctx=512, n_threads=1, spec=spec,
-                          calibrate_verify=True)
+    config = EngineConfig(str(dense_model), n_ctx=512, n_threads=1, calibrate_verify=True,
+                          capacity=EngineCapacity(method=SpecMethod.NGRAM, draft_max=N_MAX))
     with SpeculativeEngine(config) as engine:
         assert len(engine.shape) == N_MAX + 1
         assert all(m <= n for n, m in enumerate(engine.shape))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 
 from .conftest import first_difference
@@ -46,9 +47,9 @@ THREADS = 1
 
 @pytest.fixture(scope="module")
 def gemma_f16(gemma_f16_path: Path) -> Iterator[tuple[SpeculativeEngine, list[int], list[int]]]:
-    spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=16)
+    capacity = EngineCapacity(method=SpecMethod.NGRAM, draft_max=16)
     with SpeculativeEngine(EngineConfig(str(gemma_f16_path), n_ctx=1024, n_threads=THREADS,
-                                        spec=spec)) as engine:
+                                        capacity=capacity)) as engine:
         prompt = engine.tokenize(PROMPT)
         plain = engine.generate(prompt, TOKENS, SpecSettings(method=SpecMethod.NONE))
         yield engine, prompt, plain.tokens

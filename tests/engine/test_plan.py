@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings, Telemetry
+from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings, Telemetry
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.plan import ModelFacts, RollbackKind, plan_engine
 from worker.engine.proposers.mtp import MtpUnavailableError
@@ -22,8 +23,36 @@ TRUNK = ModelFacts("trunk.gguf", recurrent=True, mtp_head=False)
 
 def config(method: SpecMethod, draft_max: int = 6, depth: int | None = None,
            slots: int = 1) -> EngineConfig:
-    spec = SpecSettings(method=method, draft_max=draft_max, rollback_depth=depth)
-    return EngineConfig("m.gguf", slots=slots, spec=spec, checkpoint=CheckpointMode.HOST)
+    capacity = EngineCapacity(method=method, draft_max=draft_max, rollback_depth=depth)
+    return EngineConfig("m.gguf", slots=slots, capacity=capacity, checkpoint=CheckpointMode.HOST)
+
+
+@pytest.mark.parametrize(("fields", "reason"), [
+    ({"draft_max": 0}, "1 <= draft_max <= 64"),
+    ({"draft_max": MAX_DRAFT + 1}, "1 <= draft_max <= 64"),
+    ({"draft_max": 3, "rollback_depth": 4}, "1 <= rollback_depth <= draft_max \\(3\\)"),
+    ({"rollback_depth": 0}, "1 <= rollback_depth"),
+])
+def test_a_capacity_out_of_range_is_refused(fields: dict[str, int], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        EngineCapacity(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("defaults", [
+    SpecSettings(method=SpecMethod.NGRAM), SpecSettings(draft_max=4),
+    SpecSettings(rollback_depth=2),
+], ids=["method", "draft_max", "rollback_depth"])
+def test_request_defaults_leave_the_capacity_to_the_capacity(defaults: SpecSettings) -> None:
+    """What a request without settings runs with has one source for method, N and D: the
+    capacity (admit fills them in); defaults that set them would be a second one."""
+    with pytest.raises(ValueError, match="are its capacity"):
+        EngineConfig("m.gguf", request_defaults=defaults)
+
+
+def test_request_defaults_must_fit_the_capacity() -> None:
+    with pytest.raises(ValueError, match="draft_min \\(3\\) must not exceed draft_max \\(2\\)"):
+        EngineConfig("m.gguf", capacity=EngineCapacity(draft_max=2),
+                     request_defaults=SpecSettings(draft_min=3))
 
 
 def test_auto_resolves_to_what_the_model_can_do() -> None:
@@ -79,13 +108,14 @@ def test_telemetry_enums_keep_their_wire_strings() -> None:
     assert Telemetry.model_validate_json(t.model_dump_json()) == t
 
 
-@pytest.mark.parametrize(("which", "spec"), [
-    ("dense", SpecSettings(method=SpecMethod.NGRAM, draft_max=4)),
-    ("hybrid", SpecSettings(method=SpecMethod.AUTO, draft_max=5, rollback_depth=2)),
+@pytest.mark.parametrize(("which", "capacity"), [
+    ("dense", EngineCapacity(method=SpecMethod.NGRAM, draft_max=4)),
+    ("hybrid", EngineCapacity(method=SpecMethod.AUTO, draft_max=5, rollback_depth=2)),
 ])
 def test_the_engine_is_built_from_its_plan(tiny_models: TinyModels, which: str,
-                                           spec: SpecSettings) -> None:
-    cfg = EngineConfig(str(getattr(tiny_models, which)), n_ctx=256, n_threads=1, spec=spec)
+                                           capacity: EngineCapacity) -> None:
+    cfg = EngineConfig(str(getattr(tiny_models, which)), n_ctx=256, n_threads=1,
+                       capacity=capacity)
     with SpeculativeEngine(cfg) as engine:
         plan = engine.plan
         assert plan == plan_engine(cfg, ModelFacts.of(engine.model))

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings
+from worker.engine.config import EngineCapacity
+from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.proposers.mtp import MtpUnavailableError
+from worker.engine.slot import SlotRequest
 
 from .conftest import PROMPT, Subject, assert_consistent, open_engine
 
@@ -60,6 +63,25 @@ def test_draft_max_is_clamped_to_the_engine_capacity(dense_ngram: Subject) -> No
     assert result.telemetry.draft_max == 7
     assert len(result.telemetry.drafted_per_position) <= 7
     assert result.tokens == dense_ngram.reference[:100]
+
+
+def test_what_a_request_leaves_unset_is_the_capacity(dense_model: Path) -> None:
+    """N = 12 is above SpecSettings' own default width (8): a request without settings, or
+    one that sets only a knob, runs with the capacity's method and N (shared/capacity.py,
+    as at submit) and the engine's request defaults' knobs."""
+    config = EngineConfig(str(dense_model), n_ctx=256, n_threads=1, slots=3,
+                          capacity=EngineCapacity(SpecMethod.NGRAM, draft_max=12),
+                          request_defaults=SpecSettings(p_min=0.25, adaptive=True, ngram_max=3))
+    with SpeculativeEngine(config) as engine:
+        bare = engine.admit(SlotRequest(PROMPT, 4))
+        knob = engine.admit(SlotRequest(PROMPT, 4, SpecSettings(draft_min=2)))
+        narrow = engine.admit(SlotRequest(PROMPT, 4, SpecSettings(draft_max=3)))
+        assert [(s.method, s.draft_max) for s in (bare, knob, narrow)] == [
+            (SpecMethod.NGRAM, 12), (SpecMethod.NGRAM, 12), (SpecMethod.NGRAM, 3)]
+        assert (bare.spec.p_min, bare.spec.adaptive, bare.spec.ngram_max) == (0.25, True, 3)
+        assert (knob.spec.p_min, knob.spec.draft_min) == (0.0, 2)
+        while engine.active:
+            engine.step()
 
 
 @pytest.mark.parametrize("prompt, max_tokens, message", [

@@ -21,6 +21,7 @@ from helpers import PROMPT
 
 from shared.protocol import SamplingParams, SpecMethod, SpecSettings
 from worker.engine import sampling
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.sampling import (
     Distribution,
@@ -55,8 +56,9 @@ def soft_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Speculativ
     """The soft hybrid with an MTP head, loaded for N = 4, D = 2 (D < N)."""
     path = write_qwen35_hybrid(tmp_path_factory.mktemp("soft-sampling") / "soft.gguf",
                                strengths=Strengths(logit_scale=SOFT_LOGIT_SCALE))
-    spec = SpecSettings(method=SpecMethod.MTP, draft_max=4, rollback_depth=2)
-    with SpeculativeEngine(EngineConfig(str(path), n_ctx=512, n_threads=1, spec=spec)) as e:
+    capacity = EngineCapacity(method=SpecMethod.MTP, draft_max=4, rollback_depth=2)
+    with SpeculativeEngine(EngineConfig(str(path), n_ctx=512, n_threads=1,
+                                        capacity=capacity)) as e:
         yield e
 
 
@@ -212,8 +214,9 @@ def test_lookup_speculation_samples_the_very_tokens_of_plain_sampling(
     token, at any width (F32: batched and single-row logits agree)."""
     path = write_dense_llama(tmp_path_factory.mktemp("soft-dense") / "soft-dense.gguf",
                              strengths=Strengths(logit_scale=SOFT_LOGIT_SCALE))
-    spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=6)
-    with SpeculativeEngine(EngineConfig(str(path), n_ctx=512, n_threads=1, spec=spec)) as e:
+    capacity = EngineCapacity(method=SpecMethod.NGRAM, draft_max=6)
+    with SpeculativeEngine(EngineConfig(str(path), n_ctx=512, n_threads=1,
+                                        capacity=capacity)) as e:
         drafted = 0
         for seed in range(12):
             params = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
@@ -240,7 +243,8 @@ def test_same_seed_same_tokens_across_engines_and_beside_other_slots(
     assert soft_engine.generate(copy_prompt, 50, spec, sampling=params).tokens == alone.tokens
 
     model = str(soft_engine.config.model_path)
-    config = EngineConfig(model, n_ctx=512, n_threads=1, slots=3, spec=spec, row_budget=True)
+    config = EngineConfig(model, n_ctx=512, n_threads=1, slots=3, row_budget=True,
+                          capacity=soft_engine.config.capacity)
     with SpeculativeEngine(config) as busy:
         others = [busy.admit(SlotRequest(PROMPT, 70, spec, SamplingParams(temperature=1.3,
                                                                          seed=s)))

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.protocol import FinishReason, SpecMethod, SpecSettings
-from worker.engine.config import PREFILL_CHUNK
+from worker.engine.config import PREFILL_CHUNK, EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import Slot, SlotRequest, SlotUpdate
 
@@ -39,9 +39,9 @@ def engine(model: Path, method: SpecMethod, slots: int, n_ctx: int = N_CTX,
            draft_max: int = N_MAX, row_budget: bool = False) -> SpeculativeEngine:
     """The row budget trims drafts by timed row costs, which would make what each slot
     drafts depend on the machine's load; it is off except where a test says so."""
-    spec = SpecSettings(method=method, draft_max=draft_max)
+    capacity = EngineCapacity(method=method, draft_max=draft_max)
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=n_ctx, n_threads=1, slots=slots,
-                                          spec=spec, row_budget=row_budget))
+                                          capacity=capacity, row_budget=row_budget))
 
 
 def req(p: list[int], n: int, method: SpecMethod = SpecMethod.NGRAM, width: int = N_MAX,

@@ -12,45 +12,47 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import FinishReason, SpecMethod, SpecSettings
+from shared.protocol import FinishReason, SpecMethod
+from worker.engine.config import EngineCapacity
 from worker.fitter import fit_worker
 
 MIB = 1024 * 1024
 
 CASES = [
-    # model, budget MiB, speculation
-    ("dense", 2.5, SpecSettings(method=SpecMethod.NGRAM)),
-    ("dense", 3.5, SpecSettings(method=SpecMethod.NGRAM)),
-    ("hybrid", 3.0, SpecSettings(method=SpecMethod.NGRAM, draft_max=3)),
-    ("hybrid", 3.0, SpecSettings(method=SpecMethod.MTP, draft_max=5, rollback_depth=1)),
-    ("hybrid", 3.5, SpecSettings(method=SpecMethod.MTP, draft_max=5, rollback_depth=1)),
+    # model, budget MiB, what the engine loads for
+    ("dense", 2.5, EngineCapacity(method=SpecMethod.NGRAM)),
+    ("dense", 3.5, EngineCapacity(method=SpecMethod.NGRAM)),
+    ("hybrid", 3.0, EngineCapacity(method=SpecMethod.NGRAM, draft_max=3)),
+    ("hybrid", 3.0, EngineCapacity(method=SpecMethod.MTP, draft_max=5, rollback_depth=1)),
+    ("hybrid", 3.5, EngineCapacity(method=SpecMethod.MTP, draft_max=5, rollback_depth=1)),
     # Gemma's budgets are MiB above its weights, which depend on the CPU: llama.cpp keeps
     # a repacked copy of the quantised weights beside the mapped file where it has kernels
     # for them (AMX: +214 MiB). Small, so filling the context is a short prefill on 2 cores.
-    ("gemma", 57.0, SpecSettings(method=SpecMethod.NGRAM, draft_max=8)),
-    ("gemma", 60.0, SpecSettings(method=SpecMethod.NGRAM, draft_max=8)),
+    ("gemma", 57.0, EngineCapacity(method=SpecMethod.NGRAM, draft_max=8)),
+    ("gemma", 60.0, EngineCapacity(method=SpecMethod.NGRAM, draft_max=8)),
 ]
 
 
-def weights_mib(path: str, spec: SpecSettings) -> float:
+def weights_mib(path: str, capacity: EngineCapacity) -> float:
     """What this machine's llama.cpp holds for the model's weights (a small fixed fit)."""
-    fit = fit_worker(path, budget_mib=8192, fit_target_mib=0, spec=spec, n_ctx=256)
+    fit = fit_worker(path, budget_mib=8192, fit_target_mib=0, capacity=capacity, n_ctx=256)
     return fit.report.components["weights"] / MIB
 
 
-@pytest.mark.parametrize(("which", "budget_mib", "spec"), [
+@pytest.mark.parametrize(("which", "budget_mib", "capacity"), [
     pytest.param(*case, id=f"{case[0]}-{case[1]}MiB-{case[2].method}",
                  marks=[pytest.mark.gemma] if case[0] == "gemma" else [])
     for case in CASES
 ])
 def test_fitted_context_loads_fills_and_matches_llama_cpp(
         request: pytest.FixtureRequest, allocate, which: str, budget_mib: float,
-        spec: SpecSettings) -> None:
+        capacity: EngineCapacity) -> None:
     path = str(request.getfixturevalue("gemma_path") if which == "gemma"
                else getattr(request.getfixturevalue("tiny_models"), which))
     if which == "gemma":
-        budget_mib += weights_mib(path, spec)
-    fit = fit_worker(path, budget_mib=budget_mib, fit_target_mib=0, spec=spec, ctx_min=256)
+        budget_mib += weights_mib(path, capacity)
+    fit = fit_worker(path, budget_mib=budget_mib, fit_target_mib=0, capacity=capacity,
+                     ctx_min=256)
     report = fit.report
     budget = round(budget_mib * MIB)
 
@@ -66,6 +68,6 @@ def test_fitted_context_loads_fills_and_matches_llama_cpp(
     engine = built.engine
     vocab = engine.model.n_vocab
     prompt = [(7 * i + 3) % vocab for i in range(fit.n_ctx - 1)]
-    result = engine.generate(prompt, max_tokens=1, spec=spec)
+    result = engine.generate(prompt, max_tokens=1)
     assert result.telemetry.prompt_tokens == fit.n_ctx - 1
     assert len(result.tokens) == 1 or result.finish_reason is FinishReason.EOS

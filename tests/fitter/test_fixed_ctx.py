@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import SpecMethod, SpecSettings
+from shared.protocol import SpecMethod
+from worker.engine.config import EngineCapacity
 from worker.fitter import FitError, fit_worker
 from worker.testmodels import TinyModels
 
-NGRAM = SpecSettings(method=SpecMethod.NGRAM)
+NGRAM = EngineCapacity(method=SpecMethod.NGRAM)
 TRAIN = 4096  # the tiny models' training context
 
 
 def test_a_fixed_context_is_measured_and_reported(tiny_models: TinyModels) -> None:
-    fit = fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, spec=NGRAM,
+    fit = fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, capacity=NGRAM,
                      n_ctx=600)
     assert fit.config.n_ctx == fit.report.n_ctx == 600  # not rounded to the fit's steps
     assert fit.report.total_bytes == sum(fit.report.components.values())
@@ -26,16 +27,16 @@ def test_above_the_training_context_needs_the_flag(tiny_models: TinyModels) -> N
     with pytest.raises(FitError, match=rf"^--ctx {TRAIN + 256} exceeds the model's training "
                                        rf"context \({TRAIN} tokens\); pass "
                                        r"--allow-ctx-above-train"):
-        fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, spec=NGRAM,
+        fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, capacity=NGRAM,
                    n_ctx=TRAIN + 256)
-    fit = fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, spec=NGRAM,
+    fit = fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, capacity=NGRAM,
                      n_ctx=TRAIN + 256, allow_ctx_above_train=True)
     assert fit.report.n_ctx == TRAIN + 256
 
 
 def test_a_context_beyond_memory_is_refused_with_the_numbers(tiny_models: TinyModels) -> None:
     with pytest.raises(FitError) as err:
-        fit_worker(str(tiny_models.dense), budget_mib=3, fit_target_mib=0, spec=NGRAM,
+        fit_worker(str(tiny_models.dense), budget_mib=3, fit_target_mib=0, capacity=NGRAM,
                    n_ctx=TRAIN)
     message = str(err.value)
     assert message.startswith(f"--ctx {TRAIN} does not fit: needs ")
@@ -50,7 +51,7 @@ def test_a_huge_context_fails_fast_without_being_created(tiny_models: TinyModels
     with pytest.raises(FitError, match=r"^--ctx 1000000000 does not fit: needs at least "
                                        r"[\d.]+ MiB \([\d.]+ MiB at 4096 tokens \+ 256\.0 B of "
                                        r"KV per token beyond\), 64\.00 MiB available"):
-        fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, spec=NGRAM,
+        fit_worker(str(tiny_models.dense), budget_mib=64, fit_target_mib=0, capacity=NGRAM,
                    n_ctx=1_000_000_000, allow_ctx_above_train=True)
 
 
@@ -59,7 +60,7 @@ def test_the_report_names_the_snapshots_really_kept(tiny_models: TinyModels) -> 
     a recurrent one keeps D, or N when D is unset."""
     def depth(path: object, **spec: object) -> int | None:
         fit = fit_worker(str(path), budget_mib=64, fit_target_mib=0, n_ctx=512,
-                         spec=SpecSettings(method=SpecMethod.NGRAM, **spec))
+                         capacity=EngineCapacity(method=SpecMethod.NGRAM, **spec))
         return fit.report.rollback_depth
 
     assert depth(tiny_models.dense, draft_max=4, rollback_depth=2) is None
@@ -71,7 +72,7 @@ def test_auto_slots_fit_the_fixed_context(tiny_models: TinyModels) -> None:
     """``--slots auto`` with ``--ctx`` counts the slots that hold that context, not
     ``--ctx-min``'s (which would leave slots unused at a smaller fixed context)."""
     def slots(**kw: object) -> int:
-        return fit_worker(str(tiny_models.dense), budget_mib=8, fit_target_mib=0, spec=NGRAM,
+        return fit_worker(str(tiny_models.dense), budget_mib=8, fit_target_mib=0, capacity=NGRAM,
                           slots="auto", ctx_min=2048, **kw).report.slots
 
     assert slots(n_ctx=256) > slots(n_ctx=2048) >= 1

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 from structlog.testing import capture_logs
 
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
+from shared.protocol import CheckpointMode, SpecMethod
+from worker.engine.config import EngineCapacity
 from worker.fitter import FitError, FitResult, fit_worker
 from worker.testmodels import TinyModels
 
@@ -16,8 +17,8 @@ RECURRENT_PARTS = ("recurrent", "snapshots", "checkpoint_reservation")
 
 
 def _fit(tiny_models: TinyModels, n: int, d: int | None) -> FitResult:
-    spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=n, rollback_depth=d)
-    return fit_worker(str(tiny_models.hybrid), budget_mib=3, fit_target_mib=0, spec=spec,
+    capacity = EngineCapacity(method=SpecMethod.NGRAM, draft_max=n, rollback_depth=d)
+    return fit_worker(str(tiny_models.hybrid), budget_mib=3, fit_target_mib=0, capacity=capacity,
                       ctx_min=256)
 
 

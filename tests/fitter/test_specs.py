@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import SpecMethod, SpecSettings
+from shared.protocol import SpecMethod
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.plan import ModelFacts
 from worker.fitter.specs import engine_specs
 from worker.testmodels import TinyModels
 
 
-@pytest.mark.parametrize(("which", "spec"), [
-    ("dense", SpecSettings(method=SpecMethod.NGRAM, draft_max=6)),
-    ("hybrid", SpecSettings(method=SpecMethod.NGRAM, draft_max=3)),
-    ("hybrid", SpecSettings(method=SpecMethod.MTP, draft_max=5, rollback_depth=2)),
-    ("hybrid", SpecSettings(method=SpecMethod.NONE)),
+@pytest.mark.parametrize(("which", "capacity"), [
+    ("dense", EngineCapacity(method=SpecMethod.NGRAM, draft_max=6)),
+    ("hybrid", EngineCapacity(method=SpecMethod.NGRAM, draft_max=3)),
+    ("hybrid", EngineCapacity(method=SpecMethod.MTP, draft_max=5, rollback_depth=2)),
+    ("hybrid", EngineCapacity(method=SpecMethod.NONE)),
 ])
 def test_specs_equal_the_engines_contexts(tiny_models: TinyModels, which: str,
-                                          spec: SpecSettings) -> None:
-    config = EngineConfig(model_path=str(getattr(tiny_models, which)), n_ctx=512, spec=spec)
+                                          capacity: EngineCapacity) -> None:
+    config = EngineConfig(model_path=str(getattr(tiny_models, which)), n_ctx=512,
+                          capacity=capacity)
     with SpeculativeEngine(config) as engine:
         specs = engine_specs(config, ModelFacts.of(engine.model))
         assert specs.target == engine.target.spec

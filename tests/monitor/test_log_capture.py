@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from shared.logs import configure_logging
-from shared.protocol import SpecMethod, SpecSettings
+from shared.protocol import SpecMethod
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 
 
@@ -29,7 +30,7 @@ def _events(buf: io.StringIO) -> list[dict]:
 
 def _load(model: Path) -> None:
     config = EngineConfig(str(model), n_ctx=64, n_threads=1,
-                          spec=SpecSettings(method=SpecMethod.NONE))
+                          capacity=EngineCapacity(method=SpecMethod.NONE))
     SpeculativeEngine(config).close()
 
 

@@ -16,6 +16,7 @@ import pytest
 from engine.schedule import Arrival, plain_greedy, run_schedule
 
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback.compact import CompactRollback
 from worker.engine.slot import Slot, SlotRequest, SlotUpdate
@@ -33,10 +34,10 @@ def prompt(seed: int, length: int) -> list[int]:
 
 def compact_engine(model: Path, slots: int, draft_max: int, depth: int, mode: CheckpointMode,
                    method: SpecMethod = SpecMethod.NGRAM) -> SpeculativeEngine:
-    spec = SpecSettings(method=method, draft_max=draft_max, rollback_depth=depth)
+    capacity = EngineCapacity(method=method, draft_max=draft_max, rollback_depth=depth)
     # No row budget: every oracle draft is verified as scheduled, so its rejection depth holds.
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=N_CTX, n_threads=1, slots=slots,
-                                          spec=spec, checkpoint=mode, row_budget=False))
+                                          capacity=capacity, checkpoint=mode, row_budget=False))
 
 
 class ReplaysPerStep:
@@ -64,8 +65,7 @@ def test_deep_rejections_of_several_slots_in_one_step_are_exact(
         oracles = [OracleProposer(plain_greedy(hybrid_model, tuple(p), TOKENS, N_CTX),
                                   engine.model.n_vocab, seed=i) for i, p in enumerate(prompts)]
         # Four start together; the fifth joins when the first slot frees up.
-        arrivals = [Arrival(0 if i < 4 else 5, SlotRequest(p, TOKENS, proposer=o,
-                                                           spec=engine.config.spec))
+        arrivals = [Arrival(0 if i < 4 else 5, SlotRequest(p, TOKENS, proposer=o))
                     for i, (p, o) in enumerate(zip(prompts, oracles, strict=True))]
         replays = ReplaysPerStep(rollback)
         run = run_schedule(engine, arrivals, replays)
@@ -93,7 +93,7 @@ def test_a_failed_device_checkpoint_moves_only_its_slot_to_the_host(hybrid_model
         rollback.stores[1].fail_device = True  # only slot 1's device saves fail, for real
         oracles = [OracleProposer(plain_greedy(hybrid_model, tuple(p), TOKENS, N_CTX),
                                   engine.model.n_vocab, seed=7 + i) for i, p in enumerate(prompts)]
-        arrivals = [Arrival(0, SlotRequest(p, TOKENS, proposer=o, spec=engine.config.spec))
+        arrivals = [Arrival(0, SlotRequest(p, TOKENS, proposer=o))
                     for p, o in zip(prompts, oracles, strict=True)]
         run = run_schedule(engine, arrivals)
         modes = [store.mode for store in rollback.stores]

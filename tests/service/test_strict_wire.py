@@ -64,7 +64,7 @@ def test_a_worker_refuses_coerced_types_that_reached_its_queue(
      "specfleet: error: Invalid value for '--priority': 'bogus' is not one of 'normal', "
      "'high'. (see specfleet submit --help)"),
     (["fit", "--model", "m.gguf", "--draft-max", "2", "--rollback-depth", "3"],
-     "specfleet: error: request: rollback_depth (3) must satisfy 1 <= rollback_depth <= "
+     "specfleet: error: rollback_depth (3) must satisfy 1 <= rollback_depth <= "
      "draft_max (2)"),
 ])
 def test_cli_messages_carry_our_sentence(tmp_path: Path, args: list[str], line: str) -> None:

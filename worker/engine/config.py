@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
+from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings
 from worker.engine.proposers.output_cache import DEFAULT_CACHE_BYTES
 from worker.llm import ContextSpec, ModelSpec
 
@@ -24,10 +24,43 @@ PREFILL_CHUNK = TARGET_UBATCH
 DRAFT_BATCH = 32
 
 
+#: The settings a request may narrow but an engine is loaded with (they size its contexts and
+#: memory): they belong to :class:`EngineCapacity`, never to ``EngineConfig.request_defaults``.
+CAPACITY_FIELDS = frozenset({"method", "draft_max", "rollback_depth"})
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """What an engine is loaded for; no request can widen it (``shared/capacity.py``).
+
+    ``method`` is the drafter it loads for (``auto``: the plan resolves it from the model),
+    ``draft_max`` the draft width N its contexts are sized for, ``rollback_depth`` the direct
+    rollback snapshots D of a recurrent model (None = N). :func:`~worker.engine.plan.plan_engine`
+    turns it into the concrete capacity a loaded worker publishes
+    (:class:`~shared.protocol.WorkerCapacity`)."""
+
+    method: SpecMethod = SpecMethod.AUTO
+    #: The protocol's default width: an engine loaded without one serves a default request.
+    draft_max: int = SpecSettings.model_fields["draft_max"].default
+    rollback_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, SpecMethod):  # "auto" would pass for it, then misplan
+            raise TypeError(f"method must be a SpecMethod, got {self.method!r}")
+        if not 1 <= self.draft_max <= MAX_DRAFT:
+            raise ValueError(f"draft_max ({self.draft_max}) must satisfy "
+                             f"1 <= draft_max <= {MAX_DRAFT}")
+        if self.rollback_depth is not None and not 1 <= self.rollback_depth <= self.draft_max:
+            raise ValueError(f"rollback_depth ({self.rollback_depth}) must satisfy "
+                             f"1 <= rollback_depth <= draft_max ({self.draft_max})")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine is built for. ``spec`` is its capacity: the draft width N the
-    contexts are sized for, the rollback depth D (None = N) and the drafting method.
+    """What the engine is built for: its ``capacity`` (method, draft width N, rollback depth
+    D), and the ``request_defaults`` a request that sends no settings runs with (the
+    drafters' knobs: ``p_min``, ``adaptive``, ``draft_min``, n-gram lengths; its method, N and
+    D are the capacity's, filled in by :meth:`SpeculativeEngine.admit`).
     ``slots`` sequences run at once, each with a context of ``n_ctx`` tokens."""
 
     model_path: str
@@ -35,7 +68,8 @@ class EngineConfig:
     slots: int = 1
     n_threads: int = 2
     n_gpu_layers: int = 0
-    spec: SpecSettings = field(default_factory=SpecSettings)
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
+    request_defaults: SpecSettings = field(default_factory=SpecSettings)
     checkpoint: CheckpointMode = CheckpointMode.DEVICE
     fail_device_checkpoint: bool = False
     #: Time the target's verify decodes at load (1..N+1 rows) and verify only draft lengths
@@ -49,6 +83,15 @@ class EngineConfig:
     #: host memory, counted by the fitter as ``lookup_cache``.
     lookup_cache_bytes: int = DEFAULT_CACHE_BYTES
 
+    def __post_init__(self) -> None:
+        if given := sorted(CAPACITY_FIELDS & self.request_defaults.model_fields_set):
+            raise ValueError(f"request_defaults sets {', '.join(given)}: an engine's method, "
+                             "draft width and rollback depth are its capacity "
+                             "(EngineConfig.capacity)")
+        if self.request_defaults.draft_min > self.capacity.draft_max:
+            raise ValueError(f"draft_min ({self.request_defaults.draft_min}) must not exceed "
+                             f"draft_max ({self.capacity.draft_max})")
+
 
 def needs_mtp_weights(method: SpecMethod) -> bool:
     """Load the NextN tensors only when MTP may draft (``auto`` decides after loading)."""
@@ -57,7 +100,7 @@ def needs_mtp_weights(method: SpecMethod) -> bool:
 
 def model_spec(config: EngineConfig, no_alloc: bool = False) -> ModelSpec:
     """How the engine loads its model (``no_alloc``: the fitter's metadata-only twin)."""
-    return ModelSpec(config.model_path, load_mtp=needs_mtp_weights(config.spec.method),
+    return ModelSpec(config.model_path, load_mtp=needs_mtp_weights(config.capacity.method),
                      n_gpu_layers=config.n_gpu_layers, no_alloc=no_alloc)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from time import perf_counter
 
+from shared.capacity import effective_spec
 from shared.logs import get_logger
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings, Telemetry
 from worker.engine.config import (
@@ -141,7 +142,8 @@ class SpeculativeEngine:
         leaves no room in the per-slot context, a method the engine was not loaded for) are a
         ``ValueError`` here, before anything is allocated.
         """
-        spec = request.spec or self.config.spec
+        # What the request left unset is the engine's (shared/capacity.py, as at submit).
+        spec = effective_spec(request.spec or self.config.request_defaults, self.plan.capacity())
         method = resolve_request_method(spec.method, self.method)
         self._check_request(request.prompt_tokens, request.max_tokens)
         seq = next((s for s in range(self.config.slots) if s not in self._slots), None)

@@ -103,10 +103,11 @@ def resolve_method(method: SpecMethod, model: ModelFacts) -> SpecMethod:
 
 
 def plan_engine(config: EngineConfig, model: ModelFacts) -> EnginePlan:
-    """The plan of an engine built from ``config`` on ``model``."""
-    method = resolve_method(config.spec.method, model)
-    draft_max = config.spec.draft_max if method is not SpecMethod.NONE else 0
-    depth = config.spec.rollback_depth
+    """The plan of an engine built from ``config`` on ``model``: its capacity, slots and
+    checkpoint mode decide it (the request defaults size nothing)."""
+    method = resolve_method(config.capacity.method, model)
+    draft_max = config.capacity.draft_max if method is not SpecMethod.NONE else 0
+    depth = config.capacity.rollback_depth
     if not model.recurrent:
         kind, n_rs_seq = RollbackKind.KV_TRIM, 0
     elif depth is None or depth >= draft_max:

@@ -3,7 +3,7 @@
 Two calls, in this order, at worker start-up (``specfleet fit`` runs the first alone)::
 
     fit = fit_worker(model_path, device="cuda:0", budget_mib=None, fit_target_mib=1024,
-                     slots=1, spec=SpecSettings(...), ctx_min=1024)
+                     slots=1, capacity=EngineCapacity(...), ctx_min=1024)
     engine = SpeculativeEngine(fit.config)        # fit.config.n_ctx is the fitted context
     reserve_checkpoints(engine, fit)              # before taking any request
     publish(fit.report)                           # shared.protocol.FitReport

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Final, Literal
 
-from shared.protocol import CheckpointMode, DeviceFit, FitReport, SpecSettings
-from worker.engine.config import EngineConfig, model_spec
+from shared.protocol import CheckpointMode, DeviceFit, FitReport
+from worker.engine.config import EngineCapacity, EngineConfig, model_spec
 from worker.engine.plan import ModelFacts
 from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device, require_device
 from worker.fitter.errors import FitError
@@ -192,7 +192,7 @@ class _Sizer:
 
 def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = None,
                fit_target_mib: float = DEFAULT_FIT_TARGET_MIB,
-               slots: int | Literal["auto"] = 1, spec: SpecSettings | None = None,
+               slots: int | Literal["auto"] = 1, capacity: EngineCapacity | None = None,
                ctx_min: int = DEFAULT_CTX_MIN,
                n_threads: int = 2,
                checkpoint: CheckpointMode = CheckpointMode.DEVICE,
@@ -210,7 +210,9 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
 
     ``slots`` sequences share the worker's context, each with the fitted ``n_ctx`` (the
     report's per-slot context); ``"auto"`` picks the most slots that still fit ``ctx_min``
-    each (:func:`_most_slots`).
+    each (:func:`_most_slots`). ``capacity`` is what the engine is loaded for (method, N, D:
+    they size every context measured); the returned ``config`` keeps the default
+    ``request_defaults``, which size nothing.
     """
     if slots != AUTO_SLOTS and not (isinstance(slots, int) and 1 <= slots <= MAX_SLOTS):
         raise FitError(f"slots must be at least 1 and at most {MAX_SLOTS} (or 'auto'), "
@@ -222,7 +224,7 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     budget = _Budget(device_memory(ref, budget_mib), round(fit_target_mib * MIB))
     config = EngineConfig(model_path=model_path, n_threads=n_threads,
                           n_gpu_layers=-1 if ref.is_cuda else 0,
-                          spec=spec or SpecSettings(), checkpoint=checkpoint)
+                          capacity=capacity or EngineCapacity(), checkpoint=checkpoint)
     if slots == AUTO_SLOTS:
         # A fixed context is what every slot must hold; otherwise at least --ctx-min.
         slots = _most_slots(config, ref.name, n_ctx or ctx_min, budget)

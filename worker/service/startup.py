@@ -13,8 +13,9 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from shared.protocol import CheckpointMode, FitReport, SpecSettings
+from shared.protocol import CheckpointMode, FitReport
 from shared.settings import Settings
+from worker.engine.config import EngineCapacity
 from worker.engine.engine import SpeculativeEngine
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
 from worker.fitter.devices import DeviceRef
@@ -34,7 +35,8 @@ class WorkerOptions:
     fit_target_mib: float = DEFAULT_FIT_TARGET_MIB
     ctx_min: int = DEFAULT_CTX_MIN
     threads: int = 2
-    spec: SpecSettings = field(default_factory=SpecSettings)
+    #: What the engine loads for (method, N, D); every request says its own drafter knobs.
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
     checkpoint: CheckpointMode = CheckpointMode.DEVICE
     metrics_port: int | None = None  # Prometheus /metrics port; 0 = a free one; None = off
     slots: int | Literal["auto"] = 1  # sequences served at once; auto = most that fit ctx_min
@@ -74,8 +76,8 @@ def load_engine(options: WorkerOptions, n_gpu_layers: int,
     same, so ``specfleet fleet`` shows every worker's fit as it was really reserved.
     """
     fit = fit_worker(options.model_path, device=options.device, budget_mib=options.budget_mib,
-                     fit_target_mib=options.fit_target_mib, slots=options.slots, spec=options.spec,
-                     ctx_min=options.ctx_min, n_threads=options.threads,
+                     fit_target_mib=options.fit_target_mib, slots=options.slots,
+                     capacity=options.capacity, ctx_min=options.ctx_min, n_threads=options.threads,
                      checkpoint=options.checkpoint, n_ctx=options.n_ctx,
                      allow_ctx_above_train=options.allow_ctx_above_train)
     engine = SpeculativeEngine(replace(fit.config, n_gpu_layers=n_gpu_layers,
