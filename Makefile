@@ -36,6 +36,7 @@ lint: install
 
 bench: install
 	$(PY) bench/spec_vs_plain.py
+	$(PY) bench/spec_sampling.py
 	$(PY) bench/rollback_depth.py
 	$(PY) bench/service_overhead.py
 
