@@ -194,10 +194,11 @@ class SpeculativeEngine:
                  proposer: Proposer | None = None) -> GenerationResult:
         """Generate up to ``max_tokens`` after ``prompt_tokens``: one slot, stepped to the end.
 
-        ``spec`` narrows the engine's capacity for this request (a larger ``draft_max`` is
-        clamped to the engine's); ``sampling`` is the target distribution (None: greedy) and
-        ``logprobs`` asks for each token's log probability and that many alternatives (see
-        :class:`SlotRequest`). ``on_tokens`` receives each step's newly committed tokens
+        ``spec`` narrows the engine's capacity for this request (None: the config's
+        ``request_defaults``; unset fields and a larger ``draft_max`` are the engine's);
+        ``sampling`` is the target distribution (None: greedy) and ``logprobs`` asks for each
+        token's log probability and that many alternatives (see :class:`SlotRequest`).
+        ``on_tokens`` receives each step's newly committed tokens
         and their text; ``should_stop`` is polled once per decode step to cancel.
         ``proposer`` replaces the drafter ``spec`` selects (tests drive rollback with an oracle).
         Other slots admitted meanwhile are stepped along with it (their updates are dropped:

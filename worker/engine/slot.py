@@ -35,7 +35,8 @@ from worker.llm import Model
 class SlotRequest:
     """What a caller asks one slot to generate (see :meth:`SpeculativeEngine.admit`).
 
-    ``spec`` narrows the engine's capacity (None: the engine's own); ``sampling`` is the
+    ``spec`` narrows the engine's capacity (None: ``EngineConfig.request_defaults``; what it
+    leaves unset is the engine's); ``sampling`` is the
     target distribution (greedy by default; a seed of None is drawn and reported in the
     result); ``logprobs`` None returns none, ``k`` returns each token's log probability and
     its ``k`` most likely alternatives; ``proposer`` replaces the drafter ``spec`` selects
