@@ -38,21 +38,25 @@ class TopLogprobs:
         rows = ctx.logits_rows(row0, len(tokens)).astype(np.float64)
         top = rows.max(axis=1, keepdims=True)
         logp = rows - (top + np.log(np.exp(rows - top).sum(axis=1, keepdims=True)))
-        return [TokenLogprob(**self._entry(token, float(row[token])).model_dump(),
-                             top_logprobs=self._alternatives(row))
-                for token, row in zip(tokens, logp, strict=True)]
+        out = []
+        for token, row in zip(tokens, logp, strict=True):
+            text, raw = self._piece(token)
+            out.append(TokenLogprob(token=token, text=text, bytes=raw, logprob=float(row[token]),
+                                    top_logprobs=self._alternatives(row)))
+        return out
 
     def _alternatives(self, row: np.ndarray) -> list[TopLogprob]:
         if self.k == 0:
             return []
         best = np.argpartition(row, len(row) - self.k)[len(row) - self.k:]
         best = best[np.lexsort((best, -row[best]))]
-        return [self._entry(int(t), float(row[t])) for t in best]
+        return [TopLogprob(token=int(t), text=text, bytes=raw, logprob=float(row[t]))
+                for t in best for text, raw in [self._piece(int(t))]]
 
-    def _entry(self, token: int, logprob: float) -> TopLogprob:
+    def _piece(self, token: int) -> tuple[str, list[int]]:
+        """``token``'s text (decoded with replacement) and its raw bytes."""
         raw = self.model.token_bytes(token)
-        return TopLogprob(token=token, text=raw.decode("utf-8", errors="replace"),
-                          bytes=list(raw), logprob=logprob)
+        return raw.decode("utf-8", errors="replace"), list(raw)
 
 
 def make_logprobs(model: Model, k: int | None) -> LogprobReporter:

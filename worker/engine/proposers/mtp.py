@@ -223,6 +223,7 @@ class MtpProposer:
 
 
 def _sampled(dists: list[Distribution | None]) -> list[Distribution] | None:
-    """The draft's distributions when its tokens were sampled; None for argmax drafts."""
+    """The draft's distributions when its tokens were sampled (a sampler gives one for every
+    token or for none); None for argmax drafts."""
     kept = [d for d in dists if d is not None]
-    return kept if kept and len(kept) == len(dists) else None
+    return kept or None
