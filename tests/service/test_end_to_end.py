@@ -70,9 +70,11 @@ def test_two_workers_share_a_queue(fleet: Fleet, coordinator: Coordinator) -> No
 
 
 def test_heartbeat_keeps_a_long_job_alive(fleet: Fleet, coordinator: Coordinator) -> None:
-    """A job running for several worker TTLs is not mistaken for a crash (no re-run)."""
+    """A job running for several worker TTLs is not mistaken for a crash (no re-run): the
+    other worker is idle and would take a requeued job. Both step slowly, since either may
+    be the one that takes it."""
     fleet.start("w1", step_delay=0.1)
-    fleet.start("w2")
+    fleet.start("w2", step_delay=0.1)
     handle = coordinator.submit({"model": MODEL_NAME, "prompt_tokens": PROMPT,
                                  "max_tokens": 40, "speculative": {"method": "none"}})
     result = handle.result(timeout=60)
