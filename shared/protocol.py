@@ -11,7 +11,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (
     BaseModel,
@@ -294,45 +294,97 @@ class GenerationRequest(_Strict):
         return self.model_copy(update={"sampling": sampling})  # marks it set
 
 
+class Summed(NamedTuple):
+    """Marks a :class:`Telemetry` field that adds up over generations (a count, seconds, or a
+    per-draft-position list summed position by position) and names its Prometheus series.
+
+    The one declaration every reader of a sum follows: the engine's counters render it by
+    name, the worker's metrics make one series per marked field, the log monitor sums it. A
+    field without the marker is a rate derived from the sums or the latest state, never
+    summed. ``label``: the series' extra label, a list's index (``position``) or, with
+    ``label_field``, the value of that field (a host fallback's reason)."""
+
+    series: str
+    doc: str
+    label: str | None = None
+    label_field: str | None = None
+
+
 class Telemetry(_Strict):
     """What speculation bought for one generation (or cumulatively for an engine).
 
     Field names are part of the public contract (CLI ``--json``, events, logs, dashboards).
     ``tokens_per_second`` counts decode time only; ``effective_tokens_per_second`` is wall time
-    including drafting, which is the one to believe (seed 000, "Reading the numbers").
+    including drafting, which is the one to believe (docs/telemetry.md, "Reading the numbers").
     docs/telemetry.md says exactly what each field counts (``mean_accepted_length`` leaves the
-    bonus token out; ``mean_acceptance_length`` is vLLM's, which counts it).
+    bonus token out; ``mean_acceptance_length`` is vLLM's, which counts it). A field that adds
+    up over generations is marked :class:`Summed`.
     """
 
     spec_method: SpecMethod = SpecMethod.NONE
     draft_max: int = 0
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    drafts: Annotated[int, Summed(
+        "spec_decode_num_drafts", "Verify decodes that carried at least one drafted token")] = 0
+    drafted: Annotated[int, Summed("spec_decode_num_draft_tokens", "Drafted tokens verified")] = 0
+    accepted: Annotated[int, Summed(
+        "spec_decode_num_accepted_tokens",
+        "Drafted tokens the target accepted (bonus not counted)")] = 0
     acceptance: float = 0.0
-    accepted_per_position: list[int] = Field(default_factory=list)
-    drafted_per_position: list[int] = Field(default_factory=list)
+    accepted_per_position: Annotated[list[int], Summed(
+        "spec_decode_num_accepted_tokens_per_pos",
+        "Accepted drafted tokens by draft position (0 = first)", label="position")] = Field(
+        default_factory=list)
+    drafted_per_position: Annotated[list[int], Summed(
+        "spec_decode_num_draft_tokens_per_pos",
+        "Drafted tokens by draft position (0 = first; position 0 counts every draft)",
+        label="position")] = Field(default_factory=list)
     mean_accepted_length: float = 0.0
     mean_acceptance_length: float = 0.0
-    target_decodes: int = 0
+    target_decodes: Annotated[int, Summed(
+        "spec_decode_num_verifies", "Target verify decodes, plain one-row steps included")] = 0
     tokens_per_verify: float = 0.0
-    draft_seconds: float = 0.0
+    draft_seconds: Annotated[float, Summed("draft_seconds", "Seconds spent drafting")] = 0.0
     draft_seconds_per_token: float = 0.0
-    decode_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    wall_seconds: float = 0.0
+    decode_seconds: Annotated[float, Summed(
+        "decode_seconds", "Seconds in target decodes and rollback (replays included)")] = 0.0
+    prefill_seconds: Annotated[float, Summed(
+        "prefill_seconds", "Seconds prefilling prompts")] = 0.0
+    wall_seconds: Annotated[float, Summed(
+        "generation_seconds", "Wall seconds of decode loops (drafting included)")] = 0.0
     tokens_per_second: float = 0.0
     effective_tokens_per_second: float = 0.0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    replay_events: int = 0
-    replay_tokens: int = 0
+    generated_tokens: Annotated[int, Summed("generated_tokens", "Tokens generated")] = 0
+    prompt_tokens: Annotated[int, Summed("prompt_tokens", "Prompt tokens of the requests")] = 0
+    #: Prompt tokens served from the worker's prefix cache (kept from an earlier request in
+    #: the slot, or restored from a prefix checkpoint) instead of being prefilled again.
+    cached_tokens: Annotated[int, Summed(
+        "prefix_cached_tokens", "Prompt tokens served from the prefix cache")] = 0
+    prefix_hits: Annotated[int, Summed(
+        "prefix_cache_hits", "Requests that reused a cached prefix")] = 0
+    prefix_misses: Annotated[int, Summed(
+        "prefix_cache_misses", "Requests prefilled from their first token")] = 0
+    prefix_restores: Annotated[int, Summed(
+        "prefix_checkpoint_restores", "Prefix checkpoints restored to reuse a prefix")] = 0
+    prefix_checkpoint_saves: Annotated[int, Summed(
+        "prefix_checkpoint_saves", "Prefix checkpoints saved while prefilling")] = 0
+    replay_events: Annotated[int, Summed(
+        "replay_events", "Compact-rollback checkpoint restores followed by a replay")] = 0
+    replay_tokens: Annotated[int, Summed("replay_tokens", "Tokens re-decoded by replays")] = 0
     checkpoint_mode: CheckpointMode | None = None
-    checkpoint_saves: int = 0
-    host_fallbacks: int = 0
+    checkpoint_saves: Annotated[int, Summed(
+        "checkpoint_saves", "Rollback checkpoints saved")] = 0
+    host_fallbacks: Annotated[int, Summed(
+        "checkpoint_host_fallbacks", "Device checkpoint failures that moved storage to the host",
+        label="reason", label_field="host_fallback_reason")] = 0
     host_fallback_reason: str | None = None
     rollback_depth: int | None = None
     checkpoint_reservation_bytes: int | None = None
+
+    @classmethod
+    def summed(cls) -> dict[str, Summed]:
+        """The fields that add up over generations, by name, with their series."""
+        return {name: rule for name, info in cls.model_fields.items()
+                for rule in info.metadata if isinstance(rule, Summed)}
 
 
 class FinishReason(_WireEnum):
