@@ -243,6 +243,10 @@ class GenerationRequest(_Strict):
     speculative: SpecSettings = Field(default_factory=SpecSettings)
     priority: Priority = Priority.NORMAL
     custom_id: str | None = Field(default=None, max_length=256)
+    prefix_cache: bool = Field(
+        default=True, description="reuse a cached prefix of this prompt and keep this "
+                                  "request's tokens for later ones (false: prefill from the "
+                                  "first token, and leave nothing behind)")
 
     @model_validator(mode="before")
     @classmethod
@@ -515,6 +519,8 @@ class WorkerInfo(_Strict):
     heartbeat_at: float
     current_job: str | None = None
     current_jobs: list[str] = Field(default_factory=list, description="one per busy slot")
+    prefix_cache: bool = Field(default=False, description="reuses cached prompt prefixes "
+                                                         "(publishes what it holds)")
     spec_methods: list[str] = Field(default_factory=list)
     chat_template: bool = Field(default=False, description="can render chat messages")
     capacity: WorkerCapacity | None = None
