@@ -1,0 +1,256 @@
+"""The serving loop: the engine's slots fed from the worker's queues, stepped together.
+
+specfleet's own loop, not rq's ``Worker.work``: it takes each job atomically into the
+worker's in-flight list (``intake.py``), refuses and quarantines entries it cannot run, and
+keeps rq's job records and registries (``rq_state.py``) so rq's tools still tell the truth.
+Every Redis call rides out an outage up to ``SPECFLEET_REDIS_OUTAGE_SECONDS``; past that the
+loop raises :class:`RedisOutage`, leaving its jobs in the in-flight list for recovery. The
+process around it (registry, heartbeat, signals, metrics) is wired in ``runner.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from types import FrameType
+from typing import TypeVar
+
+from redis.client import Pipeline
+from rq.executions import Execution
+from rq.job import Job
+from rq.worker import SimpleWorker, WorkerStatus
+
+from shared.logs import get_logger
+from shared.outage import RedisOutage, ride_out
+from shared.recovery import requeue_front
+from worker.engine.slot import GenerationResult, Slot
+from worker.service.intake import JobIntake, Taken
+from worker.service.jobs import (
+    Interruption,
+    JobInterrupted,
+    JobRun,
+    RequestRejected,
+    WorkerRuntime,
+    refuse,
+)
+from worker.service.rq_state import (
+    PoisonedJob,
+    end_execution,
+    is_waiting,
+    load_job,
+    mark_failed,
+    mark_finished,
+    mark_started,
+)
+
+log = get_logger("worker")
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Running:
+    """A job in one of the engine's slots: rq's records of its run, and the run itself."""
+
+    job: Job
+    execution: Execution
+    run: JobRun
+    slot: Slot
+
+
+class ServingLoop:
+    """Feeds the engine's slots from the worker's queues and steps them all together.
+
+    Each pass takes jobs while a slot is free (blocking only when the worker is idle), opens
+    a :class:`JobRun` for each and admits it to the engine, then runs ONE engine step for
+    every active slot and hands each slot's tokens and result to its run. A finished slot is
+    refilled at the next pass (continuous batching). A poisoned entry, a rejected request or
+    a failing job never stops the others.
+    """
+
+    def __init__(self, runtime: WorkerRuntime, intake: JobIntake) -> None:
+        self.runtime = runtime
+        self.intake = intake
+        #: rq's record of this worker, marked busy or idle (set once it is started).
+        self.presence: SimpleWorker | None = None
+        self.stopping = threading.Event()
+        self._running: dict[int, _Running] = {}
+
+    @property
+    def current_jobs(self) -> list[str]:
+        """The jobs in the engine's slots right now, in slot order."""
+        return [r.job.id for _, r in sorted(self._running.items())]
+
+    def run(self) -> None:
+        """Serve until asked to stop and every slot is done; raises :class:`RedisOutage` past
+        the outage deadline (the held jobs stay in the in-flight list for recovery)."""
+        engine = self.runtime.engine
+        while not (self.stopping.is_set() and not self._running):
+            while (engine.free_slots and not self.stopping.is_set()
+                   and not self.runtime.lost.is_set()):
+                taken = self._ride(lambda: self.intake.take(block=not self._running),
+                                   "intake.take")
+                if taken is None:
+                    break
+                self._start(taken)
+            if self._running:
+                self._step()
+            elif self.runtime.lost.is_set():
+                self.runtime.lost.clear()  # every stale run has stood down
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM/SIGINT: the first finishes the running jobs; a second interrupts them."""
+        if self.stopping.is_set() and self._running:
+            log.warning("worker.interrupting", worker=self.runtime.worker_name,
+                        jobs=self.current_jobs)
+            self.runtime.interrupt.set()
+            return
+        log.info("worker.stopping", worker=self.runtime.worker_name, signal=signum,
+                 jobs=self.current_jobs)
+        self.stopping.set()
+
+    # -- a job enters a slot ---------------------------------------------------------------
+    def _start(self, taken: Taken) -> None:
+        rt = self.runtime
+        conn = rt.connection
+        try:
+            job, request = self._ride(lambda: load_job(conn, taken.job_id), "job.load")
+        except PoisonedJob as exc:
+            self._refuse(taken, exc)
+            return
+        if not self._ride(lambda: is_waiting(job), "job.status"):
+            log.info("job.skipped", job_id=job.id, worker=rt.worker_name,
+                     status=str(job.get_status(refresh=False)))
+            self._ride(lambda: self.intake.release(job.id), "intake.release")
+            return
+        ttl = int(job.timeout or rt.settings.job_timeout_seconds) + 60
+        execution = self._ride(lambda: mark_started(conn, job, rt.worker_name, ttl),
+                               "job.start")
+        self._set_state(WorkerStatus.BUSY)
+        run: JobRun | None = None
+        try:
+            run = JobRun.open(rt, job.id, request)
+            try:
+                slot = rt.engine.admit(run.slot_request())
+            except ValueError as exc:
+                run.reject(str(exc))
+        except RedisOutage:
+            raise
+        except Exception as exc:  # rejected (already on its stream) or failed to start
+            if run is not None and not isinstance(exc, RequestRejected):
+                run.fail(exc)
+            self._end(job, partial(mark_failed, job=job, execution=execution, error=exc,
+                                   worker_name=rt.worker_name))
+            if run is not None:
+                run.close()
+            self._log_crash(job.id, exc)
+            return
+        self._running[slot.seq] = _Running(job, execution, run, slot)
+
+    # -- one engine step for every slot ----------------------------------------------------
+    def _step(self) -> None:
+        rt = self.runtime
+        for r in self._running.values():
+            if r.run.should_stop():
+                rt.engine.cancel(r.slot)
+        if rt.settings.step_delay_seconds:
+            time.sleep(rt.settings.step_delay_seconds)  # test/drill only: a slower worker
+        try:
+            updates = rt.engine.step()
+        except Exception as exc:  # the engine dropped every active slot: each job failed
+            for r in list(self._running.values()):
+                r.run.fail(exc)
+                self._close(r, partial(mark_failed, job=r.job, execution=r.execution,
+                                       error=exc, worker_name=rt.worker_name))
+            self._log_crash(None, exc)
+            return
+        for update in updates:
+            r = self._running[update.slot.seq]
+            if update.verified:
+                r.run.tokens(update.tokens, update.text, update.logprobs)
+            if update.result is not None:
+                self._complete(r, update.result)
+
+    def _complete(self, r: _Running, result: GenerationResult) -> None:
+        rt = self.runtime
+        try:
+            final = r.run.finish(result)
+        except JobInterrupted as exc:
+            shutdown = exc.reason is Interruption.SHUTDOWN
+            self._close(r, lambda pipe: end_execution(pipe, r.job, r.execution),
+                        release=shutdown)
+            if shutdown:
+                self._requeue(r.job.id)
+            return
+        self._close(r, lambda pipe: mark_finished(pipe, r.job, r.execution, final,
+                                                  rt.settings.result_ttl_seconds,
+                                                  rt.worker_name))
+
+    def _close(self, r: _Running, record: Callable[[Pipeline], None],
+               release: bool = True) -> None:
+        """A slot's run is over: its outcome into rq's records, the slot and flag freed."""
+        self._end(r.job, record, release)
+        r.run.close()
+        del self._running[r.slot.seq]
+        if not self._running:
+            self._set_state(WorkerStatus.IDLE)
+
+    def _log_crash(self, job_id: str | None, exc: BaseException) -> None:
+        if not isinstance(exc, RequestRejected):
+            log.error("job.crashed", job_id=job_id, worker=self.runtime.worker_name,
+                      exc_info=exc)
+
+    def _refuse(self, taken: Taken, exc: PoisonedJob) -> None:
+        """A poisoned or foreign entry: a final event on its stream, rq's failed record when
+        its hash is readable, and the id moved to the quarantine list. The worker serves on."""
+        rt = self.runtime
+        reason = f"{exc}: refused"
+        log.error("job.refused", job_id=taken.job_id, worker=rt.worker_name,
+                  queue=taken.queue_key, reason=reason)
+        rt.metrics.job_refused()
+        self._ride(lambda: refuse(rt, taken.job_id, reason), "job.refuse")
+        if exc.job is not None:
+            poisoned = exc.job
+
+            def record() -> None:
+                with rt.connection.pipeline() as pipe:
+                    mark_failed(pipe, poisoned, None, reason, rt.worker_name)
+                    pipe.execute()
+            try:
+                self._ride(record, "job.refuse")
+            except RedisOutage:
+                raise
+            except Exception as err:  # the hash is too broken even to be marked failed
+                log.warning("job.refused_unrecorded", job_id=taken.job_id, error=repr(err))
+        self._ride(lambda: self.intake.quarantine(taken.job_id, reason), "intake.quarantine")
+
+    def _end(self, job: Job, record: Callable[[Pipeline], None], release: bool = True) -> None:
+        """Write a run's outcome in rq's records and leave the in-flight list, atomically."""
+        def write() -> None:
+            with self.runtime.connection.pipeline() as pipe:
+                record(pipe)
+                if release:
+                    pipe.lrem(self.intake.inflight_key, 1, job.id)
+                pipe.execute()
+        self._ride(write, "job.end")
+
+    def _requeue(self, job_id: str) -> None:
+        rt = self.runtime
+        self._ride(lambda: requeue_front(rt.connection, rt.keys, job_id), "job.requeue")
+        attempt = int(self._ride(lambda: rt.connection.get(rt.keys.attempts(job_id)),
+                                 "job.requeue") or 1)
+        log.warning("job.requeued", job_id=job_id, worker=rt.worker_name,
+                    model=rt.model_name, attempt=attempt, next_attempt=attempt + 1,
+                    reason="shutdown")
+        rt.metrics.job_requeued("shutdown")
+
+    def _set_state(self, state: WorkerStatus) -> None:
+        presence = self.presence
+        if presence is not None:
+            self._ride(lambda: presence.set_state(state), "rq.state")
+
+    def _ride(self, operation: Callable[[], T], what: str) -> T:
+        return ride_out(operation, self.runtime.settings.redis_outage_seconds, what)
