@@ -37,14 +37,14 @@ UNKNOWN = "-"
 #: Records held per source until its worker is known (a start-up is a few dozen lines).
 _PENDING_MAX = 10_000
 
-#: Telemetry's counts, summed over generations: its plain ``int`` fields but the draft width
-#: (a setting, not a count) and host fallbacks (counted by reason from ``checkpoint.fallback``).
-_COUNTS = tuple(name for name, f in Telemetry.model_fields.items()
-                if f.annotation is int and name not in ("draft_max", "host_fallbacks"))
-#: Its seconds, summed (the per-token and per-second rates are derived, never summed).
-_SECONDS = tuple(name for name in Telemetry.model_fields if name.endswith("_seconds"))
-#: Its per-draft-position lists, summed position by position.
-_POSITIONS = tuple(name for name in Telemetry.model_fields if name.endswith("_per_position"))
+#: Telemetry's sums (``Summed``): counts and seconds, and the per-draft-position lists summed
+#: position by position. Host fallbacks are left out: they are counted by reason from
+#: ``checkpoint.fallback``, which also covers a start-up reservation before any generation.
+_SUMMED = Telemetry.summed()
+_POSITIONS = tuple(name for name, rule in _SUMMED.items() if rule.label == "position")
+#: Each count's type (``int`` or ``float`` seconds), read from its default.
+_COUNTS = {name: type(Telemetry.model_fields[name].default) for name in _SUMMED
+           if name not in _POSITIONS and name != "host_fallbacks"}
 
 
 def _ratio(a: float, b: float) -> float:
@@ -58,7 +58,7 @@ class Tally:
     generations: int = 0
     #: Telemetry's counts and seconds, summed over the generations (named as in Telemetry).
     sums: dict[str, float] = field(default_factory=lambda: {
-        **dict.fromkeys(_COUNTS, 0), **dict.fromkeys(_SECONDS, 0.0)})
+        name: kind(0) for name, kind in _COUNTS.items()})
     positions: dict[str, list[int]] = field(
         default_factory=lambda: {name: [] for name in _POSITIONS})
     jobs_started: int = 0
@@ -74,10 +74,8 @@ class Tally:
     def add_telemetry(self, t: dict[str, Any]) -> None:
         """One ``generation.finished`` event's telemetry."""
         self.generations += 1
-        for name in _COUNTS:
-            self.sums[name] += int(t.get(name) or 0)
-        for name in _SECONDS:
-            self.sums[name] += float(t.get(name) or 0.0)
+        for name, kind in _COUNTS.items():
+            self.sums[name] += kind(t.get(name) or 0)
         for name in _POSITIONS:
             _add(self.positions[name], t.get(name) or [])
 

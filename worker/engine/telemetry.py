@@ -2,21 +2,63 @@
 
 One :class:`SpecCounters` per generation; the engine merges each into a lifetime total, and
 both render through the same :meth:`SpecCounters.to_telemetry`, so per-request and cumulative
-figures can never be computed two different ways.
+figures can never be computed two different ways. Every field declares how two generations
+combine (:func:`count`, :func:`peak`, :func:`latest`, or ``+`` for the rollback share), and
+:meth:`SpecCounters.merge` follows only those declarations: a field without one fails at
+import, so no counter can be silently left out of a lifetime total.
+
+Adding a counter (e.g. ``cached_tokens``) takes two declarations, one on each side of the wire:
+
+1. ``shared/protocol.py``: a :class:`Telemetry` field marked
+   ``Annotated[int, Summed("<prometheus series>", "<what it counts>")] = 0``. The worker's
+   Prometheus metrics make its series and the log monitor sums it from that mark alone.
+2. here: ``cached_tokens: int = count()`` on :class:`SpecCounters` (or a counted field of
+   :class:`RollbackStats` for what a rollback policy counts); the engine advances it,
+   ``merge`` and ``to_telemetry`` carry it by name.
+
+Then add its line to docs/telemetry.md. ``tests/test_telemetry_paths.py`` fails, naming the
+field, when a summed Telemetry field has no source here or no Prometheus series.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import operator
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from shared.protocol import SpecMethod, Telemetry
 from worker.engine.rollback.base import RollbackStats
 
+_MERGE = "merge"
+#: Marks the fields Telemetry carries by name as a ``Summed`` field.
+_SUMMED = "summed"
 
-def _add_lists(into: list[int], other: list[int]) -> None:
-    into.extend([0] * (len(other) - len(into)))
-    for i, v in enumerate(other):
-        into[i] += v
+
+def _add_lists(into: list[int], other: list[int]) -> list[int]:
+    """Position-wise sum (the longer list's tail kept)."""
+    longer, shorter = (into, other) if len(into) >= len(other) else (other, into)
+    return [v + (shorter[i] if i < len(shorter) else 0) for i, v in enumerate(longer)]
+
+
+def count() -> Any:
+    """A number that adds up over generations (tokens, decodes, seconds)."""
+    return field(default=0, metadata={_MERGE: operator.add, _SUMMED: True})
+
+
+def positions() -> Any:
+    """A per-draft-position list, summed position by position."""
+    return field(default_factory=list, metadata={_MERGE: _add_lists, _SUMMED: True})
+
+
+def peak(default: int = 0) -> Any:
+    """A setting that a total reports at its largest (the widest draft any generation ran)."""
+    return field(default=default, metadata={_MERGE: max})
+
+
+def latest(default: Any) -> Any:
+    """State that a total reports as the latest generation's."""
+    return field(default=default, metadata={_MERGE: lambda _old, new: new})
 
 
 def _count_positions(into: list[int], n: int) -> None:
@@ -31,24 +73,32 @@ def _count_positions(into: list[int], n: int) -> None:
 class SpecCounters:
     """Raw counts and seconds; every rate is derived only when rendering."""
 
-    spec_method: SpecMethod = SpecMethod.NONE
-    draft_max: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
+    spec_method: SpecMethod = latest(SpecMethod.NONE)
+    draft_max: int = peak()
+    prompt_tokens: int = count()
+    #: Prompt positions the prefix cache kept (``worker/engine/prefix_cache.py``), whether the
+    #: placement reused a prefix, and how (a checkpoint restored); checkpoints saved.
+    cached_tokens: int = count()
+    prefix_hits: int = count()
+    prefix_misses: int = count()
+    prefix_restores: int = count()
+    prefix_checkpoint_saves: int = count()
+    generated_tokens: int = count()
     #: Target verify decodes (a width-0 step is a verify of one row: a plain decode).
-    target_decodes: int = 0
+    target_decodes: int = count()
     #: Verify decodes that carried at least one drafted token.
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    drafts: int = count()
+    drafted: int = count()
+    accepted: int = count()
+    drafted_per_position: list[int] = positions()
+    accepted_per_position: list[int] = positions()
+    prefill_seconds: float = count()
+    draft_seconds: float = count()
+    decode_seconds: float = count()
     #: Wall time of the decode loop (after prefill): drafting, verifying and bookkeeping.
-    wall_seconds: float = 0.0
-    rollback: RollbackStats = field(default_factory=RollbackStats)
+    wall_seconds: float = count()
+    rollback: RollbackStats = field(default_factory=RollbackStats,
+                                    metadata={_MERGE: operator.add})
 
     def record_verify(self, drafted: int, accepted: int) -> None:
         """One verify decode of ``drafted`` drafts of which the first ``accepted`` matched."""
@@ -66,44 +116,42 @@ class SpecCounters:
         self.rollback = after - before
 
     def merge(self, other: SpecCounters) -> None:
-        """Fold one generation into a lifetime total."""
-        self.spec_method = other.spec_method
-        self.draft_max = max(self.draft_max, other.draft_max)
-        for name in ("prompt_tokens", "generated_tokens", "target_decodes", "drafts",
-                     "drafted", "accepted", "prefill_seconds", "draft_seconds",
-                     "decode_seconds", "wall_seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        _add_lists(self.drafted_per_position, other.drafted_per_position)
-        _add_lists(self.accepted_per_position, other.accepted_per_position)
-        self.rollback = self.rollback + other.rollback
+        """Fold one generation into a lifetime total, each field by its declared rule."""
+        for name, rule in _RULES.items():
+            setattr(self, name, rule(getattr(self, name), getattr(other, name)))
 
     def to_telemetry(self) -> Telemetry:
         def ratio(a: float, b: float) -> float:
             return a / b if b > 0 else 0.0
 
         return Telemetry(
+            **{name: getattr(self, name) for name in SUMMED_FIELDS},
             spec_method=self.spec_method,
             draft_max=self.draft_max,
-            drafts=self.drafts,
-            drafted=self.drafted,
-            accepted=self.accepted,
             acceptance=ratio(self.accepted, self.drafted),
-            accepted_per_position=list(self.accepted_per_position),
-            drafted_per_position=list(self.drafted_per_position),
             mean_accepted_length=ratio(self.accepted, self.drafts),
             # vLLM's definition: the bonus token counts, so a draft-carrying verify yields 1 + k.
             mean_acceptance_length=1.0 + ratio(self.accepted, self.drafts) if self.drafts else 0.0,
-            target_decodes=self.target_decodes,
             tokens_per_verify=ratio(self.generated_tokens, self.target_decodes),
-            draft_seconds=self.draft_seconds,
             draft_seconds_per_token=ratio(self.draft_seconds, self.generated_tokens),
-            decode_seconds=self.decode_seconds,
-            prefill_seconds=self.prefill_seconds,
-            wall_seconds=self.wall_seconds,
             tokens_per_second=ratio(self.generated_tokens, self.decode_seconds),
             effective_tokens_per_second=ratio(self.generated_tokens, self.wall_seconds),
-            generated_tokens=self.generated_tokens,
-            prompt_tokens=self.prompt_tokens,
             # RollbackStats' fields are Telemetry's: a field only one of them has fails here.
             **asdict(self.rollback),
         )
+
+
+def merge_rules(counters: type) -> dict[str, Callable[[Any, Any], Any]]:
+    """Each field's declared rule; a field without one is a programming error, said now."""
+    rules: dict[str, Callable[[Any, Any], Any]] = {}
+    for f in fields(counters):
+        if _MERGE not in f.metadata:
+            raise TypeError(f"{counters.__name__}.{f.name} declares no merge rule: declare it "
+                            "with count(), positions(), peak() or latest()")
+        rules[f.name] = f.metadata[_MERGE]
+    return rules
+
+
+_RULES = merge_rules(SpecCounters)
+#: The counters that Telemetry carries under the same name, each a ``Summed`` field there.
+SUMMED_FIELDS = tuple(f.name for f in fields(SpecCounters) if f.metadata.get(_SUMMED))

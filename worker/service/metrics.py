@@ -81,34 +81,11 @@ class WorkerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, _SPEC, buckets=buckets, registry=self.registry)
 
-        self.drafts = counter("spec_decode_num_drafts",
-                              "Verify decodes that carried at least one drafted token")
-        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Drafted tokens verified")
-        self.accepted_tokens = counter("spec_decode_num_accepted_tokens",
-                                       "Drafted tokens the target accepted (bonus not counted)")
-        self.accepted_per_pos = counter(
-            "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted drafted tokens by draft position (0 = first)", (*_SPEC, "position"))
-        self.draft_per_pos = counter(
-            "spec_decode_num_draft_tokens_per_pos",
-            "Drafted tokens by draft position (0 = first; position 0 counts every draft)",
-            (*_SPEC, "position"))
-        self.verifies = counter("spec_decode_num_verifies",
-                                "Target verify decodes, plain one-row steps included")
-        self.generated = counter("generated_tokens", "Tokens generated")
-        self.prompt = counter("prompt_tokens", "Prompt tokens prefilled")
-        self.replay_events = counter("replay_events",
-                                     "Compact-rollback checkpoint restores followed by a replay")
-        self.replay_tokens = counter("replay_tokens", "Tokens re-decoded by replays")
-        self.checkpoint_saves = counter("checkpoint_saves", "Rollback checkpoints saved")
-        self.host_fallbacks = counter("checkpoint_host_fallbacks",
-                                      "Device checkpoint failures that moved storage to the host",
-                                      (*_SPEC, "reason"))
-        self.draft_seconds = counter("draft_seconds", "Seconds spent drafting")
-        self.decode_seconds = counter("decode_seconds",
-                                      "Seconds in target decodes and rollback (replays included)")
-        self.wall_seconds = counter("generation_seconds",
-                                    "Wall seconds of decode loops (drafting included)")
+        #: One counter per summed Telemetry field, named and documented where it is declared
+        #: (``Summed`` in shared/protocol.py), with its extra label if it has one.
+        self.summed = {name: counter(rule.series, rule.doc,
+                                     (*_SPEC, rule.label) if rule.label else _SPEC)
+                       for name, rule in Telemetry.summed().items()}
         self.jobs = counter("jobs", "Runs of jobs on this worker by outcome",
                             (*_BASE, "outcome"))
         self.requeues = counter("requeues", "Jobs this worker put back at the front of a queue",
@@ -155,7 +132,8 @@ class WorkerMetrics:
         self._set_checkpoint(str(mode), details.get("checkpoint_reserved_bytes"))
         if configured is CheckpointMode.DEVICE and mode == CheckpointMode.HOST:
             reason = str(details.get("checkpoint_fallback") or "reserve")
-            self.host_fallbacks.labels(*self._base, method, reason).inc(fit.slots if fit else 1)
+            self.summed["host_fallbacks"].labels(*self._base, method, reason).inc(
+                fit.slots if fit else 1)
 
     def _set_checkpoint(self, mode: str, reserved: object) -> None:
         """The storage in force, and its reservation where it lives (device or ``host``)."""
@@ -206,25 +184,16 @@ class WorkerMetrics:
                 self.itl.labels(*spec).observe(gap)
 
     def _count(self, spec: tuple[str, ...], t: Telemetry) -> None:
-        self.drafts.labels(*spec).inc(t.drafts)
-        self.draft_tokens.labels(*spec).inc(t.drafted)
-        self.accepted_tokens.labels(*spec).inc(t.accepted)
-        for pos, n in enumerate(t.accepted_per_position):
-            self.accepted_per_pos.labels(*spec, str(pos)).inc(n)
-        for pos, n in enumerate(t.drafted_per_position):
-            self.draft_per_pos.labels(*spec, str(pos)).inc(n)
-        self.verifies.labels(*spec).inc(t.target_decodes)
-        self.generated.labels(*spec).inc(t.generated_tokens)
-        self.prompt.labels(*spec).inc(t.prompt_tokens)
-        self.replay_events.labels(*spec).inc(t.replay_events)
-        self.replay_tokens.labels(*spec).inc(t.replay_tokens)
-        self.checkpoint_saves.labels(*spec).inc(t.checkpoint_saves)
-        if t.host_fallbacks:
-            reason = t.host_fallback_reason or "unknown"
-            self.host_fallbacks.labels(*spec, reason).inc(t.host_fallbacks)
-        self.draft_seconds.labels(*spec).inc(t.draft_seconds)
-        self.decode_seconds.labels(*spec).inc(t.decode_seconds)
-        self.wall_seconds.labels(*spec).inc(t.wall_seconds)
+        for name, rule in Telemetry.summed().items():
+            metric, value = self.summed[name], getattr(t, name)
+            if isinstance(value, list):
+                for pos, n in enumerate(value):
+                    metric.labels(*spec, str(pos)).inc(n)
+            elif rule.label_field is not None:
+                if value:
+                    metric.labels(*spec, getattr(t, rule.label_field) or "unknown").inc(value)
+            else:
+                metric.labels(*spec).inc(value)
         if t.checkpoint_mode is not None:
             self._set_checkpoint(t.checkpoint_mode, t.checkpoint_reservation_bytes)
 
