@@ -5,7 +5,9 @@ that a coordinator can be deployed without the worker (no llama.cpp) and a worke
 depends on coordinator code. The only coordinator modules that may import ``worker`` are the
 commands that run worker code in-process. Every import statement of every module counts,
 including those inside functions and ``TYPE_CHECKING`` blocks: a lazy import is still a
-dependency. The picture is in ``docs/architecture.md`` ("Package layers").
+dependency. The picture is in ``docs/architecture.md`` ("Package layers"). Within the layers,
+no two modules import each other, directly or around a circle: a circle means neither can be
+read, tested or moved alone (a value both need belongs in a leaf module below them).
 """
 
 from __future__ import annotations
@@ -72,6 +74,85 @@ def layer_violations(root: Path = ROOT) -> list[str]:
                 if top in FORBIDDEN[package] and where not in ALLOWED.get(top, frozenset()):
                     violations.append(f"{where}:{line} imports {module}")
     return violations
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project modules it imports. An import names the most specific module of
+    the tree it reaches (``from a.b import c`` is ``a.b.c`` when that is a module, else
+    ``a.b``); a package's ``__init__`` counts only when it is the module named."""
+    paths = {_module_name(p, root): p for package in PACKAGES
+             for p in (root / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        edges = set()
+        for _, name in imported_modules(path, root):
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                edges.add(name)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                edges.update(f"{node.module}.{a.name}" for a in node.names
+                             if f"{node.module}.{a.name}" in paths)
+        graph[module] = edges - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that reach each other, one sorted group a circle (strongly connected
+    components of more than one module, Tarjan's algorithm without recursion)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        found.append(sorted(group))
+    return found
+
+
+def test_no_modules_import_each_other_around_a_circle() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_direct_and_longer_circles(tmp_path: Path) -> None:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "worker" / "a.py").write_text("from worker.b import B\n")
+    (tmp_path / "worker" / "b.py").write_text("def f():\n    from worker import a\n")
+    (tmp_path / "worker" / "c.py").write_text("import worker.d\n")
+    (tmp_path / "worker" / "d.py").write_text("import worker.e\n")
+    (tmp_path / "worker" / "e.py").write_text("from worker.c import x\nimport worker.a\n")
+    (tmp_path / "worker" / "leaf.py").write_text("import numpy\n")
+    (tmp_path / "shared" / "top.py").write_text("from worker import leaf\n")
+    assert circles(import_graph(tmp_path)) == [
+        ["worker.a", "worker.b"], ["worker.c", "worker.d", "worker.e"]]
 
 
 def test_every_package_imports_only_the_layers_below_it() -> None:

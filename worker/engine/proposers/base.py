@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from shared.protocol import TokenLogprob
-    from worker.engine.sampling import Distribution
+    from worker.engine.distribution import Distribution
 
 
 @dataclass(frozen=True)
