@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings
+from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
 from worker.engine.proposers.output_cache import DEFAULT_CACHE_BYTES
 from worker.llm import ContextSpec, ModelSpec
 
@@ -82,12 +83,20 @@ class EngineConfig:
     #: Bound of the suffix drafter's cache of recent outputs (method suffix / mtp+suffix);
     #: host memory, counted by the fitter as ``lookup_cache``.
     lookup_cache_bytes: int = DEFAULT_CACHE_BYTES
+    #: Reuse prompt prefixes across requests (``worker/engine/prefix_cache.py``): a finished
+    #: slot keeps its sequence for the next request that shares its prefix.
+    prefix_cache: bool = True
+    #: Prefix checkpoints kept per slot where the state cannot be trimmed (sliding-window and
+    #: recurrent models); host memory, counted by the fitter as ``prefix_checkpoints``.
+    prefix_checkpoints: int = DEFAULT_CHECKPOINTS
 
     def __post_init__(self) -> None:
         if given := sorted(CAPACITY_FIELDS & self.request_defaults.model_fields_set):
             raise ValueError(f"request_defaults sets {', '.join(given)}: an engine's method, "
                              "draft width and rollback depth are its capacity "
                              "(EngineConfig.capacity)")
+        if self.prefix_checkpoints < 0:
+            raise ValueError(f"prefix_checkpoints must be >= 0, got {self.prefix_checkpoints}")
         if self.request_defaults.draft_min > self.capacity.draft_max:
             raise ValueError(f"draft_min ({self.request_defaults.draft_min}) must not exceed "
                              f"draft_max ({self.capacity.draft_max})")

@@ -30,6 +30,7 @@ from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
 from worker.engine.logprobs import make_logprobs
 from worker.engine.plan import ModelFacts, plan_engine
+from worker.engine.prefix_cache import Placement, PrefixStats, make_prefix_policy
 from worker.engine.proposers.base import Draft, Proposer
 from worker.engine.proposers.factory import (
     make_proposer,
@@ -91,6 +92,9 @@ class SpeculativeEngine:
             spec = target_spec(config, self.plan.n_rs_seq, self.draft_max)
             self.target = Context(self.model, spec)
             self._allocated.callback(self.target.close)
+            #: Which sequence a request runs in and what of an earlier one it keeps.
+            self.prefix = make_prefix_policy(config.prefix_cache, self.model, self.target,
+                                             config.slots, config.prefix_checkpoints)
             self.mtp = (MtpDrafter(self.model, self.target, draft_spec(config, self.draft_max))
                         if self.plan.mtp else None)
             if self.mtp is not None:
@@ -146,13 +150,16 @@ class SpeculativeEngine:
         spec = effective_spec(request.spec or self.config.request_defaults, self.plan.capacity())
         method = resolve_request_method(spec.method, self.method)
         self._check_request(request.prompt_tokens, request.max_tokens)
-        seq = next((s for s in range(self.config.slots) if s not in self._slots), None)
-        if seq is None:
+        free = [s for s in range(self.config.slots) if s not in self._slots]
+        if not free:
             raise NoFreeSlotError(f"all {self.config.slots} slots are busy")
+        drafts_mtp = self.mtp is not None and uses_mtp(method)
+        placement = self.prefix.place(request.prompt_tokens, free, drafts_mtp,
+                                      request.prefix_cache)
+        reused = self.prefix.apply(placement, self.target, self.mtp, drafts_mtp)
+        seq = placement.seq
         draft_max = min(spec.draft_max, self.draft_max) if method is not SpecMethod.NONE else 0
         sampler = make_sampler(request.sampling, len(request.prompt_tokens))
-        if self.mtp is not None:
-            self.mtp.reset(seq)
         mtp = self.mtp.proposer(seq, sampler) if self.mtp is not None else None
         slot = Slot(
             seq=seq, request=request, method=method, spec=spec, draft_max=draft_max,
@@ -164,10 +171,12 @@ class SpeculativeEngine:
                                   prompt_tokens=len(request.prompt_tokens)),
             rollback_before=self.rollback.telemetry(seq),
             history=list(request.prompt_tokens),
+            prefilled=placement.keep,
         )
+        self._count_reuse(slot, placement, reused)
         self._slots[seq] = slot
         log.debug("slot.admitted", seq=seq, prompt_tokens=len(request.prompt_tokens),
-                  method=str(method))
+                  method=str(method), cached_tokens=placement.keep)
         return slot
 
     def cancel(self, slot: Slot) -> None:
@@ -183,7 +192,7 @@ class SpeculativeEngine:
             return self._step()
         except BaseException:
             for slot in self.active:
-                self._release(slot)
+                self._release(slot, keep=False)  # its state is not to be trusted
             raise
 
     def generate(self, prompt_tokens: list[int], max_tokens: int,
@@ -310,13 +319,32 @@ class SpeculativeEngine:
         return chunks
 
     def _prefilled(self, chunk: PrefillChunk, row0: int) -> None:
-        """A chunk was decoded (its hidden rows are still in the target's outputs)."""
+        """A chunk was decoded (its hidden rows are still in the target's outputs): feed the
+        MTP draft, checkpoint the prefix where one is due."""
         slot = self._slots[chunk.seq]
+        hidden = None
         if self.mtp is not None and uses_mtp(slot.method):
             self.mtp.feed_prompt(chunk.seq, chunk.tokens, chunk.pos0, row0)
+            hidden = self.mtp.pending(chunk.seq)
         slot.prefilled += len(chunk.tokens)
+        if slot.request.prefix_cache and self.prefix.prefilled(
+                self.target, chunk.seq, slot.prefilled, slot.to_prefill == 0, hidden):
+            slot.counters.prefix_checkpoint_saves += 1
         if slot.to_prefill == 0:
             self._start_decoding(slot)
+
+    def _count_reuse(self, slot: Slot, placement: Placement, reused: PrefixStats) -> None:
+        """What the placement kept, in the slot's telemetry and the log."""
+        c = slot.counters
+        c.cached_tokens = reused.cached_tokens
+        c.prefix_hits = reused.hits
+        c.prefix_misses = reused.misses
+        c.prefix_restores = reused.restores
+        if reused.hits:
+            log.info("prefix.reused", **slot.request.log_fields, seq=slot.seq,
+                     source=placement.source, cached_tokens=placement.keep,
+                     prompt_tokens=len(slot.request.prompt_tokens),
+                     prefill_tokens=slot.to_prefill + 1)
 
     def _start_decoding(self, slot: Slot) -> None:
         slot.proposer.start(slot.history)
@@ -368,7 +396,7 @@ class SpeculativeEngine:
         c.wall_seconds = now - ready
         c.generated_tokens = len(slot.generated)
         c.set_rollback(slot.rollback_before, self.rollback.telemetry(slot.seq))
-        self._release(slot)
+        self._release(slot, keep=slot.request.prefix_cache)
         self._lifetime.merge(c)
         self._by_method.setdefault(slot.method, SpecCounters()).merge(c)
         telemetry = c.to_telemetry()
@@ -385,13 +413,16 @@ class SpeculativeEngine:
         return SlotUpdate(slot, list(committed), text, verified, result,
                           slot.logprobs_of_last(len(committed)))
 
-    def _release(self, slot: Slot) -> None:
-        """Give ``slot``'s sequence back: its KV and recurrent state, checkpoint."""
+    def _release(self, slot: Slot, keep: bool) -> None:
+        """Give ``slot``'s sequence back: its rollback checkpoint is forgotten, and what its
+        positions hold stays as the sequence's prefix-cache entry when ``keep`` (else it is
+        cleared)."""
+        tokens = slot.decoded() if keep else None
         slot.phase = Phase.DONE
         del self._slots[slot.seq]
         self.rollback.release(slot.seq)
-        if self.target is not None:
-            self.target.seq_clear(slot.seq)
+        self.prefix.release(self.target, slot.seq, tokens,
+                            self.mtp is not None and uses_mtp(slot.method))
 
     def __enter__(self) -> SpeculativeEngine:
         return self

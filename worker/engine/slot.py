@@ -53,6 +53,9 @@ class SlotRequest:
     proposer: Proposer | None = None
     log_fields: Mapping[str, object] = field(default_factory=dict)
     logprobs: int | None = None
+    #: Reuse a cached prefix and leave this request's tokens cached (False: prefill from the
+    #: first token, leave nothing behind).
+    prefix_cache: bool = True
 
 
 @dataclass
@@ -100,6 +103,19 @@ class Slot:
     finish: FinishReason | None = None
     admitted_at: float = field(default_factory=perf_counter)
     ready_at: float = 0.0
+    #: What the target's positions hold once the generation has ended on a verify (the
+    #: accepted drafts, even those past an ending that commit did not keep).
+    kv_at_finish: list[int] | None = None
+
+    def decoded(self) -> list[int]:
+        """The tokens the sequence's positions hold now, in order (its prefix-cache entry):
+        the prompt prefilled so far while loading, then everything but the last committed
+        token (which opens the next verify)."""
+        if self.kv_at_finish is not None:
+            return self.kv_at_finish
+        if self.phase is Phase.PREFILL:
+            return self.history[:self.prefilled]
+        return self.history[:-1]
 
     @property
     def to_prefill(self) -> int:
@@ -129,6 +145,8 @@ class Slot:
                 self.finish = FinishReason.CONTEXT
             if self.finish is not None:
                 break
+        if self.finish is not None:
+            self.kv_at_finish = [*self.history, *outcome.accepted]
         self.generated += committed
         self.history += committed
         self.generated_logprobs += outcome.logprobs[: len(committed)]

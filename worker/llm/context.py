@@ -159,6 +159,11 @@ class Context:
     def pos_max(self, seq: int = 0) -> int:
         return int(llama_cpp.llama_memory_seq_pos_max(self.mem, seq))
 
+    def pos_min(self, seq: int = 0) -> int:
+        """Smallest position ``seq`` still holds (a sliding-window cache drops old ones;
+        -1: the sequence is empty)."""
+        return int(llama_cpp.llama_memory_seq_pos_min(self.mem, seq))
+
     # -- state -----------------------------------------------------------------------------
     def state_size(self, flags: int, seq: int = 0) -> int:
         return int(llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq, flags))

@@ -103,6 +103,11 @@ class Model:
         )
 
     @property
+    def n_swa(self) -> int:
+        """Sliding-window width of the model's SWA layers (0: no sliding window)."""
+        return int(llama_cpp.llama_model_n_swa(self.ptr))
+
+    @property
     def size_bytes(self) -> int:
         """Bytes of all weight tensors, as llama.cpp counts them."""
         return int(llama_cpp.llama_model_size(self.ptr))

@@ -107,6 +107,31 @@ class MtpDrafter:
             self._draft.seq_clear(seq)
         self._seqs[seq] = _SeqState(len(state.pending))
 
+    def resume(self, seq: int, keep: int, hidden: np.ndarray | None) -> None:
+        """A new generation in ``seq`` reuses the first ``keep`` positions of the previous
+        one's (prefix reuse): keep the draft KV up to there and resume from the target's hidden
+        state at ``keep - 1``: ``hidden`` (a prefix checkpoint's), or None when ``keep`` is the
+        end of the previous generation, whose pending catch-up is fed now."""
+        state = self._seqs[seq]
+        if hidden is None:
+            if state.backlog is not None:
+                feed, state.backlog = state.backlog, None
+                self._feed_now(seq, feed)
+            if state.fed != keep:
+                raise LlamaError(f"MTP draft context holds {state.fed} positions of sequence "
+                                 f"{seq}, the reused prefix {keep}")
+            return
+        if not self._draft.seq_rm(keep, seq=seq):
+            raise LlamaError(f"could not cut the MTP draft context back to position {keep}")
+        state.fed = keep
+        state.backlog = None
+        state.pending = hidden.copy()
+
+    def pending(self, seq: int) -> np.ndarray:
+        """The target's hidden state the next fed position of ``seq`` takes (a prefix
+        checkpoint stores it: a draft resumed there needs it)."""
+        return self._seqs[seq].pending
+
     def feed_prompt(self, seq: int, tokens: Sequence[int], pos0: int, start: int) -> None:
         """Feed prompt positions ``pos0..`` that the target's last decode prefilled, their
         hidden rows at batch entries ``start..``."""
