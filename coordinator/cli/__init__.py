@@ -1,4 +1,5 @@
-"""The ``specfleet`` command line: one sub-command a module, registered on one Typer app."""
+"""The ``specfleet`` command line: one sub-command a module, registered on one Typer app and
+imported only when its command runs (``app.COMMANDS``)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,6 @@ from pydantic import ValidationError
 
 from coordinator.cli.app import app, error_line
 from shared.protocol import describe_validation_error
-
-# Each import registers its sub-commands on ``app``.
-from coordinator.cli import generate  # noqa: E402,F401  isort: skip
-from coordinator.cli import worker  # noqa: E402,F401  isort: skip
-from coordinator.cli import submit  # noqa: E402,F401  isort: skip
-from coordinator.cli import fleet  # noqa: E402,F401  isort: skip
-from coordinator.cli import cancel  # noqa: E402,F401  isort: skip
-from coordinator.cli import batch  # noqa: E402,F401  isort: skip
-from coordinator.cli import fit  # noqa: E402,F401  isort: skip
-from coordinator.cli import monitor  # noqa: E402,F401  isort: skip
-from coordinator.cli import top  # noqa: E402,F401  isort: skip
-from coordinator.cli import serve  # noqa: E402,F401  isort: skip
 
 #: click's ``UsageError`` (a bad option value, a missing or unknown option), reached through
 #: typer's public ``BadParameter`` because newer typers vendor click under a private module.

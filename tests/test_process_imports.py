@@ -1,0 +1,92 @@
+"""Each process imports only what it runs: a client, ``top`` or the gateway never loads
+llama.cpp or worker code, and a worker never loads the HTTP gateway.
+
+``tests/test_layers.py`` sees the direct imports of each module; this sees what a process
+really loads, through every chain of imports. Each sub-command runs in a fresh interpreter
+(the console script's own ``main``) against a Redis nobody listens on, so it goes as far as
+its first Redis call, with everything it needs imported, and exits with the expected one-line
+error; at exit the interpreter writes ``sys.modules`` for the test to read. (The root
+``specfleet --help`` lists every sub-command, so it alone imports them all.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import free_port
+
+from coordinator.cli.app import COMMANDS
+
+#: What each kind of process must never load (a module or any module under it).
+NO_MODEL = ("llama_cpp", "worker")
+NO_HTTP = ("fastapi", "starlette", "uvicorn", "coordinator.gateway")
+
+_PRELUDE = """
+import atexit, json, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
+sys.argv[0] = "specfleet"
+from coordinator.cli import main
+main()
+"""
+
+#: sub-command argv, its exit status, a piece of its stderr, and what it must not load.
+CASES = {
+    "fleet": (["fleet"], 3, "Redis at", NO_MODEL),
+    "submit": (["submit", "--model", "m", "--max-tokens", "4", "--prompt", "hi"], 3,
+               "Redis at", NO_MODEL),
+    "cancel": (["cancel", "some-job"], 3, "Redis at", NO_MODEL),
+    "batch": (["batch", "list"], 3, "Redis at", NO_MODEL),
+    "top": (["top", "--once"], 3, "Redis at", NO_MODEL),
+    "monitor": (["monitor", os.devnull, "--json"], 0, "", NO_MODEL + NO_HTTP),
+    "serve": (["serve", "--port", "0"], 3, "does not answer", NO_MODEL),
+    "worker": (["worker", "--model", "/nonexistent/model.gguf"], 2, "model file not found",
+               NO_HTTP),
+}
+
+
+def _loaded(argv: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess[str],
+                                                      list[str]]:
+    out = tmp_path / "modules.json"
+    env = {k: v for k, v in os.environ.items() if k != "SPECFLEET_REDIS_URL"}
+    env["REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
+    proc = subprocess.run([sys.executable, "-c", _PRELUDE, str(out), *argv], env=env,
+                          capture_output=True, text=True, timeout=120)
+    return proc, json.loads(out.read_text())
+
+
+def _forbidden(modules: list[str], roots: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if any(m == r or m.startswith(r + ".") for r in roots)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_process_loads_only_what_it_runs(case: str, tmp_path: Path) -> None:
+    argv, status, says, roots = CASES[case]
+    proc, modules = _loaded(argv, tmp_path)
+    assert proc.returncode == status, proc.stderr
+    assert says in proc.stderr
+    loaded = _forbidden(modules, roots)
+    assert not loaded, f"specfleet {' '.join(argv)} loaded {loaded[:12]}"
+
+
+def test_the_check_sees_what_a_worker_loads(tmp_path: Path) -> None:
+    """The same inspection finds llama.cpp in a worker: it can fail."""
+    _, modules = _loaded(CASES["worker"][0], tmp_path)
+    assert _forbidden(modules, NO_MODEL)
+    assert "llama_cpp" in modules
+
+
+def test_every_sub_command_module_is_reachable() -> None:
+    """A module under coordinator/cli/ that registers a command must be in ``COMMANDS``,
+    or the lazy root group never imports it and its command does not exist."""
+    cli = Path(__file__).resolve().parents[1] / "coordinator" / "cli"
+    helpers = {"__init__", "__main__", "app", "options"}
+    modules, listed = {p.stem for p in cli.glob("*.py")} - helpers, set(COMMANDS.values())
+    assert modules == listed, (f"add each to COMMANDS in coordinator/cli/app.py: "
+                               f"{sorted(modules - listed)}; listed but missing: "
+                               f"{sorted(listed - modules)}")
