@@ -12,7 +12,8 @@ status poll, any gateway) takes the lease and queues the rest, with job ids deri
 batch and the line so that no line runs twice. The HTTP gateway and
 ``specfleet batch`` both use :class:`BatchStore`; there is no other implementation.
 
-Redis keys (``shared.keys``): ``file:{id}`` (uploads), ``batch:{id}`` (status, counts, meta),
+Redis keys (``shared.keys``): ``file:{id}`` (uploads), ``files`` (their listing),
+``batch:{id}`` (status, counts, meta),
 ``batch:{id}:jobs`` (line -> custom id, job id, model), ``batch:{id}:results`` (line -> final
 event), ``batch:{id}:creator`` (the queueing lease), ``job:{id}:batch`` (a job's line
 reference, read by the script), ``batches`` (listing).
@@ -25,14 +26,15 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from pydantic import ValidationError
 from rq.job import Job
 
 from coordinator.client import Coordinator
-from coordinator.gateway import schemas
+from coordinator.openai_api import replies, requests
+from coordinator.openai_api.fields import RequestError
 from coordinator.validation import SubmitError
 from shared.event_stream import EventWriter
 from shared.protocol import BatchLine, FinalEvent, JobStatus, describe_validation_error
@@ -65,8 +67,11 @@ class BatchError(ValueError):
 class BatchStore:
     """Files and batches of one deployment, kept in its Redis."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator,
+                 aliases: dict[str, str] | None = None) -> None:
         self.coordinator = coordinator
+        #: Model aliases a line's body may name (the gateway's ``--model-alias``).
+        self.aliases = aliases or {}
         self.conn = coordinator.connection
         self.keys = coordinator.keys
         self.ttl = coordinator.settings.result_ttl_seconds
@@ -80,14 +85,51 @@ class BatchStore:
             raise BatchError(f"file of {len(content)} bytes exceeds the limit of "
                              f"{MAX_FILE_BYTES} bytes", status=413, param="file")
         file_id = f"file-{uuid.uuid4().hex}"
-        info = {"id": file_id, "object": "file", "bytes": len(content),
+        info: dict[str, Any] = {"id": file_id, "object": "file", "bytes": len(content),
                 "created_at": int(time.time()), "filename": filename[:256], "purpose": purpose,
                 "status": "processed"}
         pipe = self.conn.pipeline(transaction=True)
         pipe.hset(self.keys.file(file_id), mapping={"meta": json.dumps(info), "content": content})
         pipe.expire(self.keys.file(file_id), self.ttl)
+        pipe.zadd(self.keys.files(), {file_id: info["created_at"]})
         pipe.execute()
-        return info
+        return {**info, "expires_at": info["created_at"] + self.ttl}
+
+    def files(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
+        """Uploaded files, newest first (``after``: continue after that file); a file whose
+        TTL ran out leaves the listing when it is met."""
+        return self._listing(self.keys.files(), self.file, limit, after)
+
+    def _listing(self, index: str, fetch: Callable[[str], dict[str, Any]], limit: int,
+                 after: str | None) -> list[dict[str, Any]]:
+        """Up to ``limit`` objects of the sorted set ``index``, newest first, from after
+        ``after``; an id whose object has expired is dropped from the set."""
+        ids = [text(i) for i in self.conn.zrevrange(index, 0, -1)]
+        if after is not None and after in ids:
+            ids = ids[ids.index(after) + 1:]
+        found: list[dict[str, Any]] = []
+        for object_id in ids:
+            if len(found) >= limit:
+                break
+            try:
+                found.append(fetch(object_id))
+            except BatchError:  # expired: forget it
+                self.conn.zrem(index, object_id)
+        return found
+
+    def delete_file(self, file_id: str) -> dict[str, Any]:
+        """Delete an upload (a batch already created from it has its lines queued; one
+        still queueing them reads the file and fails the lines it no longer finds)."""
+        if _result_file(file_id)[0] is not None:
+            raise BatchError(f"{file_id} is a batch's result file: it expires with its batch",
+                             param="file_id")
+        pipe = self.conn.pipeline(transaction=True)
+        pipe.delete(self.keys.file(file_id))
+        pipe.zrem(self.keys.files(), file_id)
+        deleted, _ = pipe.execute()
+        if not deleted:
+            raise BatchError(f"no such file: {file_id}", status=404, param="file_id")
+        return {"id": file_id, "object": "file", "deleted": True}
 
     def file(self, file_id: str) -> dict[str, Any]:
         """The file object of an upload or of a batch's output/error file."""
@@ -99,10 +141,14 @@ class BatchStore:
                     "created_at": batch.get("completed_at") or batch["created_at"],
                     "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output",
                     "status": "processed"}
-        raw = self.conn.hget(self.keys.file(file_id), "meta")
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.hget(self.keys.file(file_id), "meta")
+        pipe.ttl(self.keys.file(file_id))
+        raw, ttl = pipe.execute()
         if raw is None:
             raise BatchError(f"no such file: {file_id}", status=404, param="file_id")
-        return json.loads(raw)
+        # OpenAI's expires_at: when the file's TTL ends
+        return {**json.loads(raw), "expires_at": int(time.time()) + max(int(ttl), 0)}
 
     def content(self, file_id: str) -> bytes:
         """An upload's bytes, or a batch's output/error file assembled from its results."""
@@ -123,8 +169,8 @@ class BatchStore:
         """Create a batch and queue every line of its input file as a job.
 
         ``model`` fills in lines whose body names none (``specfleet batch --model``)."""
-        if endpoint not in schemas.ENDPOINTS:
-            raise BatchError(f"endpoint must be one of {', '.join(schemas.ENDPOINTS)}",
+        if endpoint not in requests.ENDPOINTS:
+            raise BatchError(f"endpoint must be one of {', '.join(requests.ENDPOINTS)}",
                              param="endpoint")
         if completion_window != COMPLETION_WINDOW:
             raise BatchError(f"completion_window must be '{COMPLETION_WINDOW}'",
@@ -199,10 +245,12 @@ class BatchStore:
         the dead creator had already done for the line and does not do it twice."""
         job_id = f"{batch_id.removeprefix('batch_')}-{number}"
         jobs, results = self.keys.batch_jobs(batch_id), self.keys.batch_results(batch_id)
-        custom_id, request, error = _parse_line(meta["endpoint"], number, raw,
-                                                 meta.get("model"))
+        custom_id, parsed, error = _parse_line(meta["endpoint"], number, raw,
+                                                meta.get("model"), self.aliases)
+        request = parsed.choices[0].request if parsed is not None else None
         record = {"custom_id": custom_id, "job_id": None,
-                  "model": (request or {}).get("model")}
+                  "model": parsed.model if parsed is not None else None,
+                  "echo": parsed.choices[0].echo if parsed is not None else ""}
         if resumed and (self.conn.hexists(results, str(number))
                         or Job.exists(job_id, connection=self.conn)):
             if error is None and not self.conn.hexists(results, str(number)):
@@ -263,18 +311,7 @@ class BatchStore:
 
     def list(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
         """Batches, newest first; ``after`` continues a listing after that batch."""
-        ids = [text(i) for i in self.conn.zrevrange(self.keys.batches(), 0, -1)]
-        if after is not None and after in ids:
-            ids = ids[ids.index(after) + 1:]
-        found: list[dict[str, Any]] = []
-        for batch_id in ids:
-            if len(found) >= limit:
-                break
-            try:
-                found.append(self.get(batch_id))
-            except BatchError:  # expired: forget it
-                self.conn.zrem(self.keys.batches(), batch_id)
-        return found
+        return self._listing(self.keys.batches(), self.get, limit, after)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """Stop a batch: queued jobs are withdrawn, running ones stop at their next step; it
@@ -328,8 +365,8 @@ def _result_file(file_id: str) -> tuple[str | None, str]:
 
 
 def _parse_line(endpoint: str, number: int, raw: bytes, model: str | None,
-                ) -> tuple[str | None, dict[str, Any] | None, str | None]:
-    """``(custom_id, request, None)`` for a line that can be submitted, else
+                aliases: dict[str, str]) -> tuple[str | None, requests.Parsed | None, str | None]:
+    """``(custom_id, the body read, None)`` for a line that can be submitted, else
     ``(custom_id or None, None, "line N: why")``."""
     try:
         text = raw.decode("utf-8")
@@ -346,12 +383,15 @@ def _parse_line(endpoint: str, number: int, raw: bytes, model: str | None,
     if model is not None:
         body.setdefault("model", model)
     try:
-        request, stream = schemas.parse_body(endpoint, body)
-    except ValidationError as exc:
-        return line.custom_id, None, f"line {number}: {describe_validation_error(exc)}"
-    if stream:
+        parsed = requests.parse_body(endpoint, body, aliases)
+    except RequestError as exc:
+        return line.custom_id, None, f"line {number}: {exc}"
+    if parsed.stream:
         return line.custom_id, None, f"line {number}: a batch line cannot stream"
-    return line.custom_id, request, None
+    if len(parsed.choices) > 1:
+        return line.custom_id, None, (f"line {number}: a batch line is one job (n 1, one "
+                                      "prompt)")
+    return line.custom_id, parsed, None
 
 
 def _output_line(endpoint: str, number: int, record: dict[str, Any],
@@ -361,7 +401,9 @@ def _output_line(endpoint: str, number: int, record: dict[str, Any],
     line: dict[str, Any] = {"id": f"batch_req_{final.job_id}",
                             "custom_id": record.get("custom_id"), "line": number}
     if final.status is JobStatus.FINISHED:
-        body = schemas.response_body(endpoint, record.get("model") or "", final)
+        parsed = requests.Parsed(endpoint, record.get("model") or "",
+                                 [requests.Choice({}, echo=record.get("echo", ""))])
+        body = replies.response_body(parsed, [final])
         return {**line, "response": {"status_code": 200, "request_id": job_id, "body": body},
                 "error": None}
     if job_id is None:

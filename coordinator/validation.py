@@ -22,11 +22,14 @@ class SubmitError(ValueError):
     """A request the coordinator refuses to queue; the message says what and why.
 
     ``reason`` names the kind of refusal for callers that map it (the HTTP gateway's status
-    codes): ``invalid``, ``unknown_model``, ``no_worker``."""
+    codes): ``invalid``, ``context_length_exceeded``, ``unknown_model``, ``no_worker``;
+    ``param`` the request field at fault, where one is."""
 
-    def __init__(self, message: str, reason: str = "invalid") -> None:
+    def __init__(self, message: str, reason: str = "invalid",
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.param = param
 
 
 def parse_request(request: GenerationRequest | dict[str, Any]) -> GenerationRequest:
@@ -65,7 +68,8 @@ def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
         return
     if request.messages is not None and not any(w.chat_template for w in workers):
         raise SubmitError(f"model '{request.model}' has no chat template: send a prompt, or "
-                          "start its workers with SPECFLEET_CHAT_TEMPLATE")
+                          "start its workers with SPECFLEET_CHAT_TEMPLATE", param="messages")
+    check_vocabulary(request, workers)
     refusals = [(w.name, why) for w in workers if w.capacity is not None
                 and (why := capacity_refusal(request.speculative, w.capacity))]
     if refusals:  # any live worker of the model may take the job, so each must serve it
@@ -76,7 +80,25 @@ def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
     if lowest + request.max_tokens > largest:
         what = "prompt" if request.prompt_tokens is not None else "prompt (at least 1 token)"
         raise SubmitError(f"{what} of {lowest} tokens + max_tokens {request.max_tokens} exceeds "
-                          f"the largest context of model '{request.model}' workers ({largest})")
+                          f"the largest context of model '{request.model}' workers ({largest})",
+                          "context_length_exceeded", param="max_tokens")
+
+
+def check_vocabulary(request: GenerationRequest, workers: list[WorkerInfo]) -> None:
+    """Token ids (``prompt_tokens``, ``sampling.logit_bias``) must exist in the vocabulary
+    of every live worker of the model (any of them may take the job); workers that do not
+    publish their vocabulary size are not asked."""
+    sizes = [w.n_vocab for w in workers if w.n_vocab is not None]
+    if not sizes:
+        return
+    n_vocab = min(sizes)
+    for field, ids in (("prompt_tokens", request.prompt_tokens or []),
+                       ("sampling.logit_bias", request.sampling.logit_bias)):
+        outside = sorted({t for t in ids if t >= n_vocab})
+        if outside:
+            shown = ", ".join(str(t) for t in outside[:5])
+            raise SubmitError(f"{field}: token id(s) {shown} outside the vocabulary of model "
+                              f"'{request.model}' (ids 0..{n_vocab - 1})", param=field)
 
 
 def choose_tier(request: GenerationRequest, workers: list[WorkerInfo]) -> int | None:

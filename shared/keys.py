@@ -120,3 +120,7 @@ class Keys:
     def file(self, file_id: str) -> str:
         """Hash of an uploaded file (``meta`` JSON and ``content`` bytes)."""
         return f"{self.prefix}:file:{file_id}"
+
+    def files(self) -> str:
+        """Sorted set of uploaded file ids scored by upload time (the listing)."""
+        return f"{self.prefix}:files"

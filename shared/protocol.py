@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     GetCoreSchemaHandler,
+    Strict,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -158,6 +159,11 @@ class SamplingParams(_Strict):
     seed: int | None = Field(
         default=None, ge=0, le=MAX_SEED,
         description="same seed, same tokens; None: a random one, reported back")
+    logit_bias: dict[Annotated[int, Field(ge=0), Strict(False)],
+                     Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+        default_factory=dict, max_length=1024,
+        description="OpenAI's: added to a token's logit before everything else (-100 bans "
+                    "it, 100 all but forces it); keys are token ids (JSON: their digits)")
 
     @property
     def greedy(self) -> bool:
@@ -167,6 +173,11 @@ class SamplingParams(_Strict):
     def penalised(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the logits change before temperature (a penalty or a bias is on)."""
+        return self.penalised or bool(self.logit_bias)
 
 
 def draw_seed() -> int:
@@ -523,6 +534,10 @@ class WorkerInfo(_Strict):
                                                          "(publishes what it holds)")
     spec_methods: list[str] = Field(default_factory=list)
     chat_template: bool = Field(default=False, description="can render chat messages")
+    chat_template_source: str | None = Field(
+        default=None, description="which template renders chats: gguf, named:NAME "
+        "(SPECFLEET_CHAT_TEMPLATE), architecture:NAME or default:NAME")
+    n_vocab: int | None = Field(default=None, ge=1, description="the model's vocabulary size")
     capacity: WorkerCapacity | None = None
     fit: FitReport | None = None
     metrics_port: int | None = Field(default=None, description="Prometheus port (None: off)")

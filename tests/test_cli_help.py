@@ -17,6 +17,7 @@ from helpers import specfleet
 from typer.testing import CliRunner
 
 from coordinator.cli import app
+from coordinator.cli.options import NO_OPTION
 from shared.protocol import SamplingParams
 from shared.settings import REDIS_URL_VARIABLES
 
@@ -80,8 +81,10 @@ def _options(path: list[str]) -> dict[str, str]:
 
 def test_generate_and_submit_take_the_same_sampling_options() -> None:
     """Declared once (``coordinator/cli/options.py``, one option per ``SamplingParams``
-    field): the two commands that describe a generation show them identically."""
-    sampling = {f"--{name.replace('_', '-')}" for name in SamplingParams.model_fields}
+    field but those with no one-flag form): the two commands that describe a generation show
+    them identically."""
+    sampling = {f"--{name.replace('_', '-')}" for name in SamplingParams.model_fields
+                if name not in NO_OPTION}
     generate, submit = _options(["generate"]), _options(["submit"])
     for option in [*sorted(sampling), "--logprobs"]:
         assert option in generate and generate[option] == submit[option], option

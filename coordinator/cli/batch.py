@@ -24,7 +24,7 @@ from typer.core import TyperGroup
 from coordinator.batch import TERMINAL, BatchError, BatchStore
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator
-from coordinator.gateway.schemas import ENDPOINTS, NATIVE
+from coordinator.openai_api.requests import ENDPOINTS, NATIVE
 from shared.logs import configure_logging
 from shared.settings import Settings
 

@@ -104,7 +104,9 @@ _SAMPLING_HELP: dict[str, str] = {
     "seed": "sampling seed: the same request and seed give the same tokens "
             "(default: a random one, reported back)",
 }
-if set(_SAMPLING_HELP) != set(SamplingParams.model_fields):  # pragma: no cover - a dev error
+#: SamplingParams fields with no one-flag form (a mapping): request bodies carry them.
+NO_OPTION = frozenset({"logit_bias"})
+if set(_SAMPLING_HELP) | NO_OPTION != set(SamplingParams.model_fields):  # pragma: no cover
     raise RuntimeError("coordinator/cli/options.py: every SamplingParams field needs an "
                        f"option; missing {set(SamplingParams.model_fields) - set(_SAMPLING_HELP)}")
 
@@ -112,6 +114,8 @@ if set(_SAMPLING_HELP) != set(SamplingParams.model_fields):  # pragma: no cover 
 def _sampling_parameters() -> list[inspect.Parameter]:
     params = []
     for name, info in SamplingParams.model_fields.items():
+        if name in NO_OPTION:
+            continue
         params.append(inspect.Parameter(
             name, inspect.Parameter.KEYWORD_ONLY, default=info.default,
             annotation=Annotated[info.annotation, typer.Option(help=_SAMPLING_HELP[name],
@@ -149,7 +153,7 @@ def sampling_line(sampling: SamplingParams, seed: int | None) -> str:
     """What a generation sampled with, for a person: the knobs set and the seed that
     reproduces it (``--seed``)."""
     knobs = [f"{name.replace('_', '-')} {value:g}"
-             for name, value in sampling.model_dump(exclude={"seed"}).items()
+             for name, value in sampling.model_dump(exclude={"seed", *NO_OPTION}).items()
              if value != getattr(DEFAULT_SAMPLING, name)]
     what = ", ".join(["greedy", *knobs] if sampling.greedy else knobs)
     return f"sampling: {what}; seed {seed} (--seed {seed} repeats it)"
@@ -168,7 +172,7 @@ def parse_tokens(raw: str) -> list[int]:
 
 #: Request fields whose error is reported as the option that sets them.
 _OPTION_OF: dict[tuple[str, ...], str] = {
-    **{("sampling", name): f"--{name.replace('_', '-')}" for name in SamplingParams.model_fields},
+    **{("sampling", name): f"--{name.replace('_', '-')}" for name in _SAMPLING_HELP},
     **{("speculative", name): f"--{name.replace('_', '-')}"
        for name in ("draft_max", "draft_min", "p_min", "rollback_depth")},
     ("max_tokens",): "--max-tokens",

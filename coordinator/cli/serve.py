@@ -19,17 +19,34 @@ from shared.redact import redact
 def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on")] = 8000,
+    cors_origins: Annotated[list[str] | None, typer.Option(
+        "--cors-origins", help="origin browsers may call from ('*': any; repeat or comma-"
+                               "separate; default SPECFLEET_CORS_ORIGINS, else none)")] = None,
+    model_alias: Annotated[list[str] | None, typer.Option(
+        "--model-alias", help="ALIAS=MODEL: another name clients may use for a served model "
+                              "(repeat for several; adds to SPECFLEET_MODEL_ALIASES)")] = None,
 ) -> None:
-    """Serve the OpenAI HTTP API (completions, chat, batches) in front of the fleet."""
+    """Serve the OpenAI HTTP API (completions, chat, responses, batches) in front of the fleet."""
     settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
     try:
         gateway = GatewaySettings()
     except ValueError as exc:
         fail(f"invalid SPECFLEET_* environment: {exc}")
+    update = {}
+    if cors_origins:
+        update["cors_origins"] = ",".join(cors_origins)
+    if model_alias:
+        update["model_aliases"] = ",".join([gateway.model_aliases, *model_alias])
+    gateway = gateway.model_copy(update=update)
+    try:
+        gateway.aliases()
+    except ValueError as exc:
+        fail(f"--model-alias: {exc}")
     if not answers(settings.redis_url):
         fail(f"Redis at {redact(settings.redis_url)} does not answer", code=3)
     get_logger("gateway").info("gateway.listening", host=host, port=port,
-                               api_keys=len(gateway.keys()), prefix=settings.prefix)
+                               api_keys=len(gateway.keys()), prefix=settings.prefix,
+                               cors_origins=gateway.origins(), aliases=gateway.aliases())
     uvicorn.run(create_app(settings, gateway), host=host, port=port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)

@@ -1,4 +1,4 @@
-"""The gateway's ASGI application: routes, errors, API keys, request size limits.
+"""The gateway's ASGI application: routes, errors, API keys, request size limits, CORS.
 
 Stateless: everything it knows is in Redis (jobs, streams, batches, files), so any number of
 gateways can serve one fleet, and a restarted one picks up where the last left off.
@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.batch import MAX_FILE_BYTES, BatchStore
@@ -74,8 +75,10 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
             ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="gateway-sync"))
         coordinator = Coordinator(settings, connect(settings.redis_url))
         app.state.coordinator = coordinator
-        app.state.batches = BatchStore(coordinator)
+        app.state.batches = BatchStore(coordinator, gateway.aliases())
         app.state.redis = connect_async(settings.redis_url)
+        app.state.aliases = gateway.aliases()
+        app.state.keepalive_seconds = gateway.sse_keepalive_seconds
         try:
             yield
         finally:
@@ -89,4 +92,7 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
     app.include_router(routes.router, dependencies=auth)
     app.include_router(batches.router, dependencies=auth)
     app.add_middleware(BodyLimit, limit=gateway.max_request_bytes)
+    if gateway.origins():  # outermost: a preflight is answered before keys are asked for
+        app.add_middleware(CORSMiddleware, allow_origins=gateway.origins(),
+                           allow_methods=["*"], allow_headers=["*"], max_age=600)
     return app

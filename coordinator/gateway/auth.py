@@ -1,4 +1,5 @@
-"""Optional Bearer API keys (``SPECFLEET_API_KEYS``, comma-separated) and the gateway's limits.
+"""Optional Bearer API keys (``SPECFLEET_API_KEYS``, comma-separated) and the gateway's own
+settings (limits, keep-alives, CORS origins, model aliases).
 
 Keys are held as secrets (never in a repr, a log line or an error) and compared in constant
 time. With no keys configured the gateway is open, as llama-server and vLLM are by default.
@@ -7,6 +8,7 @@ time. With no keys configured the gateway is open, as llama-server and vLLM are 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 
 from fastapi import Request
 from pydantic import Field, SecretStr
@@ -23,10 +25,40 @@ class GatewaySettings(BaseSettings):
     api_keys: SecretStr = SecretStr("")
     max_request_bytes: int = Field(default=1024 * 1024, gt=0,
                                    description="largest JSON body (file uploads excepted)")
+    sse_keepalive_seconds: float = Field(
+        default=15.0, gt=0, le=3600,
+        description="a quiet stream gets a keep-alive comment this often (proxies' idle "
+                    "timeouts)")
+    cors_origins: str = Field(
+        default="", description="comma-separated origins browsers may call from ('*': any); "
+                                "empty: no CORS headers")
+    model_aliases: str = Field(
+        default="", description="comma-separated ALIAS=MODEL: names clients may use for a "
+                                "served model")
 
     def keys(self) -> list[bytes]:
         return [k.strip().encode() for k in self.api_keys.get_secret_value().split(",")
                 if k.strip()]
+
+    def origins(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
+
+    def aliases(self) -> dict[str, str]:
+        """``model_aliases`` as ``{alias: model}`` (``ValueError`` naming a bad entry)."""
+        return parse_aliases(a for a in self.model_aliases.split(",") if a.strip())
+
+
+def parse_aliases(entries: Iterable[str]) -> dict[str, str]:
+    """``ALIAS=MODEL`` entries as ``{alias: model}``; ``ValueError`` naming a bad one."""
+    aliases: dict[str, str] = {}
+    for entry in entries:
+        alias, _, model = (part.strip() for part in entry.partition("="))
+        if not alias or not model or alias == model:
+            raise ValueError(f"model alias {entry.strip()!r} is not ALIAS=MODEL")
+        if aliases.get(alias, model) != model:
+            raise ValueError(f"model alias {alias!r} names two models")
+        aliases[alias] = model
+    return aliases
 
 
 class ApiKeys:

@@ -7,7 +7,6 @@ the batch itself lives in Redis and advances without this process.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,6 +15,7 @@ from starlette.datastructures import UploadFile
 
 from coordinator.batch import MAX_FILE_BYTES, BatchError, BatchStore
 from coordinator.gateway.errors import APIError
+from coordinator.gateway.routes import json_body
 
 router = APIRouter()
 
@@ -43,9 +43,26 @@ async def upload_file(request: Request) -> dict[str, Any]:
                        purpose if isinstance(purpose, str) else "")
 
 
+@router.get("/v1/files")
+async def list_files(request: Request, limit: int = 20, after: str | None = None,
+                     purpose: str | None = None) -> dict[str, Any]:
+    """Uploaded files, newest first, each with its ``expires_at`` (its TTL in Redis)."""
+    if purpose not in (None, "batch"):
+        raise APIError(400, "purpose: only 'batch' files are stored", param="purpose")
+    files = await _call(_store(request).files, max(1, min(limit, 100)), after)
+    return {"object": "list", "data": files,
+            "first_id": files[0]["id"] if files else None,
+            "last_id": files[-1]["id"] if files else None, "has_more": len(files) == limit}
+
+
 @router.get("/v1/files/{file_id}")
 async def get_file(request: Request, file_id: str) -> dict[str, Any]:
     return await _call(_store(request).file, file_id)
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(request: Request, file_id: str) -> dict[str, Any]:
+    return await _call(_store(request).delete_file, file_id)
 
 
 @router.get("/v1/files/{file_id}/content")
@@ -56,11 +73,8 @@ async def file_content(request: Request, file_id: str) -> Response:
 
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the body is not valid JSON") from None
-    if not isinstance(body, dict) or not isinstance(body.get("input_file_id"), str):
+    body = await json_body(request)
+    if not isinstance(body.get("input_file_id"), str):
         raise APIError(400, "input_file_id is required", param="input_file_id")
     if not isinstance(body.get("endpoint"), str):
         raise APIError(400, "endpoint is required", param="endpoint")

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from coordinator.openai_api.fields import RequestError
 from coordinator.validation import SubmitError
 from shared.logs import get_logger
 from shared.protocol import describe_validation_error
@@ -25,6 +26,7 @@ log = get_logger("gateway")
 #: SubmitError.reason -> (status, OpenAI error type, code)
 _SUBMIT_STATUS = {
     "invalid": (400, "invalid_request_error", None),
+    "context_length_exceeded": (400, "invalid_request_error", "context_length_exceeded"),
     "unknown_model": (404, "invalid_request_error", "model_not_found"),
     "no_worker": (503, "service_unavailable", "no_live_worker"),
 }
@@ -54,7 +56,7 @@ def error_body(message: str, type_: str, param: str | None = None,
 
 def from_submit(exc: SubmitError) -> APIError:
     status, type_, code = _SUBMIT_STATUS.get(exc.reason, _SUBMIT_STATUS["invalid"])
-    return APIError(status, str(exc), type_, code=code)
+    return APIError(status, str(exc), type_, param=exc.param, code=code)
 
 
 def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
@@ -72,6 +74,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return APIError(400, str(exc), param=exc.param, code=exc.code).response()
 
     @app.exception_handler(SubmitError)
     async def _submit(_: Request, exc: SubmitError) -> JSONResponse:

@@ -1,16 +1,19 @@
-"""``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, stream resumption, health.
+"""``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, stream
+resumption, health.
 
-A request becomes a job through ``Coordinator.submit`` (the same validation and admission as
-every other client, run in a thread because rq is synchronous); the answer is read from the
-job's Redis Stream. A client that hangs up cancels its job; a gateway that dies does not, so
-its clients can resume the stream from another gateway.
+A request becomes one job per choice through ``Coordinator.submit`` (the same validation and
+admission as every other client, run in a thread because rq is synchronous); the answer is
+read from the jobs' Redis Streams. A client that hangs up cancels its jobs; a gateway that
+dies does not, so its clients can resume a stream from another gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,10 +24,19 @@ from rq.serializers import JSONSerializer
 from sse_starlette import EventSourceResponse
 
 from coordinator.client import Coordinator
-from coordinator.gateway import schemas
 from coordinator.gateway.errors import APIError
-from coordinator.gateway.streaming import final_or_disconnect, sse_chunks
+from coordinator.gateway.streaming import (
+    Ending,
+    completion_sse,
+    endings_or_disconnect,
+    responses_sse,
+    with_keepalive,
+)
 from coordinator.metrics import METRICS_CONTENT_TYPE, render_fleet_metrics
+from coordinator.openai_api import replies, requests
+from coordinator.openai_api.requests import CHAT, COMPLETIONS, Choice, Parsed
+from coordinator.openai_api.responses import EventSequence, parse_responses, response_object
+from coordinator.validation import SubmitError
 from shared.logs import get_logger
 from shared.protocol import JobStatus, WorkerInfo
 
@@ -34,90 +46,203 @@ router = APIRouter()
 #: Routes open without an API key (load balancers' health checks).
 public = APIRouter()
 
-#: Seconds between SSE keep-alive comments on a quiet stream.
-PING_SECONDS = 15
+#: Deepest nesting of arrays and objects a JSON body may have (OpenAI's bodies need < 10).
+MAX_JSON_DEPTH = 64
+#: Why a worker refused a job (``ErrorEvent.error_type``) when the request itself is at fault:
+#: answered 400, like the refusals made before queueing.
+_REQUEST_FAULTS = frozenset({"context", "validation", "prompt", "capacity", "wrong_model"})
 
 
 def _coordinator(request: Request) -> Coordinator:
     return request.app.state.coordinator
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+def _aliases(request: Request) -> dict[str, str]:
+    return request.app.state.aliases
+
+
+def json_depth(value: object) -> int:
+    """How deeply arrays and objects nest in ``value`` (iterative: no recursion to exhaust)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                      else item))
+    return deepest
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying why not (nesting included: a 100k-deep
+    body is refused, not a RecursionError)."""
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        body = None
+    if body is None or json_depth(body) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the body nests arrays and objects deeper than {MAX_JSON_DEPTH}",
+                       code="too_deep")
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
     return body
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    """Served models (those with a live worker) and their workers' capacity."""
-    workers = await asyncio.to_thread(_coordinator(request).registry.live_workers)
+def _served(workers: Sequence[WorkerInfo]) -> dict[str, list[WorkerInfo]]:
     served: dict[str, list[WorkerInfo]] = {}
     for w in workers:
         served.setdefault(w.model_name, []).append(w)
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": int(min(w.started_at for w in ws)),
-         "owned_by": "specfleet",
-         "specfleet": {"slots": sum(w.slots for w in ws),
-                       "max_context": max(w.n_ctx for w in ws),
-                       "chat_template": any(w.chat_template for w in ws),
-                       "spec_methods": sorted({m for w in ws for m in w.spec_methods}),
-                       "workers": [_capacity(w) for w in ws]}}
-        for name, ws in sorted(served.items())]}
+    return served
+
+
+def _model_object(name: str, ws: list[WorkerInfo], alias_of: str | None = None,
+                  aliases: Sequence[str] = ()) -> dict[str, Any]:
+    """One served model (or an alias of it) and its workers' capacity."""
+    templates = sorted({w.chat_template_source for w in ws if w.chat_template_source})
+    return {"id": name, "object": "model", "created": int(min(w.started_at for w in ws)),
+            "owned_by": "specfleet",
+            "specfleet": {"slots": sum(w.slots for w in ws),
+                          "max_context": max(w.n_ctx for w in ws),
+                          "chat_template": any(w.chat_template for w in ws),
+                          "chat_templates": templates,
+                          "vocab_size": min((w.n_vocab for w in ws if w.n_vocab), default=None),
+                          "spec_methods": sorted({m for w in ws for m in w.spec_methods}),
+                          "alias_of": alias_of, "aliases": list(aliases),
+                          "workers": [_capacity(w) for w in ws]}}
 
 
 def _capacity(worker: WorkerInfo) -> dict[str, Any]:
     """What one worker can serve: its context, slots, device and speculative capacity."""
     return {"name": worker.name, "device": worker.device, "n_ctx": worker.n_ctx,
             "slots": worker.slots, "chat_template": worker.chat_template,
+            "chat_template_source": worker.chat_template_source, "n_vocab": worker.n_vocab,
             "capacity": worker.capacity.model_dump(mode="json") if worker.capacity else None}
+
+
+async def _model_objects(request: Request) -> list[dict[str, Any]]:
+    workers = await asyncio.to_thread(_coordinator(request).registry.live_workers)
+    served = _served(workers)
+    aliases = _aliases(request)
+    objects = [_model_object(name, ws, aliases=sorted(a for a, m in aliases.items()
+                                                      if m == name))
+               for name, ws in sorted(served.items())]
+    objects += [_model_object(alias, served[model], alias_of=model)
+                for alias, model in sorted(aliases.items()) if model in served]
+    return objects
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    """Served models (those with a live worker), their aliases, their workers' capacity."""
+    return {"object": "list", "data": await _model_objects(request)}
+
+
+@router.get("/v1/models/{model_id}")
+async def model(request: Request, model_id: str) -> dict[str, Any]:
+    found = [m for m in await _model_objects(request) if m["id"] == model_id]
+    if not found:
+        raise APIError(404, f"no live worker serves model '{model_id}'", "not_found_error",
+                       param="model", code="model_not_found")
+    return found[0]
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Any:
-    return await _generate(request, schemas.COMPLETIONS)
+    parsed = requests.parse_body(COMPLETIONS, await json_body(request), _aliases(request))
+    return await _generate(request, parsed)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
-    return await _generate(request, schemas.CHAT)
+    parsed = requests.parse_body(CHAT, await json_body(request), _aliases(request))
+    return await _generate(request, parsed)
 
 
-async def _generate(request: Request, endpoint: str) -> Any:
-    body = await _json_body(request)
-    generation, stream = schemas.parse_body(endpoint, body)
+def _submit_all(coordinator: Coordinator, choices: Sequence[Choice]) -> list[str]:
+    """Queue every choice's job; when one is refused, the ones queued are cancelled."""
+    job_ids: list[str] = []
+    try:
+        for choice in choices:
+            job_ids.append(coordinator.submit(choice.request).job_id)
+    except SubmitError:
+        for job_id in job_ids:
+            with contextlib.suppress(LookupError, ValueError):  # already ended
+                coordinator.cancel(job_id)
+        raise
+    return job_ids
+
+
+def _check(endings: Sequence[Ending]) -> None:
+    """An ``APIError`` for the first failed job: 400 when the worker refused the request
+    itself (``context_length_exceeded`` for one too long for its context), else 500."""
+    for ending in endings:
+        final = ending.final
+        if final.status is not JobStatus.FAILED:
+            continue
+        message = final.error or "the job failed"
+        if ending.error_type == "context":
+            raise APIError(400, message, code="context_length_exceeded")
+        if ending.error_type in _REQUEST_FAULTS:
+            raise APIError(400, message, code="job_rejected")
+        raise APIError(500, message, "server_error", code="job_failed")
+
+
+async def _finish(request: Request, job_ids: Sequence[str]) -> list[Ending] | JSONResponse:
+    """Every job's ending, or a 499 (with the jobs cancelled) when the client hung up."""
     coordinator = _coordinator(request)
-    handle = await asyncio.to_thread(coordinator.submit, generation)
-    model = generation["model"]
-    state = request.app.state
-    if stream:
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return _sse(request, endpoint, handle.job_id, model, include_usage, shown=0)
-    final = await final_or_disconnect(state.redis, coordinator.keys, handle.job_id,
-                                      request.receive)
-    if final is None:
-        await _cancel(coordinator, handle.job_id, "disconnected")
+    endings = await endings_or_disconnect(request.app.state.redis, coordinator.keys, job_ids,
+                                          request.receive)
+    if endings is None:
+        for job_id in job_ids:
+            await _cancel(coordinator, job_id, "disconnected")
         return JSONResponse(status_code=499, content={})
-    if final.status is JobStatus.FAILED:
-        raise APIError(500, final.error or "the job failed", "server_error", code="job_failed")
-    return schemas.response_body(endpoint, model, final)
+    _check(endings)
+    return endings
 
 
-def _sse(request: Request, endpoint: str, job_id: str, model: str, include_usage: bool,
-         shown: int) -> EventSourceResponse:
+async def _generate(request: Request, parsed: Parsed) -> Any:
+    job_ids = await asyncio.to_thread(_submit_all, _coordinator(request), parsed.choices)
+    if parsed.stream:
+        return _sse(request, completion_sse(
+            request.app.state.redis, _coordinator(request).keys, parsed, job_ids,
+            int(time.time())), job_ids)
+    endings = await _finish(request, job_ids)
+    if isinstance(endings, JSONResponse):
+        return endings
+    return replies.response_body(parsed, [e.final for e in endings])
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Any:
+    """OpenAI's Responses API over one chat job (``coordinator.openai_api.responses``)."""
+    parsed, body = parse_responses(await json_body(request), _aliases(request))
+    [job_id] = await asyncio.to_thread(_submit_all, _coordinator(request), parsed.choices)
+    created = int(time.time())
+    if parsed.stream:
+        sequence = EventSequence(job_id, parsed, body, created)
+        return _sse(request, responses_sse(request.app.state.redis, _coordinator(request).keys,
+                                           sequence), [job_id])
+    endings = await _finish(request, [job_id])
+    if isinstance(endings, JSONResponse):
+        return endings
+    return response_object(job_id, parsed, body, created, endings[0].final)
+
+
+def _sse(request: Request, events: AsyncIterator[dict[str, str]],
+         job_ids: Sequence[str]) -> EventSourceResponse:
+    """The stream of ``events`` with keep-alives (ours: sse-starlette's pings end in a blank
+    line), cancelling the jobs when the client hangs up."""
     coordinator = _coordinator(request)
 
     async def on_close(_: Any) -> None:
-        await _cancel(coordinator, job_id, "disconnected")
+        for job_id in job_ids:
+            await _cancel(coordinator, job_id, "disconnected")
 
-    chunks = sse_chunks(request.app.state.redis, coordinator.keys, endpoint, job_id, model,
-                        int(time.time()), include_usage, shown)
-    return EventSourceResponse(chunks, sep="\n", ping=PING_SECONDS,
-                               client_close_handler_callable=on_close)
+    return EventSourceResponse(with_keepalive(events, request.app.state.keepalive_seconds),
+                               sep="\n", ping=0, client_close_handler_callable=on_close)
 
 
 async def _cancel(coordinator: Coordinator, job_id: str, reason: str) -> None:
@@ -132,12 +257,11 @@ async def _cancel(coordinator: Coordinator, job_id: str, reason: str) -> None:
 @router.get("/v1/specfleet/streams/{completion_id}")
 async def resume_stream(request: Request, completion_id: str,
                         include_usage: bool = False) -> EventSourceResponse:
-    """Resume a streamed completion (after a dropped connection or a gateway restart):
-    ``Last-Event-ID`` is the ``id`` of the last SSE event received."""
+    """Resume a streamed one-choice completion (after a dropped connection or a gateway
+    restart): ``Last-Event-ID`` is the ``id`` of the last SSE event received."""
     kind, _, job_id = completion_id.partition("-")
     if kind not in ("cmpl", "chatcmpl") or not job_id:
         raise APIError(404, f"no such completion: {completion_id}", "not_found_error")
-    endpoint = schemas.CHAT if kind == "chatcmpl" else schemas.COMPLETIONS
     coordinator = _coordinator(request)
     try:
         job = await asyncio.to_thread(Job.fetch, job_id, connection=coordinator.connection,
@@ -148,8 +272,10 @@ async def resume_stream(request: Request, completion_id: str,
     if not last.isdigit():
         raise APIError(400, "Last-Event-ID must be the id of an event of this stream",
                        param="Last-Event-ID")
-    return _sse(request, endpoint, job_id, (job.meta or {}).get("model", ""), include_usage,
-                shown=int(last))
+    parsed = Parsed(CHAT if kind == "chatcmpl" else COMPLETIONS,
+                    (job.meta or {}).get("model", ""), [Choice({})], True, include_usage)
+    return _sse(request, completion_sse(request.app.state.redis, coordinator.keys, parsed,
+                                        [job_id], int(time.time()), shown=int(last)), [job_id])
 
 
 @public.get("/metrics")

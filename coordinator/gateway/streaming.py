@@ -1,18 +1,26 @@
-"""Reading a job's Redis Stream asynchronously, and turning it into OpenAI's SSE chunks.
+"""Reading jobs' Redis Streams asynchronously, and turning them into OpenAI's SSE.
 
 The reading logic is the coordinator's own (:class:`coordinator.events.StreamCursor` for ids,
 attempts and the end; :class:`coordinator.events.TextDeltas` for text handed out once), only
-the I/O is async here. Each SSE event's ``id`` is the number of characters sent so far: a
-client that lost its connection (or its gateway) reconnects to
-``GET /v1/specfleet/streams/{completion id}`` with ``Last-Event-ID`` and receives exactly the
-rest, because the stream is replayed from Redis and the text already seen is skipped.
+the I/O is async here. A request of several choices reads its jobs side by side and
+interleaves their chunks. A one-choice stream numbers its events: each SSE ``id`` is the
+number of characters sent so far, and a client that lost its connection (or its gateway)
+reconnects to ``GET /v1/specfleet/streams/{completion id}`` with ``Last-Event-ID`` and receives
+exactly the rest, because the stream is replayed from Redis and the text already seen is
+skipped.
+
+Keep-alives are a bare comment line (``: ping`` and one newline), never followed by the blank
+line that ends an event: SSE decoders that keep the last ``id`` (the OpenAI SDKs', and so
+langchain's and litellm's) dispatch an empty event at every blank line, and parsing its empty
+data as JSON killed their streams behind busy slots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -23,14 +31,18 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.types import Receive
 
 from coordinator.events import StreamCursor, TextDeltas
-from coordinator.gateway import schemas
+from coordinator.openai_api import replies
+from coordinator.openai_api.requests import CHAT, Parsed
+from coordinator.openai_api.responses import EventSequence
 from shared.keys import Keys
-from shared.protocol import AnyEvent, FinalEvent, JobStatus
+from shared.protocol import AnyEvent, ErrorEvent, FinalEvent, JobStatus, TokenLogprob
 from shared.redis_client import COMMAND_RETRIES, HEALTH_CHECK_SECONDS, SOCKET_TIMEOUT
 from shared.sentinel import async_sentinel_client, is_sentinel_url
 
 #: How long one XREAD blocks; also how often a waiting reader notices it should stop.
 BLOCK_MS = 500
+#: A keep-alive: a comment line that no decoder turns into an event (see the module doc).
+KEEPALIVE = b": ping\n"
 
 
 def connect_async(url: str) -> aioredis.Redis:
@@ -56,14 +68,25 @@ async def job_events(redis: aioredis.Redis, keys: Keys,
             yield event
 
 
-async def final_event(redis: aioredis.Redis, keys: Keys, job_id: str) -> FinalEvent:
-    """The job's final event (of its newest attempt)."""
-    final: FinalEvent | None = None
+@dataclass(frozen=True)
+class Ending:
+    """How a job ended: its final event, and the type of the error that failed it (the
+    worker's refusal reason, ``context`` for a prompt too long for its context)."""
+
+    final: FinalEvent
+    error_type: str | None = None
+
+
+async def job_ending(redis: aioredis.Redis, keys: Keys, job_id: str) -> Ending:
+    """The job's final event (of its newest attempt) and its error's type."""
+    final, error_type = None, None
     async for event in job_events(redis, keys, StreamCursor(job_id)):
-        if isinstance(event, FinalEvent):
+        if isinstance(event, ErrorEvent):
+            error_type = event.error_type
+        elif isinstance(event, FinalEvent):
             final = event
     assert final is not None  # the cursor is done only at a final event
-    return final
+    return Ending(final, error_type)
 
 
 async def until_disconnected(receive: Receive) -> None:
@@ -72,11 +95,13 @@ async def until_disconnected(receive: Receive) -> None:
         pass
 
 
-async def final_or_disconnect(redis: aioredis.Redis, keys: Keys, job_id: str,
-                              receive: Receive,
-                              ) -> FinalEvent | None:
-    """The job's final event, or None when the client hung up first."""
-    waiting = asyncio.create_task(final_event(redis, keys, job_id))
+async def endings_or_disconnect(redis: aioredis.Redis, keys: Keys, job_ids: Sequence[str],
+                                receive: Receive) -> list[Ending] | None:
+    """Every job's ending, in order, or None when the client hung up first."""
+    async def all_endings() -> list[Ending]:
+        return list(await asyncio.gather(*(job_ending(redis, keys, j) for j in job_ids)))
+
+    waiting = asyncio.create_task(all_endings())
     hangup = asyncio.create_task(until_disconnected(receive))
     done, _ = await asyncio.wait({waiting, hangup}, return_when=asyncio.FIRST_COMPLETED)
     for task in (waiting, hangup):
@@ -85,32 +110,156 @@ async def final_or_disconnect(redis: aioredis.Redis, keys: Keys, job_id: str,
     return waiting.result() if waiting in done else None
 
 
-async def sse_chunks(redis: aioredis.Redis, keys: Keys, endpoint: str, job_id: str,
-                     model: str, created: int, include_usage: bool,
-                     shown: int = 0) -> AsyncIterator[dict[str, str]]:
-    """SSE events (``id``/``data``) of one job in OpenAI's chunk shape, ending ``[DONE]``."""
+@dataclass(frozen=True)
+class Piece:
+    """What one job's stream brings a client: new text of choice ``index`` (with its tokens'
+    logprobs; ``offset`` characters came before it, ``shown`` after it), or its ending."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] | None
+    offset: int
+    shown: int
+    ending: Ending | None = None
+
+
+async def choice_pieces(redis: aioredis.Redis, keys: Keys, job_id: str, index: int,
+                        shown: int = 0) -> AsyncIterator[Piece]:
+    """The pieces of one job from character ``shown`` on, the last one its ending."""
     cursor = StreamCursor(job_id)
     deltas = TextDeltas(cursor, shown)
-
-    def event(body: dict[str, Any]) -> dict[str, str]:
-        return {"id": str(deltas.shown), "data": json.dumps(body, separators=(",", ":"))}
-
-    if endpoint == schemas.CHAT and shown == 0:
-        yield event(schemas.chunk(endpoint, job_id, model, created, role=True, text=""))
     offset = shown  # completions' text_offset: the characters of the tokens before
+    error_type = None
     async for ev in job_events(redis, keys, cursor):
+        if isinstance(ev, ErrorEvent):
+            error_type = ev.error_type
         delta = deltas.feed(ev)
         if delta or deltas.logprobs:  # a token may hold part of a character: no text yet
-            yield event(schemas.chunk(endpoint, job_id, model, created, text=delta,
-                                      logprobs=deltas.logprobs or None, offset=offset))
+            yield Piece(index, delta, deltas.logprobs or None, offset, deltas.shown)
             offset += sum(len(lp.text) for lp in deltas.logprobs)
         if isinstance(ev, FinalEvent) and cursor.done:
-            if ev.status is JobStatus.FAILED:
-                yield event({"error": {"message": ev.error or "the job failed",
-                                       "type": "server_error", "param": None,
-                                       "code": "job_failed"}})
-                break
-            yield event(schemas.chunk(endpoint, job_id, model, created, final=ev))
-            if include_usage:
-                yield event(schemas.chunk(endpoint, job_id, model, created, usage_only=ev))
+            yield Piece(index, "", None, offset, deltas.shown, Ending(ev, error_type))
+
+
+async def merged(streams: Sequence[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+    """The pieces of several jobs as they come (each job's in its own order)."""
+    if len(streams) == 1:
+        async for piece in streams[0]:
+            yield piece
+        return
+    queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in stream:
+                await queue.put(piece)
+            await queue.put(None)
+        except Exception as exc:  # handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def with_keepalive(events: AsyncIterator[dict[str, str]],
+                         seconds: float) -> AsyncIterator[dict[str, str] | bytes]:
+    """``events``, with a :data:`KEEPALIVE` line whenever none came for ``seconds``."""
+    iterator = events.__aiter__()
+    pending: asyncio.Future[dict[str, str]] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=seconds)
+            if not done:
+                yield KEEPALIVE
+                continue
+            pending = None
+            try:
+                event = done.pop().result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if pending is not None:
+            pending.cancel()
+        await iterator.aclose()  # type: ignore[attr-defined]
+
+
+def failure(ending: Ending) -> dict[str, Any]:
+    """The error body of a failed job (in a stream, after which it ends)."""
+    final = ending.final
+    code = "context_length_exceeded" if ending.error_type == "context" else "job_failed"
+    return {"error": {"message": final.error or "the job failed", "type": "server_error",
+                      "param": None, "code": code}}
+
+
+async def completion_sse(redis: aioredis.Redis, keys: Keys, parsed: Parsed,
+                         job_ids: Sequence[str], created: int,
+                         shown: int = 0) -> AsyncIterator[dict[str, str]]:
+    """SSE events (``id``/``data``) of a request's jobs in OpenAI's chunk shape, ending
+    ``[DONE]``; ids (characters sent) only when there is one choice."""
+    endpoint = parsed.endpoint
+    completion = replies.completion_id(endpoint, job_ids[0])
+    single = len(job_ids) == 1
+
+    def event(body: dict[str, Any], sent: int) -> dict[str, str]:
+        data = {"data": json.dumps(body, separators=(",", ":"))}
+        return {"id": str(sent), **data} if single else data
+
+    def chunk(index: int, **fields: Any) -> dict[str, Any]:
+        return replies.chunk(endpoint, completion, parsed.model, created, index, **fields)
+
+    if shown == 0:
+        for index, choice in enumerate(parsed.choices):
+            if endpoint == CHAT:
+                yield event(chunk(index, role=True, text=""), 0)
+            elif choice.echo:
+                yield event(chunk(index, text=choice.echo), 0)
+    finals: dict[int, FinalEvent] = {}
+    sent = shown
+    streams = [choice_pieces(redis, keys, job_id, i, shown) for i, job_id in enumerate(job_ids)]
+    async for piece in merged(streams):
+        sent = piece.shown
+        if piece.ending is None:
+            yield event(chunk(piece.index, text=piece.text, logprobs=piece.logprobs,
+                              offset=piece.offset), piece.shown)
+            continue
+        if piece.ending.final.status is JobStatus.FAILED:
+            yield event(failure(piece.ending), piece.shown)
+            break
+        finals[piece.index] = piece.ending.final
+        yield event(chunk(piece.index, final=piece.ending.final), piece.shown)
+    else:
+        if parsed.include_usage:
+            ordered = [finals[i] for i in range(len(job_ids))]
+            yield event(replies.usage_chunk(parsed, completion, created, ordered), sent)
     yield {"data": "[DONE]"}
+
+
+async def responses_sse(redis: aioredis.Redis, keys: Keys, sequence: EventSequence,
+                        ) -> AsyncIterator[dict[str, str]]:
+    """The Responses API's typed events of one job (``event:`` names the type)."""
+    def event(body: dict[str, Any]) -> dict[str, str]:
+        return {"event": body["type"], "data": json.dumps(body, separators=(",", ":"))}
+
+    for body in sequence.opening():
+        yield event(body)
+    async for piece in choice_pieces(redis, keys, sequence.job_id, 0):
+        if piece.ending is None:
+            yield event(sequence.delta(piece.text))
+        else:
+            for body in sequence.closing(piece.ending.final):
+                yield event(body)

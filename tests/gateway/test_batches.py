@@ -81,7 +81,7 @@ def test_batch_round_trip_with_five_bad_lines_of_fifty(deployment: Deployment) -
     assert all(e["response"]["status_code"] == 400 for e in errors)
     messages = {e["line"]: e["error"]["message"] for e in errors}
     assert "not valid UTF-8" in messages[13]
-    assert "only n = 1" in messages[21] and "max_tokens" in messages[33]
+    assert "a batch line is one job" in messages[21] and "max_tokens" in messages[33]
     assert "differs from the batch's endpoint" in messages[42]
     assert client.files.retrieve(batch.output_file_id).bytes == len(
         client.files.content(batch.output_file_id).read())

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import GenerationRequest
-from worker.engine.prompt import PromptError, build_prompt
+from worker.engine.prompt import NAMED_TEMPLATES, PromptError, build_prompt, choose_template
 from worker.llm.model import Model, ModelSpec
 from worker.testmodels.tiny import CHAT_END, CHAT_START, CHAT_TOKENS
 
@@ -63,12 +63,28 @@ def test_text_prompts_parse_special_tokens_only_when_asked(model: Model) -> None
     assert START not in plain and parsed[0] == START and len(parsed) < len(plain)
 
 
-def test_a_model_without_a_template_refuses_chat_and_names_can_fix_it(
+def test_every_model_has_a_template_and_the_choice_is_named(
         model: Model, dense_model: Path) -> None:
+    """The GGUF's own; none and no known turn markers: ChatML by default; a named one
+    overrides either; an unknown name is refused."""
+    assert choose_template(model).source == "gguf"
     with Model(ModelSpec(str(dense_model))) as plain:
-        with pytest.raises(PromptError, match="no chat template"):
-            build_prompt(plain, _chat("x"))
-        chatml = build_prompt(plain, _chat("x"), named_template="chatml")
-        assert chatml and chatml != plain.tokenize("x")
+        chosen = choose_template(plain)
+        assert chosen.source == "default:chatml" and chosen.text == NAMED_TEMPLATES["chatml"]
+        rendered = build_prompt(plain, _chat("x"))
+        assert rendered == build_prompt(plain, _chat("x"), named_template="chatml")
+        assert choose_template(plain, "gemma").source == "named:gemma"
     with pytest.raises(PromptError, match="unknown chat template 'nope'"):
         build_prompt(model, _chat("x"), named_template="nope")
+
+
+@pytest.mark.gemma
+def test_gemma_without_a_gguf_template_is_rendered_as_gemma(gemma_path: Path) -> None:
+    """Gemma 3 270M's GGUF carries no ``tokenizer.chat_template``: its architecture picks
+    the Gemma turns, whose markers are single tokens of its vocabulary."""
+    with Model(ModelSpec(str(gemma_path))) as gemma:
+        chosen = choose_template(gemma)
+        assert chosen.source == "architecture:gemma"
+        tokens = build_prompt(gemma, _chat("be brief", "hi"))
+        start = gemma.tokenize("<start_of_turn>", add_special=False, parse_special=True)
+        assert len(start) == 1 and tokens.count(start[0]) == 3  # user, user, model

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
 from coordinator.events import StreamCursor, TextDeltas
-from coordinator.gateway import schemas
-from coordinator.gateway.errors import from_validation
+from coordinator.openai_api import replies
+from coordinator.openai_api import requests as schemas
+from coordinator.openai_api.fields import RequestError
 from shared.protocol import (
     FinalEvent,
     GenerationRequest,
@@ -25,15 +25,18 @@ COMPLETION = {"model": "m", "prompt": [1, 2, 3]}
 
 
 def _ours(endpoint: str, body: dict[str, Any]) -> GenerationRequest:
-    request, _ = schemas.parse_body(endpoint, body)
-    return GenerationRequest.model_validate(request)
+    [choice] = schemas.parse_body(endpoint, body).choices
+    return GenerationRequest.model_validate(choice.request)
 
 
 def _refusal(endpoint: str, body: dict[str, Any]) -> tuple[str | None, str]:
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(RequestError) as info:
         schemas.parse_body(endpoint, body)
-    error = from_validation(info.value)
-    return error.param, error.message
+    return info.value.param, str(info.value)
+
+
+def _reply(endpoint: str, final: FinalEvent) -> dict[str, Any]:
+    return replies.response_body(schemas.Parsed(endpoint, "m", [schemas.Choice({})]), [final])
 
 
 def test_temperature_defaults_to_openais_one_and_zero_is_greedy() -> None:
@@ -49,11 +52,12 @@ def test_temperature_defaults_to_openais_one_and_zero_is_greedy() -> None:
 def test_every_openai_and_vllm_sampling_field_reaches_the_request() -> None:
     body = {**COMPLETION, "temperature": 0.7, "top_p": 0.9, "seed": 42,
             "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 40, "min_p": 0.05,
-            "repetition_penalty": 1.1}
+            "repetition_penalty": 1.1, "logit_bias": {"3": -100, "9": 2.5}}
     sampling = _ours(schemas.COMPLETIONS, body).sampling
     assert sampling.model_dump() == {
         "temperature": 0.7, "top_p": 0.9, "seed": 42, "presence_penalty": 0.5,
-        "frequency_penalty": -0.5, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1}
+        "frequency_penalty": -0.5, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
+        "logit_bias": {3: -100.0, 9: 2.5}}
     assert _ours(schemas.CHAT, {**CHAT, "top_k": -1}).sampling.top_k == 0  # vLLM's "off"
 
 
@@ -113,26 +117,26 @@ FINAL = FinalEvent(job_id="j1", attempt=1, seq=5, status=JobStatus.FINISHED,
 
 
 def test_chat_logprobs_are_in_openais_shape() -> None:
-    body = schemas.response_body(schemas.CHAT, "m", FINAL)
+    body = _reply(schemas.CHAT, FINAL)
     content = body["choices"][0]["logprobs"]["content"]
     assert content[1] == {"token": "llo", "logprob": -0.7, "bytes": [108, 108, 111],
                           "top_logprobs": [{"token": "y", "logprob": -0.6, "bytes": [121]},
                                            {"token": "llo", "logprob": -0.7,
                                             "bytes": [108, 108, 111]}]}
     assert body["specfleet"]["seed"] == 1234
-    chunk = schemas.chunk(schemas.CHAT, "j1", "m", 0, text="llo", logprobs=LOGPROBS[1:])
+    chunk = replies.chunk(schemas.CHAT, "j1", "m", 0, text="llo", logprobs=LOGPROBS[1:])
     assert chunk["choices"][0]["logprobs"]["content"] == content[1:]
     unasked = FINAL.model_copy(update={"logprobs": None})
-    assert schemas.response_body(schemas.CHAT, "m", unasked)["choices"][0]["logprobs"] is None
+    assert _reply(schemas.CHAT, unasked)["choices"][0]["logprobs"] is None
 
 
 def test_completion_logprobs_are_in_the_legacy_shape() -> None:
-    logprobs = schemas.response_body(schemas.COMPLETIONS, "m", FINAL)["choices"][0]["logprobs"]
+    logprobs = _reply(schemas.COMPLETIONS, FINAL)["choices"][0]["logprobs"]
     assert logprobs == {"tokens": ["He", "llo"], "token_logprobs": [-0.1, -0.7],
                         # the chosen token and its alternatives: up to logprobs + 1 entries
                         "top_logprobs": [{"He": -0.1, "A": -2.5}, {"y": -0.6, "llo": -0.7}],
                         "text_offset": [0, 2]}
-    chunk = schemas.chunk(schemas.COMPLETIONS, "j1", "m", 0, text="llo",
+    chunk = replies.chunk(schemas.COMPLETIONS, "j1", "m", 0, text="llo",
                           logprobs=LOGPROBS[1:], offset=2)
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [2]
 

@@ -1,19 +1,23 @@
 """A request's prompt as the token ids the engine decodes: text, token ids or chat messages.
 
 The worker owns the tokenizer, so chat messages travel on the wire and are rendered here with
-the model's chat template (the GGUF's ``tokenizer.chat_template``, or a named template given
-at worker start). User text must never forge a turn: the template is rendered with a random
-placeholder in place of every message's content, the template's own text between the
-placeholders is tokenized *with* special-token parsing (its turn markers become their control
-tokens) and each content is tokenized *without* it, so ``<start_of_turn>`` typed by a user is
-plain text. A plain text ``prompt`` parses special tokens only when it asks to
-(``parse_special``).
+a chat template every model has (:func:`choose_template`): a named template given at worker
+start, else the GGUF's ``tokenizer.chat_template``, else the named template of the model's
+family, recognised by its architecture or by its vocabulary's turn markers (what llama.cpp's
+``llm_chat_detect_template`` recognises in a template's text), else ChatML. User text must
+never forge a turn: the template is rendered with a random placeholder in place of every
+message's content, the template's own text between the placeholders is tokenized *with*
+special-token parsing (its turn markers become their control tokens) and each content is
+tokenized *without* it, so ``<start_of_turn>`` typed by a user is plain text. A plain text
+``prompt`` parses special tokens only when it asks to (``parse_special``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 import secrets
+from dataclasses import dataclass
 from functools import lru_cache
 
 import llama_cpp
@@ -45,19 +49,67 @@ NAMED_TEMPLATES: dict[str, str] = {
 }
 
 
+#: The turn markers of each named template: a vocabulary with them as single tokens speaks it.
+MARKERS: dict[str, tuple[str, ...]] = {
+    "gemma": ("<start_of_turn>", "<end_of_turn>"),
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+}
+#: GGUF architectures (``general.architecture``) and the named template of their family.
+ARCHITECTURES: dict[str, str] = {
+    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma",
+    "llama": "llama3", "qwen2": "chatml", "qwen2moe": "chatml", "qwen3": "chatml",
+    "qwen3moe": "chatml", "qwen3next": "chatml",
+}
+#: The template of a model nothing else chooses one for (llama-server's default too).
+DEFAULT_TEMPLATE = "chatml"
+
+
 class PromptError(ValueError):
-    """The request's prompt cannot be built on this worker (no template, a template error)."""
+    """The request's prompt cannot be built on this worker (a template error)."""
 
 
-def chat_template(model: Model, named: str | None = None) -> str | None:
-    """The template this worker renders chats with: the named one, else the GGUF's own."""
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The template a worker renders chats with, and where it came from (``gguf``,
+    ``named:NAME``, ``architecture:NAME``, ``markers:NAME`` or ``default:NAME``), published in
+    its registration so ``/v1/models`` and ``specfleet fleet`` show the choice."""
+
+    text: str
+    source: str
+
+
+def choose_template(model: Model, named: str | None = None) -> ChatTemplate:
+    """The named template (``SPECFLEET_CHAT_TEMPLATE``), else the GGUF's own, else the one of
+    the model's family: by architecture when its markers are tokens of the vocabulary, else
+    by the markers the vocabulary has, else :data:`DEFAULT_TEMPLATE`."""
     if named is not None:
         if named not in NAMED_TEMPLATES:
             known = ", ".join(sorted(NAMED_TEMPLATES))
             raise PromptError(f"unknown chat template {named!r} (known: {known})")
-        return NAMED_TEMPLATES[named]
+        return ChatTemplate(NAMED_TEMPLATES[named], f"named:{named}")
     raw = llama_cpp.llama_model_chat_template(model.ptr, None)
-    return raw.decode("utf-8", errors="replace") if raw else None
+    if raw:
+        return ChatTemplate(raw.decode("utf-8", errors="replace"), "gguf")
+    family = ARCHITECTURES.get(_architecture(model))
+    if family is not None and _speaks(model, family):
+        return ChatTemplate(NAMED_TEMPLATES[family], f"architecture:{family}")
+    for name in MARKERS:
+        if _speaks(model, name):
+            return ChatTemplate(NAMED_TEMPLATES[name], f"markers:{name}")
+    return ChatTemplate(NAMED_TEMPLATES[DEFAULT_TEMPLATE], f"default:{DEFAULT_TEMPLATE}")
+
+
+def _architecture(model: Model) -> str:
+    buf = ctypes.create_string_buffer(128)
+    n = llama_cpp.llama_model_meta_val_str(model.ptr, b"general.architecture", buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace") if n > 0 else ""
+
+
+def _speaks(model: Model, name: str) -> bool:
+    """Whether every turn marker of template ``name`` is one token of ``model``'s vocabulary."""
+    return all(len(model.tokenize(m, add_special=False, parse_special=True)) == 1
+               for m in MARKERS[name])
 
 
 def build_prompt(model: Model, request: GenerationRequest,
@@ -66,11 +118,8 @@ def build_prompt(model: Model, request: GenerationRequest,
     if request.prompt_tokens is not None:
         return list(request.prompt_tokens)
     if request.messages is not None:
-        template = chat_template(model, named_template)
-        if template is None:
-            raise PromptError("this model has no chat template: send 'prompt' or "
-                              "'prompt_tokens', or start the worker with a named template")
-        return render_chat(model, template, request.messages)
+        template = choose_template(model, named_template)
+        return render_chat(model, template.text, request.messages)
     return model.tokenize(request.prompt or "", parse_special=request.parse_special)
 
 

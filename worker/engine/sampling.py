@@ -88,12 +88,15 @@ def accept_or_resample(p: Distribution, q: Distribution, x: int, u: float) -> tu
 
 def penalised_logits(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
                      n_prompt: int) -> np.ndarray:
-    """``logits`` (a view, left untouched) with the repetition penalty over every token of
-    ``history`` and the presence / frequency penalties over its generated part
-    (``history[n_prompt:]``); the view itself when no penalty is on."""
-    if not params.penalised:
+    """``logits`` (a view, left untouched) with ``logit_bias`` added, the repetition penalty
+    over every token of ``history`` and the presence / frequency penalties over its generated
+    part (``history[n_prompt:]``); the view itself when none is on. The bias is part of the
+    target distribution, so drafts are verified against it and speculation stays lossless."""
+    if not params.adjusted:
         return logits
     z = logits.astype(np.float32, copy=True)
+    if params.logit_bias:
+        _add_bias(z, params)
     if params.repetition_penalty != 1.0 and history:
         seen = np.unique(np.asarray(history, dtype=np.int64))
         v = z[seen]
@@ -103,6 +106,12 @@ def penalised_logits(logits: np.ndarray, params: SamplingParams, history: Sequen
         ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         z[ids] -= params.presence_penalty + params.frequency_penalty * counts
     return z
+
+
+def _add_bias(z: np.ndarray, params: SamplingParams) -> None:
+    """``logit_bias`` added in place to ``z`` (one row, or rows on the last axis)."""
+    ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
+    z[..., ids] += np.fromiter(params.logit_bias.values(), dtype=np.float32)
 
 
 def target_distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
@@ -212,7 +221,11 @@ class GreedySampler(_RequestSampler):
                                                       [*history, *tokens[:i]], self.n_prompt)))
                        for i in range(len(tokens) + 1)]  # row i has seen drafts 1..i
         else:
-            choices = ctx.logits_rows(row0, len(tokens) + 1).argmax(axis=1).tolist()
+            rows = ctx.logits_rows(row0, len(tokens) + 1)
+            if self.params.logit_bias:
+                rows = rows.astype(np.float32, copy=True)
+                _add_bias(rows, self.params)
+            choices = rows.argmax(axis=1).tolist()
         n = 0
         while n < len(tokens) and choices[n] == tokens[n]:
             n += 1

@@ -246,6 +246,12 @@ def _admit(rt: WorkerRuntime, writer: EventWriter, logger: structlog.typing.Filt
     if refusal is not None:
         _reject(rt, writer, logger, f"speculative: {refusal}", "capacity")
     req = req.model_copy(update={"speculative": effective_spec(req.speculative, rt.capacity)})
+    n_vocab = rt.engine.model.n_vocab
+    outside = sorted({t for t in [*(req.prompt_tokens or []), *req.sampling.logit_bias]
+                      if t >= n_vocab})
+    if outside:  # llama.cpp would read past its vocabulary
+        _reject(rt, writer, logger, f"token id(s) {', '.join(map(str, outside[:5]))} outside "
+                f"the vocabulary (ids 0..{n_vocab - 1})", "validation")
     from worker.engine.prompt import PromptError, build_prompt  # loads llama.cpp: worker only
     try:
         prompt = build_prompt(rt.engine.model, req, rt.settings.chat_template)

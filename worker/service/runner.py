@@ -31,7 +31,7 @@ from shared.registry import FleetRegistry
 from shared.settings import Settings
 from shared.version import package_version
 from worker.engine.engine import SpeculativeEngine
-from worker.engine.prompt import chat_template
+from worker.engine.prompt import choose_template
 from worker.fitter.devices import parse_device
 from worker.service.cancel import CancelWatch
 from worker.service.heartbeat import Heartbeat
@@ -88,7 +88,8 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         pid=os.getpid(), host=socket.gethostname(), started_at=time.time(),
         heartbeat_at=time.time(), spec_methods=[str(engine.method)], fit=fit,
         capacity=runtime.capacity,
-        chat_template=chat_template(engine.model, settings.chat_template) is not None,
+        chat_template=True, n_vocab=engine.model.n_vocab,
+        chat_template_source=choose_template(engine.model, settings.chat_template).source,
         metrics_port=metrics.port)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
     monitor = RecoveryMonitor(connection, registry, settings)

@@ -1,0 +1,343 @@
+"""OpenAI completions and chat completions requests, read into our ``GenerationRequest``\\ s.
+
+Sampling follows OpenAI and vLLM: ``temperature`` (default 1: a request that wants greedy
+says 0), ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and
+vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, each checked against ``SamplingParams``'
+own ranges. One OpenAI request may be several jobs: ``n`` samples of a prompt, and a list of
+prompts on completions; choice ``i`` is job ``i`` (prompt-major, as OpenAI orders them), with
+a seed derived from the request's (:func:`choice_seed`), so a seeded request is reproducible
+choice by choice. Our own speculative settings travel under one extension field,
+``specfleet``. Every field follows :mod:`coordinator.openai_api.fields`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from coordinator.openai_api.fields import RequestError, from_validation, screen
+from shared.protocol import (
+    MAX_SEED,
+    MAX_TOKENS_CAP,
+    MAX_TOP_LOGPROBS,
+    Priority,
+    SamplingParams,
+    SpecSettings,
+    draw_seed,
+)
+
+#: OpenAI's and vLLM's default temperature: a request without one samples.
+DEFAULT_TEMPERATURE = 1.0
+#: Most alternatives the legacy completions ``logprobs`` may ask for (OpenAI's limit).
+MAX_COMPLETION_LOGPROBS = 5
+#: Most jobs one request may become (``n`` times the prompts).
+MAX_CHOICES = 64
+#: OpenAI's bounds on one ``logit_bias`` value, and on how many tokens it may bias.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+#: Endpoints a request (or a batch line) can name.
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+#: Our own request shape in a batch line (the old ``specfleet batch`` files).
+NATIVE = "/v1/specfleet/generate"
+ENDPOINTS = (COMPLETIONS, CHAT, NATIVE)
+
+
+def _bounds(name: str) -> dict[str, Any]:
+    """``SamplingParams.<name>``'s range (``ge``, ``le``, ...)."""
+    return {attr: getattr(rule, attr) for rule in SamplingParams.model_fields[name].metadata
+            for attr in ("gt", "ge", "lt", "le") if hasattr(rule, attr)}
+
+
+def _knob(name: str) -> Any:
+    """An optional request field with ``SamplingParams.<name>``'s own range: one definition
+    of what each knob accepts, and a 400 that names OpenAI's field."""
+    return Field(default=None, **_bounds(name))
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded ``seed``: choice 0 samples with the
+    request's own seed (so ``n`` 1 and the first of ``n`` agree), the others with seeds
+    hashed from it, below 2**53 like every drawn seed."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 11) % (MAX_SEED + 1)
+
+
+class _Strict(BaseModel):
+    """Types are strict (``true`` is not a number, ``"10"`` is not an int), as on our own
+    wire, and an unknown field is refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Extension(_Strict):
+    """The ``specfleet`` request field: what OpenAI has no name for."""
+
+    speculative: SpecSettings | None = None
+    priority: Priority = Priority.NORMAL
+    parse_special: bool = False
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Sampled(_Strict):
+    """What every generating endpoint reads: the model, the sampling knobs, streaming, and
+    our extension."""
+
+    model: str
+    temperature: float | None = _knob("temperature")
+    top_p: float | None = _knob("top_p")
+    #: vLLM's: -1 (its "all tokens") and 0 both switch the cut off.
+    top_k: int | None = Field(default=None, ge=-1, le=_bounds("top_k")["le"])
+    min_p: float | None = _knob("min_p")
+    repetition_penalty: float | None = _knob("repetition_penalty")
+    presence_penalty: float | None = _knob("presence_penalty")
+    frequency_penalty: float | None = _knob("frequency_penalty")
+    seed: int | None = _knob("seed")
+    stream: bool = False
+    specfleet: Extension = Field(default_factory=Extension)
+
+    def sampling(self) -> dict[str, Any]:
+        """Our ``sampling`` fields: OpenAI's defaults where the request gave none
+        (``temperature`` 1), the neutral value of every other knob."""
+        given = {name: getattr(self, name) for name in SamplingParams.model_fields
+                 if name not in ("temperature", "logit_bias")
+                 and getattr(self, name, None) is not None}
+        if given.get("top_k") == -1:
+            given["top_k"] = 0
+        temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+        return {"temperature": float(temperature), **given}
+
+    def base_request(self, model: str, max_tokens: int) -> dict[str, Any]:
+        """Our request fields that do not depend on the prompt's form, for ``model`` (the
+        served name an alias stands for)."""
+        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
+                                "sampling": self.sampling(),
+                                "priority": str(self.specfleet.priority)}
+        if self.specfleet.speculative is not None:
+            # Only what the request set: an unset field means "the worker's capacity".
+            body["speculative"] = self.specfleet.speculative.model_dump(mode="json",
+                                                                        exclude_unset=True)
+        return body
+
+
+class _Common(Sampled):
+    """Fields shared by completions and chat completions."""
+
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens can be biased")
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids, not {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"token {key}: a bias is between -100 and 100, not {bias}")
+        return v
+
+    def budget(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its k most likely alternatives."""
+        raise NotImplementedError
+
+    def common_request(self, model: str) -> dict[str, Any]:
+        """Our request fields that do not depend on the prompt's form."""
+        body = self.base_request(model, self.budget())
+        body["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.logit_bias:
+            body["sampling"]["logit_bias"] = dict(self.logit_bias)
+        k = self.top_logprobs_asked()
+        if k is not None:
+            body.update(logprobs=True, top_logprobs=k)
+        return body
+
+
+#: OpenAI's default ``max_tokens`` for completions.
+DEFAULT_MAX_TOKENS = 16
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    suffix: str | None = None
+    #: The legacy shape: the number of alternatives per token (0: the chosen token's only).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of other than n (ranking extra samples) is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a list of them."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list):
+            return list(self.prompt)  # type: ignore[arg-type]
+        return [self.prompt]  # type: ignore[list-item]
+
+    def jobs(self, model: str) -> list[tuple[dict[str, Any], str]]:
+        """One request (and its echoed text) per prompt."""
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs needs the prompt's logprobs, which are "
+                               "not computed", param="echo")
+        out = []
+        for prompt in self.prompts():
+            body = self.common_request(model)
+            if isinstance(prompt, str):
+                body.update(prompt=prompt, parse_special=self.specfleet.parse_special)
+            elif self.echo:
+                raise RequestError("echo needs a text prompt (token ids cannot be shown as "
+                                   "text here)", param="echo")
+            else:
+                body["prompt_tokens"] = prompt
+            out.append((body, prompt if self.echo and isinstance(prompt, str) else ""))
+        return out
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+def our_messages(messages: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """Turns as our ``ChatMessage``\\ s: "developer" is OpenAI's newer name for the system
+    turn."""
+    return [{"role": "system" if role == "developer" else role, "content": content}
+            for role, content in messages]
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def budget(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+
+    def jobs(self, model: str) -> list[tuple[dict[str, Any], str]]:
+        messages = our_messages([(m.role, m.text()) for m in self.messages])
+        return [({**self.common_request(model), "messages": messages}, "")]
+
+
+#: A chat request without a budget: ours (OpenAI's is "until the context ends").
+DEFAULT_CHAT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One job of an OpenAI request: our request, the prompt it answers (usage counts each
+    prompt once) and the text shown before its completion (``echo``)."""
+
+    request: dict[str, Any]
+    prompt_index: int = 0
+    echo: str = ""
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """An OpenAI request read: its jobs in choice order, and how to answer it. ``model`` is
+    the name the client sent (an alias is answered as the alias)."""
+
+    endpoint: str
+    model: str
+    choices: list[Choice]
+    stream: bool = False
+    include_usage: bool = False
+
+
+def resolve(model: object, aliases: Mapping[str, str]) -> str | None:
+    """The served model an alias stands for (the name itself when it is no alias)."""
+    return aliases.get(model, model) if isinstance(model, str) else None
+
+
+def parse_body(endpoint: str, body: dict[str, Any],
+               aliases: Mapping[str, str] | None = None) -> Parsed:
+    """Our requests for an OpenAI ``body`` sent to ``endpoint`` (``RequestError`` naming the
+    bad field)."""
+    if endpoint == NATIVE:
+        return Parsed(endpoint, str(body.get("model", "")), [Choice(body)])
+    model_type = CompletionRequest if endpoint == COMPLETIONS else ChatRequest
+    try:
+        parsed = model_type.model_validate(screen(body, model_type.model_fields))
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    served = resolve(parsed.model, aliases or {}) or parsed.model
+    prompts = parsed.jobs(served)
+    if len(prompts) * parsed.n > MAX_CHOICES:
+        raise RequestError(f"n ({parsed.n}) x prompts ({len(prompts)}) exceeds "
+                           f"{MAX_CHOICES} choices", param="n")
+    several = len(prompts) * parsed.n > 1
+    base = parsed.seed if parsed.seed is not None else (draw_seed() if several else None)
+    choices = []
+    for p, (request, echo) in enumerate(prompts):
+        for k in range(parsed.n):
+            index = p * parsed.n + k
+            job = json.loads(json.dumps(request))  # each job its own copy
+            if base is not None:
+                job["sampling"]["seed"] = choice_seed(base, index)
+            choices.append(Choice(job, p, echo))
+    if parsed.stream_options is not None and not parsed.stream:
+        raise RequestError("stream_options needs stream: true", param="stream_options")
+    return Parsed(endpoint, parsed.model, choices, parsed.stream,
+                  bool(parsed.stream_options and parsed.stream_options.include_usage))
