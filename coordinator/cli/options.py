@@ -73,6 +73,13 @@ FitTargetMib = Annotated[float, typer.Option(help="margin the fitter leaves free
 CtxMin = Annotated[int, typer.Option(min=1, help="refuse to fit less context than this")]
 Checkpoint = Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
 Threads = Annotated[int, typer.Option(min=1, help="CPU threads")]
+PrefixCache = Annotated[str, typer.Option(
+    help="'on': a finished slot keeps its tokens for the next request sharing their prefix "
+         "(docs/engine.md, Prefix reuse); 'off': every request is prefilled from its first "
+         "token")]
+PrefixCheckpoints = Annotated[int, typer.Option(
+    min=0, max=64, help="prefix checkpoints kept per slot for sliding-window and recurrent "
+                        "models (host memory, in the fit report)")]
 Slots = Annotated[str, typer.Option(
     help="sequences served at once, or 'auto': the most that fit --ctx (or --ctx-min) each")]
 #: ``worker`` and ``fit`` check a fixed context the same way (worker/fitter/fit.py).

@@ -14,6 +14,7 @@ from shared.outage import RedisOutage
 from shared.protocol import CheckpointMode
 from shared.redact import RedisURL
 from worker.engine.config import EngineCapacity
+from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
 from worker.fitter.fit import parse_slots
 from worker.service.runner import serve
@@ -41,6 +42,8 @@ def worker(
     checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
     threads: opt.Threads = opt.DEFAULT_THREADS,
     slots: opt.Slots = "1",
+    prefix_cache: opt.PrefixCache = "on",
+    prefix_checkpoints: opt.PrefixCheckpoints = DEFAULT_CHECKPOINTS,
     metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve Prometheus "
                                                      "/metrics on this port (0: a free one, "
                                                      "published in the registration)")] = None,
@@ -66,13 +69,21 @@ def worker(
         device=device, name=name, n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train,
         budget_mib=budget_mib,
         fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, capacity=capacity,
-        checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots))
+        checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots),
+        prefix_cache=_on_off("--prefix-cache", prefix_cache),
+        prefix_checkpoints=prefix_checkpoints)
     try:
         serve(options, settings)
     except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
     except (FitError, RuntimeError, ValueError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def _on_off(flag: str, text: str) -> bool:
+    if text not in ("on", "off"):
+        fail(f"{flag} takes 'on' or 'off', got {text!r}")
+    return text == "on"
 
 
 def _slots(text: str) -> int | Literal["auto"]:

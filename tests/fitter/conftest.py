@@ -32,7 +32,9 @@ class Allocated:
 
     @property
     def reported_bytes(self) -> int:
-        return self.buffers.grand_total(ALLOCATED_KINDS)
+        """What the engine allocated: llama.cpp's buffers as it logged them, plus the
+        engine's own prefix-checkpoint buffers (host memory llama.cpp never sees)."""
+        return self.buffers.grand_total(ALLOCATED_KINDS) + self.engine.prefix.reserved_bytes
 
 
 @pytest.fixture

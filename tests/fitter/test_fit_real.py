@@ -61,6 +61,8 @@ def test_fitted_context_loads_fills_and_matches_llama_cpp(
     assert report.details["next_step_total_bytes"] > budget
 
     built = allocate(fit)
+    # The prefix checkpoints are the engine's own host buffers, not llama.cpp's: exact.
+    assert report.components["prefix_checkpoints"] == built.engine.prefix.reserved_bytes
     predicted_at_load = report.total_bytes - report.details["runtime_growth_bytes"]
     assert abs(predicted_at_load - built.reported_bytes) <= 0.02 * built.reported_bytes, (
         report.components, built.buffers.sizes)

@@ -17,6 +17,7 @@ from typing import Final, Literal
 from shared.protocol import CheckpointMode, DeviceFit, FitReport
 from worker.engine.config import EngineCapacity, EngineConfig, model_spec
 from worker.engine.plan import ModelFacts
+from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
 from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device, require_device
 from worker.fitter.errors import FitError
 from worker.fitter.measure import (
@@ -24,6 +25,7 @@ from worker.fitter.measure import (
     StateSizes,
     load_model,
     measure_context,
+    measure_prefix_checkpoint,
     measure_state,
     weights_bytes,
 )
@@ -97,20 +99,24 @@ class _Sizer:
         return self.model.n_ctx_train // CTX_STEP * CTX_STEP
 
     @cached_property
-    def _real(self) -> tuple[int, StateSizes | None]:
-        """Weights and exact state sizes. The state needs a real load (memory-mapped, on the
-        CPU), and so do a CPU worker's weights; a GPU's weights come from the no_alloc load."""
+    def _real(self) -> tuple[int, StateSizes | None, int]:
+        """Weights, exact state sizes and one prefix checkpoint's bytes. The states need a
+        real load (memory-mapped, on the CPU), and so do a CPU worker's weights; a GPU's
+        weights come from the no_alloc load."""
         on_gpu = self.device != "cpu"
         gpu_weights = weights_bytes(self.model, None, self.device) if on_gpu else 0
-        if on_gpu and not self.model.is_recurrent:
-            return gpu_weights, None
+        prefix = self.config.prefix_cache and self.config.prefix_checkpoints > 0 and (
+            self.model.is_recurrent or self.model.n_swa > 0)
+        if on_gpu and not self.model.is_recurrent and not prefix:
+            return gpu_weights, None, 0
         real, buffers = load_model(replace(model_spec(self.config), n_gpu_layers=0))
         try:
             weights = gpu_weights or weights_bytes(real, buffers, self.device)
             state = measure_state(real, self.specs.target) if real.is_recurrent else None
+            checkpoint = measure_prefix_checkpoint(real, self.specs.target) if prefix else 0
         finally:
             real.close()
-        return weights, state
+        return weights, state, checkpoint
 
     @property
     def weights(self) -> int:
@@ -119,6 +125,16 @@ class _Sizer:
     @property
     def state(self) -> StateSizes | None:
         return self._real[1]
+
+    @property
+    def prefix_checkpoint(self) -> int:
+        """One prefix checkpoint's bytes (0: the model needs none, or reuse is off)."""
+        return self._real[2]
+
+    @property
+    def prefix_checkpoints(self) -> int:
+        """Every slot's prefix-checkpoint buffers (host memory: a CPU worker's device)."""
+        return self.slots * self.config.prefix_checkpoints * self.prefix_checkpoint
 
     @property
     def lookup_cache(self) -> int:
@@ -172,9 +188,10 @@ class _Sizer:
                           if draft else 0),
                 "checkpoint_reservation": self.slots * self.checkpoint_per_slot,
                 "lookup_cache": self.lookup_cache if self.device == "cpu" else 0,
+                "prefix_checkpoints": self.prefix_checkpoints if self.device == "cpu" else 0,
             },
-            host_bytes=sum(p.host for p in parts) + (self.lookup_cache
-                                                     if self.device != "cpu" else 0),
+            host_bytes=sum(p.host for p in parts) + (
+                self.lookup_cache + self.prefix_checkpoints if self.device != "cpu" else 0),
             runtime_growth=sum(max(0, p.output_runtime - p.output_created) for p in parts),
             recurrent_reported=target.recurrent,
         )
@@ -196,7 +213,9 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
                ctx_min: int = DEFAULT_CTX_MIN,
                n_threads: int = 2,
                checkpoint: CheckpointMode = CheckpointMode.DEVICE,
-               n_ctx: int | None = None, allow_ctx_above_train: bool = False) -> FitResult:
+               n_ctx: int | None = None, allow_ctx_above_train: bool = False,
+               prefix_cache: bool = True,
+               prefix_checkpoints: int = DEFAULT_CHECKPOINTS) -> FitResult:
     """Measure the model on ``device`` and fit the largest context that leaves the margin.
 
     With ``n_ctx`` (a worker's ``--ctx``) the context is not searched but checked the same
@@ -212,7 +231,8 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     report's per-slot context); ``"auto"`` picks the most slots that still fit ``ctx_min``
     each (:func:`_most_slots`). ``capacity`` is what the engine is loaded for (method, N, D:
     they size every context measured); the returned ``config`` keeps the default
-    ``request_defaults``, which size nothing.
+    ``request_defaults``, which size nothing. ``prefix_cache`` and ``prefix_checkpoints``
+    (per slot) size the prefix checkpoints of a sliding-window or recurrent model.
     """
     if slots != AUTO_SLOTS and not (isinstance(slots, int) and 1 <= slots <= MAX_SLOTS):
         raise FitError(f"slots must be at least 1 and at most {MAX_SLOTS} (or 'auto'), "
@@ -224,7 +244,8 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     budget = _Budget(device_memory(ref, budget_mib), round(fit_target_mib * MIB))
     config = EngineConfig(model_path=model_path, n_threads=n_threads,
                           n_gpu_layers=-1 if ref.is_cuda else 0,
-                          capacity=capacity or EngineCapacity(), checkpoint=checkpoint)
+                          capacity=capacity or EngineCapacity(), checkpoint=checkpoint,
+                          prefix_cache=prefix_cache, prefix_checkpoints=prefix_checkpoints)
     if slots == AUTO_SLOTS:
         # A fixed context is what every slot must hold; otherwise at least --ctx-min.
         slots = _most_slots(config, ref.name, n_ctx or ctx_min, budget)
@@ -394,6 +415,9 @@ def _report(sizer: _Sizer, n_ctx: int, budget: _Budget, source: str) -> FitRepor
         "next_step_total_bytes": (sizer.at(n_ctx + CTX_STEP).total
                                   if n_ctx < sizer.n_ctx_cap else None),
         **_state_details(sizer, n_ctx, fitted),
+        "prefix_checkpoints_per_slot": (sizer.config.prefix_checkpoints
+                                        if sizer.prefix_checkpoint else 0),
+        "prefix_checkpoint_bytes": sizer.prefix_checkpoint,
     }
     return FitReport(
         model_path=sizer.config.model_path, n_ctx=n_ctx, n_ctx_train=sizer.model.n_ctx_train,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import llama_cpp
 
+from worker.engine.prefix_cache import checkpoint_bytes
 from worker.fitter.buffers import Buffers, parse_buffers
 from worker.fitter.errors import FitError
 from worker.llm import Batch, Context, ContextSpec, LlamaError, Model, ModelSpec, capture_llama_log
@@ -103,6 +104,18 @@ def measure_context(model: Model, spec: ContextSpec, device: str, rows: int,
         output_runtime=0 if on_gpu else runtime,
         host=host,
     )
+
+
+def measure_prefix_checkpoint(model: Model, spec: ContextSpec) -> int:
+    """Bytes of the largest prefix checkpoint of one sequence (0: none is needed), measured
+    on a small real context the way the engine measures its reservation
+    (:func:`worker.engine.prefix_cache.checkpoint_bytes`)."""
+    small = spec.with_(n_ctx=_PROBE_CTX, n_batch=_PROBE_CTX, n_seq_max=1, n_rs_seq=0)
+    try:
+        with Context(model, small) as ctx:
+            return checkpoint_bytes(model, ctx)
+    except LlamaError as exc:
+        raise FitError(f"cannot measure a prefix checkpoint: {exc}") from exc
 
 
 def measure_state(model: Model, spec: ContextSpec) -> StateSizes:

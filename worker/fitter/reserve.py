@@ -33,6 +33,7 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
     with the same ``fit.reserve`` event.
     """
     report = fit.report
+    _check_prefix_reservation(engine, report)
     rollback = engine.rollback
     if not engine.plan.checkpoints:
         if report.components.get("checkpoint_reservation"):
@@ -70,6 +71,19 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
     # Why a device reservation fell back (None: it did not), for the worker's metrics.
     as_reserved.details["checkpoint_fallback"] = reservation.fallback_reason
     return as_reserved
+
+
+def _check_prefix_reservation(engine: SpeculativeEngine, report: FitReport) -> None:
+    """The engine's prefix-checkpoint buffers (allocated when it loaded) must be exactly what
+    the fit counted: a CPU worker's ``prefix_checkpoints`` component, a GPU worker's host
+    bytes."""
+    per_slot = report.details.get("prefix_checkpoints_per_slot", 0)
+    size = report.details.get("prefix_checkpoint_bytes", 0)
+    counted = report.slots * int(per_slot or 0) * int(size or 0)
+    if engine.prefix.reserved_bytes != counted:
+        raise FitError(f"the engine reserved {engine.prefix.reserved_bytes} B of prefix "
+                       f"checkpoints but the fit counted {counted} B: the fit and the engine "
+                       "were built from different settings")
 
 
 def _log_reserve(report: FitReport, mode: CheckpointMode | None, reserved: int,

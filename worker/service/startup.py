@@ -18,6 +18,7 @@ from shared.settings import Settings
 from worker.engine.config import EngineCapacity
 from worker.engine.engine import SpeculativeEngine
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
+from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
 from worker.fitter.devices import DeviceRef
 
 
@@ -40,6 +41,10 @@ class WorkerOptions:
     checkpoint: CheckpointMode = CheckpointMode.DEVICE
     metrics_port: int | None = None  # Prometheus /metrics port; 0 = a free one; None = off
     slots: int | Literal["auto"] = 1  # sequences served at once; auto = most that fit ctx_min
+    #: Reuse prompt prefixes across requests, with this many prefix checkpoints per slot
+    #: where the model's state cannot be trimmed (worker/engine/prefix_cache.py).
+    prefix_cache: bool = True
+    prefix_checkpoints: int = DEFAULT_CHECKPOINTS
 
 
 def pin_device(device: DeviceRef) -> int:
@@ -79,7 +84,9 @@ def load_engine(options: WorkerOptions, n_gpu_layers: int,
                      fit_target_mib=options.fit_target_mib, slots=options.slots,
                      capacity=options.capacity, ctx_min=options.ctx_min, n_threads=options.threads,
                      checkpoint=options.checkpoint, n_ctx=options.n_ctx,
-                     allow_ctx_above_train=options.allow_ctx_above_train)
+                     allow_ctx_above_train=options.allow_ctx_above_train,
+                     prefix_cache=options.prefix_cache,
+                     prefix_checkpoints=options.prefix_checkpoints)
     engine = SpeculativeEngine(replace(fit.config, n_gpu_layers=n_gpu_layers,
                                        fail_device_checkpoint=settings.fail_device_checkpoint))
     try:
