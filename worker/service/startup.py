@@ -17,8 +17,8 @@ from shared.protocol import CheckpointMode, FitReport
 from shared.settings import Settings
 from worker.engine.config import EngineCapacity
 from worker.engine.engine import SpeculativeEngine
-from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
 from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
+from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, fit_worker, reserve_checkpoints
 from worker.fitter.devices import DeviceRef
 
 
