@@ -1,6 +1,8 @@
 # specfleet developer entry points. Everything installs into ./.venv in the repo root.
 #   make demo   install, find or start Redis, run one worker on Gemma 3 270M, stream a batch
-#   make test   install and run the whole test suite against a real Redis
+#   make test   install and run the whole test suite against a real Redis (CI runs this)
+#   make test-fast  the same without the tests marked slow (worker fleets, gateways, Gemma):
+#               the edit loop; tests/conftest.py marks them from what they use
 #   make lint   ruff over the tree, mypy over shared, coordinator and worker
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -11,7 +13,7 @@ PIP := $(PY) -m pip
 CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 export CMAKE_ARGS
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +31,9 @@ demo: install
 
 test: install
 	$(PY) -m coordinator.redis_local -- $(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m coordinator.redis_local -- $(PY) -m pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.client import Coordinator  # noqa: E402
 from coordinator.processes import stop_processes  # noqa: E402
-from coordinator.redis_local import local_redis  # noqa: E402
+from coordinator.redis_local import free_port, local_redis  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 from worker.testmodels import build_tiny_models  # noqa: E402
@@ -51,12 +50,6 @@ from worker.testmodels import build_tiny_models  # noqa: E402
 GEMMA, TINY = "gemma-270m", "tiny-dense"
 BIN = Path(sys.executable).parent
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message."
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -206,7 +199,7 @@ def main() -> None:
         settings = Settings(redis_url=redis, prefix=f"bench-{uuid.uuid4().hex[:8]}")
         env = {**os.environ, "REDIS_URL": redis, "SPECFLEET_PREFIX": settings.prefix,
                "SPECFLEET_LOG_LEVEL": "warning", "CUDA_VISIBLE_DEVICES": ""}
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         procs = [
             _start([str(BIN / "specfleet"), "serve", "--port", str(port)], env),

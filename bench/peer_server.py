@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,6 +16,8 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from coordinator.redis_local import free_port
 
 SERVER_ENV = "SPECFLEET_LLAMA_SERVER"
 
@@ -33,18 +34,12 @@ def post(url: str, body: dict[str, object], timeout: float = 600.0) -> dict[str,
         return json.loads(resp.read())  # type: ignore[no-any-return]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def llama_server(binary: str, model: str, threads: int, n_ctx: int, parallel: int = 1,
                  extra: tuple[str, ...] = ()) -> Iterator[str]:
     """A llama-server with ``parallel`` slots sharing ``n_ctx`` (``-np``, ``-c``); yields its
     base URL once ``/health`` answers."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).parent))
     cmd = [binary, "-m", model, "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx),
            "-np", str(parallel), "--host", "127.0.0.1", "--port", str(port), *extra]

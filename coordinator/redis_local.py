@@ -46,7 +46,9 @@ def answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port the kernel has just handed out as free (redis-server has no port 0):
+    the one way the demo, the benches and the tests pick a port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -67,7 +69,7 @@ def local_redis() -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisUnavailable(HOW_TO_GET_REDIS)
-    port = _free_port()
+    port = free_port()
     workdir = tempfile.mkdtemp(prefix="specfleet-redis-")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

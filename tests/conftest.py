@@ -1,22 +1,66 @@
-"""Model fixtures shared by every test: the tiny GGUFs are written once per session.
+"""Model fixtures shared by every test, and the rule that puts each test in its tier.
 
-Gemma fixtures skip (with the install hint) when the demo extra is missing; the F16 copy is
-cached in ``$SPECFLEET_CACHE_DIR`` (default ``~/.cache/specfleet``), so only the first run pays
-for the conversion.
+The tiny GGUFs are written once per session. Gemma fixtures skip (with the install hint) when
+the demo extra is missing; the F16 copy is cached in ``$SPECFLEET_CACHE_DIR`` (default
+``~/.cache/specfleet``), so only the first run pays for the conversion.
+
+Tiers: ``make test`` runs everything (CI); ``make test-fast`` (``-m "not slow"``) leaves out
+the tests marked ``slow``. A test is marked ``slow`` here, from what it uses, never by hand:
+when it, or any fixture it requests (transitively), names one of :data:`SLOW_USES` (worker
+fleets, gateway processes, a Redis replica group, Gemma). So a
+new test lands in the right tier by using those helpers; an in-process test or one that runs
+a single short process stays fast.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from types import CodeType
+from typing import Any
 
 import pytest
 
 from worker.testmodels import TinyModels, build_tiny_models, gemma
 
+#: Names whose use makes a test slow: they start worker processes (``Fleet``, ``live_run``),
+#: a gateway process (``Gateway``), a Redis replica group with a sentinel, or load Gemma 3 270M.
+SLOW_USES = frozenset({"Fleet", "Gateway", "live_run", "sentinel_group", "gemma_path",
+                       "gemma_f16_path"})
+
+
+def _names(code: CodeType) -> Iterator[str]:
+    """The global and attribute names a function's code uses, nested functions included."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _names(const)
+
+
+def _uses(item: pytest.Item) -> set[str]:
+    """What a test names: its fixtures (transitively) and the names in its and their code."""
+    names = set(getattr(item, "fixturenames", ()))
+    functions: list[Any] = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None:
+        functions += [d.func for defs in info.name2fixturedefs.values() for d in defs]
+    for function in functions:
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            names.update(_names(code))
+    return names
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` every test that uses one of :data:`SLOW_USES` (the tier rule above)."""
+    for item in items:
+        if _uses(item) & SLOW_USES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
-    """All tiny models (dense llama, qwen35 with MTP head, head-less twin), seed 0."""
+    """All tiny models (dense llama, qwen35 with MTP head, head-less twin, SWA gemma3), seed 0."""
     return build_tiny_models(tmp_path_factory.mktemp("tiny-models"))
 
 
@@ -36,6 +80,13 @@ def hybrid_model(tiny_models: TinyModels) -> Path:
 def headless_model(tiny_models: TinyModels) -> Path:
     """The hybrid's trunk without an MTP head: for the "model has no MTP head" paths."""
     return tiny_models.headless
+
+
+@pytest.fixture(scope="session")
+def swa_model(tiny_models: TinyModels) -> Path:
+    """``gemma3`` with a 32-token sliding window on layers 0-4 and a global layer 5 (Gemma 3's
+    interleaving): the SWA cache overwrites old cells when the context has ``swa_full=False``."""
+    return tiny_models.swa
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,12 @@ plain-greedy continuation of the same prompt. Child processes are stopped with
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from coordinator.redis_local import free_port  # noqa: F401  (the tests import it from here)
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.engine import SpeculativeEngine
 
@@ -31,13 +31,6 @@ def specfleet(*args: str, env: Mapping[str, str] | None = None, stdin: str | Non
     """Run ``specfleet ARGS`` to completion, text output captured (``env`` replaces os.environ)."""
     return subprocess.run([SPECFLEET, *args], env=env, input=stdin, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    """A loopback port the kernel has just handed out as free (redis-server has no port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def greedy(engine: SpeculativeEngine, n_tokens: int, prompt: list[int] = PROMPT) -> list[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -70,6 +70,27 @@ def copy_prompt(soft_engine: SpeculativeEngine) -> list[int]:
     return [*PROMPT, *soft_engine.generate(PROMPT, 40, plain).tokens]
 
 
+#: Plain sampling's first tokens over the reference seeds, for given sampler settings.
+PlainSample = Callable[[SamplingParams], Counter[tuple[int, ...]]]
+
+
+@pytest.fixture(scope="module")
+def plain_sample(soft_engine: SpeculativeEngine, copy_prompt: list[int]) -> PlainSample:
+    """The reference every comparison is made against, drawn once per sampler settings: it is
+    pure (one engine, one prompt, fixed seeds), so the tests that share a setting share it
+    instead of each drawing the same ``SAMPLES`` continuations again."""
+    drawn: dict[str, Counter[tuple[int, ...]]] = {}
+
+    def sample(params: SamplingParams) -> Counter[tuple[int, ...]]:
+        key = params.model_dump_json()
+        if key not in drawn:
+            drawn[key] = first_tokens(soft_engine, copy_prompt,
+                                      SpecSettings(method=SpecMethod.NONE), params,
+                                      range(SAMPLES))
+        return drawn[key]
+    return sample
+
+
 def first_tokens(engine: SpeculativeEngine, prompt: list[int], spec: SpecSettings,
                  params: SamplingParams, seeds: range, k: int = 2) -> Counter[tuple[int, ...]]:
     out: Counter[tuple[int, ...]] = Counter()
@@ -112,11 +133,11 @@ def marginal(sample: Counter[tuple[int, ...]], i: int) -> Counter[tuple[int, ...
 
 
 def compare(engine: SpeculativeEngine, prompt: list[int], spec: SpecSettings,
-            params: SamplingParams) -> list[tuple[str, float, int, float]]:
+            params: SamplingParams, plain_sample: PlainSample,
+            ) -> list[tuple[str, float, int, float]]:
     """Chi-square of plain vs speculative sampling for the first token, the second, and the
     pair: (what, statistic, degrees of freedom, p-value) each."""
-    plain = first_tokens(engine, prompt, SpecSettings(method=SpecMethod.NONE), params,
-                         range(SAMPLES))
+    plain = plain_sample(params)
     spec_run = first_tokens(engine, prompt, spec, params, range(10**6, 10**6 + SAMPLES))
     tests = [("first token", marginal(plain, 0), marginal(spec_run, 0)),
              ("second token", marginal(plain, 1), marginal(spec_run, 1)),
@@ -141,20 +162,21 @@ def describe(results: list[tuple[str, float, int, float]]) -> str:
 ], ids=["ngram-N4-D2", "mtp-N4-D2", "mtp-N2-D1", "mtp-N4-D2-cuts"])
 def test_speculative_sampling_keeps_the_target_distribution(
         soft_engine: SpeculativeEngine, copy_prompt: list[int], spec: SpecSettings,
-        params: SamplingParams) -> None:
-    results = compare(soft_engine, copy_prompt, spec, params)
+        params: SamplingParams, plain_sample: PlainSample) -> None:
+    results = compare(soft_engine, copy_prompt, spec, params, plain_sample)
     assert min(p for *_, p in results) > P_FLOOR, f"not the target's: {describe(results)}"
 
 
 @pytest.mark.parametrize("method", [SpecMethod.NGRAM, SpecMethod.MTP])
 def test_a_broken_residual_step_is_caught(soft_engine: SpeculativeEngine,
                                           copy_prompt: list[int], method: SpecMethod,
+                                          plain_sample: PlainSample,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The test above has the power to see a wrong rejection step: drawing a rejected
     position's token from ``p`` instead of the residual ``max(0, p - q)`` fails it."""
     monkeypatch.setattr(sampling.Distribution, "residual", lambda p, q: p)
     spec = SpecSettings(method=method, draft_max=4, rollback_depth=2)
-    results = compare(soft_engine, copy_prompt, spec, HOT)
+    results = compare(soft_engine, copy_prompt, spec, HOT, plain_sample)
     assert min(p for *_, p in results) < P_FLOOR, f"missed the broken step: {describe(results)}"
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,14 +14,7 @@ from coordinator.processes import stop_processes
 from shared.settings import Settings
 
 # tests/ is on sys.path (pytest's rootdir-relative import).
-from helpers import SPECFLEET  # isort: skip
-
-
-def free_port() -> int:
-    """A port the kernel has just handed out (asked for at start, never fixed in advance)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from helpers import SPECFLEET, free_port  # isort: skip
 
 
 class Gateway:

@@ -21,7 +21,7 @@ from coordinator.client import Coordinator, JobResult
 from shared.protocol import FinalEvent, JobStatus, TokenEvent
 from shared.settings import Settings
 
-from .restartable_redis import RestartableRedis
+from .private_redis import RedisServer
 from .workers import MODEL_NAME, Fleet
 
 JOBS = 24
@@ -31,23 +31,23 @@ REQUEST = {"model": MODEL_NAME, "prompt_tokens": [4, 2, 4, 2], "max_tokens": 48,
 
 
 @pytest.fixture
-def aof_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
-    server = RestartableRedis(tmp_path / "redis", "--appendonly", "yes",
-                              "--appendfsync", "always")
+def aof_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis", "--save", "", "--appendonly", "yes",
+                         "--appendfsync", "always")
     server.start()
     yield server
     server.stop()
 
 
 @pytest.fixture
-def outage_settings(aof_redis: RestartableRedis) -> Settings:
+def outage_settings(aof_redis: RedisServer) -> Settings:
     return Settings(redis_url=aof_redis.url, prefix=f"t{uuid.uuid4().hex[:12]}",
                     heartbeat_seconds=0.25, worker_ttl_seconds=3.0, token_chunk=4,
                     token_flush_seconds=0.0, redis_outage_seconds=60)
 
 
 def test_a_ten_second_outage_mid_batch_loses_and_duplicates_nothing(
-        aof_redis: RestartableRedis, outage_settings: Settings, dense_model: Path,
+        aof_redis: RedisServer, outage_settings: Settings, dense_model: Path,
         tmp_path: Path) -> None:
     fleet = Fleet(outage_settings, dense_model, tmp_path)
     try:
@@ -109,7 +109,7 @@ def test_a_ten_second_outage_mid_batch_loses_and_duplicates_nothing(
 
 
 def test_a_worker_gives_up_after_its_outage_deadline_and_exits_non_zero(
-        aof_redis: RestartableRedis, outage_settings: Settings, dense_model: Path,
+        aof_redis: RedisServer, outage_settings: Settings, dense_model: Path,
         tmp_path: Path) -> None:
     fleet = Fleet(outage_settings, dense_model, tmp_path)
     try:
