@@ -1,7 +1,8 @@
 """The coordinator's Python API: submit requests, follow their events, cancel, watch the fleet.
 
 ``Coordinator(settings).submit(request)`` validates at the edge (protocol, model, live worker,
-context) and queues one rq job running ``worker.service.jobs.run_generation`` with the JSON
+context), routes it to the worker holding its prefix when one has room (``routing.py``), and
+queues one rq job running ``worker.service.jobs.run_generation`` with the JSON
 serializer; the returned ``JobHandle`` streams the job's events transparently across attempts
 (a crashed worker's job re-runs elsewhere) and gives the final result.
 """
@@ -23,6 +24,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.events import StreamCursor, follow
+from coordinator.routing import choose_holder
 from coordinator.validation import SubmitError, check_admission, choose_tier, parse_request
 from shared import doorbell
 from shared.cancel import request_cancel
@@ -34,6 +36,7 @@ from shared.protocol import (
     FinalEvent,
     GenerationRequest,
     JobStatus,
+    Priority,
     Telemetry,
     TokenEvent,
     TokenLogprob,
@@ -211,16 +214,31 @@ class Coordinator:
         tier = choose_tier(req, workers)
         if tier is not None:
             self._record_tier(req.model, tier)
-        queue = self._queue(self.keys.queue(req.model, req.priority, tier))
-        # Only what the request set travels: an unset speculative field means "the worker's
-        # capacity" (shared/capacity.py), which a filled-in default would override.
-        queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json", exclude_unset=True),
-                      job_id=job_id,
-                      job_timeout=self.settings.job_timeout_seconds,
-                      result_ttl=self.settings.result_ttl_seconds,
-                      failure_ttl=self.settings.result_ttl_seconds,
-                      meta={"model": req.model, "custom_id": req.custom_id})
-        doorbell.ring(self.connection, self.keys, req.model)
+        shared = self.keys.queue(req.model, req.priority, tier)
+        route = choose_holder(self.connection, self.keys, req, workers, tier)
+        meta = {"model": req.model, "custom_id": req.custom_id}
+        if route is not None:  # recovery sends it back there if its holder dies or leaves
+            meta["shared_queue"] = shared
+        queue = self._queue(shared if route is None
+                            else self.keys.own_queue(req.model, route.worker, req.priority))
+        with self.connection.pipeline() as pipe:
+            pipe.multi()  # the job, its holder's listing and its ring land together
+            # Only what the request set travels: an unset speculative field means "the
+            # worker's capacity" (shared/capacity.py), which a filled-in default would override.
+            queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json", exclude_unset=True),
+                          job_id=job_id,
+                          job_timeout=self.settings.job_timeout_seconds,
+                          result_ttl=self.settings.result_ttl_seconds,
+                          failure_ttl=self.settings.result_ttl_seconds,
+                          meta=meta, pipeline=pipe)
+            if route is not None:
+                pipe.zadd(self.keys.holders(req.model), {route.worker: route.n_ctx})
+            doorbell.ring_in(pipe, self.keys, req.model, route.worker if route else None)
+            pipe.hincrby(self.keys.routing(req.model), "holder" if route else "shared", 1)
+            pipe.execute()
+        if route is not None:
+            log.info("prefix.routed", job_id=job_id, model=req.model, worker=route.worker,
+                     depth_blocks=route.depth_blocks, free_slots=route.free_slots)
         log.info("job.queued", job_id=job_id, model=req.model, attempt=0, queue=queue.name,
                  priority=str(req.priority), max_tokens=req.max_tokens,
                  seed=req.sampling.seed)
@@ -260,8 +278,15 @@ class Coordinator:
 
     def queue_depths(self, model: str) -> dict[str, int]:
         """Jobs waiting per queue of one model."""
-        return {name: self._queue(name).count
-                for name in self.keys.queues(model, self.context_tiers(model))}
+        return {name: self._queue(name).count for name in self.queue_names(model)}
+
+    def queue_names(self, model: str) -> list[str]:
+        """Every queue of ``model``: each priority of each context tier, then the own
+        queues of every worker jobs were routed to (``Keys.holders``)."""
+        holders = sorted(text(w) for w in self.connection.zrange(self.keys.holders(model), 0, -1))
+        return self.keys.queues(model, self.context_tiers(model)) + [
+            self.keys.own_queue(model, w, p) for w in holders
+            for p in (Priority.HIGH, Priority.NORMAL)]
 
     def context_tiers(self, model: str) -> list[int]:
         """Every context tier a worker of ``model`` has served (``Keys.tiers``)."""

@@ -26,7 +26,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
-from shared.protocol import WorkerInfo
+from shared.protocol import Telemetry, WorkerInfo
 
 #: Content type of :func:`render_fleet_metrics`'s body (Prometheus text exposition 0.0.4).
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -60,6 +60,10 @@ class WorkerRow:
     replays_per_second: float
     host_fallbacks: int
     checkpoint_mode: str | None
+    #: Share of requests that reused a cached prefix (of those placed with the cache on), and
+    #: the prompt tokens it served instead of prefilling them.
+    prefix_hit_rate: float
+    cached_tokens: int
     #: The whole lifetime telemetry the worker published (None before its first heartbeat
     #: with one).
     telemetry: dict[str, Any] | None
@@ -106,7 +110,13 @@ def worker_row(info: WorkerInfo, now: float) -> WorkerRow:
         replays_per_second=replays / wall if wall > 0 else 0.0,
         host_fallbacks=t.host_fallbacks if t else 0,
         checkpoint_mode=t.checkpoint_mode if t else None,
+        prefix_hit_rate=_hit_rate(t), cached_tokens=t.cached_tokens if t else 0,
         telemetry=t.model_dump(mode="json") if t else None)
+
+
+def _hit_rate(t: Telemetry | None) -> float:
+    placed = t.prefix_hits + t.prefix_misses if t else 0
+    return t.prefix_hits / placed if t and placed else 0.0
 
 
 def _oldest_wait(queue: Queue, now: float) -> float:
@@ -128,11 +138,12 @@ def _oldest_wait(queue: Queue, now: float) -> float:
 def queue_rows(coordinator: Coordinator, models: set[str], now: float) -> list[QueueRow]:
     """Depth and head-of-queue wait of every queue of ``models``: each priority of each
     context tier (``tier`` is the queue name after the model's: ``ctx1024:high``, ``high``,
-    ``normal`` for the untiered normal queue)."""
+    ``normal`` for the untiered normal queue) and of each worker's own queues (``w:NAME``,
+    ``w:NAME:high``: jobs routed to it for the prefix it holds)."""
     rows = []
     for model in sorted(models):
         base = coordinator.keys.queue(model)
-        for name in coordinator.keys.queues(model, coordinator.context_tiers(model)):
+        for name in coordinator.queue_names(model):
             queue = Queue(name, connection=coordinator.connection, serializer=JSONSerializer)
             rows.append(QueueRow(model=model, tier=name[len(base) + 1:] or "normal",
                                  depth=queue.count,
@@ -178,7 +189,31 @@ def render_fleet_metrics(coordinator: Coordinator) -> bytes:
     for w in snapshot.workers:
         age.labels(w.name, w.model, w.device).set(w.heartbeat_age_seconds)
     registry.register(_PublishedTelemetry(snapshot.workers))
+    registry.register(_Routing(coordinator, snapshot.models()))
     return generate_latest(registry)
+
+
+class _Routing:
+    """Submits per model by where they were queued (``Keys.routing``): ``to="holder"``, a
+    worker holding the prompt's prefix; ``to="shared"``, the model's shared queues."""
+
+    def __init__(self, coordinator: Coordinator, models: list[str]) -> None:
+        self._coordinator = coordinator
+        self._models = models
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(f"{PREFIX}prefix_routing", "Submits by where they were "
+                                     "queued: a prefix holder's own queue or the shared ones",
+                                     labels=["model", "to"])
+        keys = self._coordinator.keys
+        with self._coordinator.connection.pipeline(transaction=False) as pipe:
+            for model in self._models:
+                pipe.hgetall(keys.routing(model))
+            counts = pipe.execute()
+        for model, count in zip(self._models, counts, strict=True):
+            for to in ("holder", "shared"):
+                family.add_metric([model, to], int(count.get(to.encode(), 0)))
+        return [family]
 
 
 class _PublishedTelemetry:

@@ -31,17 +31,47 @@ class Keys:
         base = f"{self.prefix}:{model}" + (f":ctx{ctx}" if ctx is not None else "")
         return f"{base}:high" if priority is Priority.HIGH else base
 
-    def queues(self, model: str, ctx_tiers: Sequence[int] = ()) -> list[str]:
+    def queues(self, model: str, ctx_tiers: Sequence[int] = (),
+               worker: str | None = None) -> list[str]:
         """Queues a worker of ``model`` listens on, in the order it takes from them: high
-        priority first; within a priority the largest context tier first (a big worker
-        serves first what only it can), the untiered queue last."""
+        priority first; within a priority the worker's own queue first (``worker``: the
+        jobs routed to it for the prefix it holds), then the largest context tier (a big
+        worker serves first what only it can), the untiered queue last."""
         tiers = sorted(set(ctx_tiers), reverse=True)
-        return [self.queue(model, p, t) for p in (Priority.HIGH, Priority.NORMAL)
-                for t in (*tiers, None)]
+        own = [worker] if worker is not None else []
+        return [name for p in (Priority.HIGH, Priority.NORMAL)
+                for name in ([self.own_queue(model, w, p) for w in own]
+                             + [self.queue(model, p, t) for t in (*tiers, None)])]
 
-    def doorbell(self, model: str) -> str:
-        """List an idle worker of ``model`` blocks on; every enqueue pushes one ring."""
-        return f"{self.prefix}:doorbell:{model}"
+    def own_queue(self, model: str, worker: str, priority: Priority = Priority.NORMAL) -> str:
+        """rq queue of the jobs routed to one worker because it holds their prefix
+        (``docs/service.md``, prefix-affinity routing); other workers of the model take from
+        it only once it has waited, and crash recovery moves it to the shared queues."""
+        base = f"{self.prefix}:{model}:w:{worker}"
+        return f"{base}:high" if priority is Priority.HIGH else base
+
+    def holders(self, model: str) -> str:
+        """Sorted set of the workers of ``model`` that jobs were routed to (score: their
+        per-slot context), so every worker finds the own queues it may take from when idle,
+        also those of a worker that has since died or left."""
+        return f"{self.prefix}:holders:{model}"
+
+    def prefix_blocks(self, model: str, worker: str) -> str:
+        """Hash of the prefix block digests a worker's slots hold (``shared/prefix_digest``:
+        a field per digest) and its busy slots (field ``busy``), rewritten as each job starts
+        and ends, expiring with the worker's registration."""
+        return f"{self.prefix}:prefix:{model}:{worker}"
+
+    def routing(self, model: str) -> str:
+        """Hash counting submits of ``model`` by where they were queued (``holder``: a
+        worker's own queue, ``shared``: the model's queues), for the fleet metrics."""
+        return f"{self.prefix}:routing:{model}"
+
+    def doorbell(self, model: str, worker: str | None = None) -> str:
+        """List an idle worker of ``model`` blocks on; every enqueue pushes one ring. With
+        ``worker``, that worker's own bell, rung for a job routed to it alone."""
+        own = f":w:{worker}" if worker is not None else ""
+        return f"{self.prefix}:doorbell:{model}{own}"
 
     def tiers(self, model: str) -> str:
         """Sorted set of the context tiers of a model (every per-slot context a worker of it

@@ -4,7 +4,9 @@ rq's own abandoned-job cleanup runs every 10 minutes and then fails the job; thi
 in every worker's heartbeat thread (and in ``Coordinator.fleet()``), so a dead worker's jobs
 are running again within ``worker_ttl + heartbeat`` seconds. Exactly one monitor recovers a
 given worker: the claim is an atomic ``ZREM`` of its name from the fleet set. The jobs are
-the worker's in-flight list, which its intake filled atomically as it took each job.
+the worker's in-flight list, which its intake filled atomically as it took each job, and the
+jobs routed to it that still wait in its own queues (:func:`hand_back`, also run when a worker
+leaves): every one goes back to the front of the shared queue it would have waited on.
 
 A Redis that has just restarted expired every registration while it was down (TTLs are
 absolute times), though the workers are alive and reconnecting. Until Redis has been up for
@@ -23,7 +25,9 @@ from shared import doorbell
 from shared.event_stream import EventWriter
 from shared.keys import Keys
 from shared.logs import get_logger
+from shared.protocol import Priority
 from shared.registry import FleetRegistry
+from shared.replies import text
 from shared.settings import Settings
 
 log = get_logger("recovery")
@@ -33,12 +37,41 @@ _UNFINISHED = {JobStatus.QUEUED, JobStatus.STARTED}
 
 
 def requeue_front(connection: Redis, keys: Keys, job_id: str) -> Job | None:
-    """Put a job back at the front of its queue and ring its model's doorbell; None when it
-    no longer exists."""
+    """Put a job back at the front of its shared queue and ring its model's doorbell; None
+    when it no longer exists."""
     job = _fetch(connection, job_id)
     if job is not None:
         _requeue_front(connection, keys, job)
     return job
+
+
+def hand_back(connection: Redis, keys: Keys, name: str) -> list[str]:
+    """The jobs waiting in a worker's own queues (routed to it for its prefixes), requeued
+    at the front of their shared queues in their order, and what it published as held
+    dropped: the worker died or is leaving. Each id moves atomically into the worker's
+    in-flight list first, so a thief taking from the same queue never gets it twice and a
+    crash here leaves it where recovery looks. Returns the ids requeued."""
+    handed: list[str] = []
+    inflight = keys.inflight(name)
+    for model in sorted(text(m) for m in connection.smembers(keys.models())):
+        # First out of the holders, so a job routed from now on re-adds it (thieves find it).
+        with connection.pipeline(transaction=True) as pipe:
+            pipe.zrem(keys.holders(model), name)
+            pipe.delete(keys.prefix_blocks(model, name))
+            pipe.execute()
+        for priority in (Priority.HIGH, Priority.NORMAL):
+            own = Queue(keys.own_queue(model, name, priority), connection=connection).key
+            # From the tail, each to the front: the shared queue keeps their order.
+            while (raw := connection.lmove(own, inflight, "RIGHT", "LEFT")) is not None:
+                job = _fetch(connection, text(raw))
+                if job is None or job.get_status(refresh=False) is not JobStatus.QUEUED:
+                    connection.lrem(inflight, 1, text(raw))  # expired, or cancelled meanwhile
+                    continue
+                _requeue_front(connection, keys, job, release=inflight)
+                handed.append(job.id)
+                log.info("job.handed_back", job_id=job.id, worker=name, model=model,
+                         queue=job.origin)
+    return handed
 
 
 def _fetch(connection: Redis, job_id: str) -> Job | None:
@@ -48,20 +81,27 @@ def _fetch(connection: Redis, job_id: str) -> Job | None:
         return None
 
 
-def _requeue_front(connection: Redis, keys: Keys, job: Job) -> None:
+def _requeue_front(connection: Redis, keys: Keys, job: Job, release: str | None = None) -> None:
     """Remove ``job`` from the started registry (its executions) and the failed registry,
     so rq's own cleanup can never later mark the re-run as abandoned, enqueue it at the
-    front of its queue and ring its model's doorbell: one transaction, so the job is never
-    requeued without leaving the registries, nor left waiting without a ring."""
-    queue = Queue(job.origin, connection=connection, serializer=JSONSerializer)
+    front of its shared queue (a job routed to a worker's own queue goes back to the one it
+    would have waited on, ``meta["shared_queue"]``: that worker is gone or leaving), leave
+    the in-flight list ``release`` and ring its model's doorbell: one transaction, so the
+    job is never requeued without leaving the registries, nor left waiting without a ring."""
+    origin = Queue(job.origin, connection=connection, serializer=JSONSerializer)
+    meta = job.meta or {}
+    queue = Queue(meta.get("shared_queue", job.origin), connection=connection,
+                  serializer=JSONSerializer)
     job.started_at = None
     job.ended_at = None
     with connection.pipeline() as pipe:
         pipe.multi()  # explicit, so rq's enqueue adds to this transaction instead of opening one
-        queue.started_job_registry.remove_executions(job, pipeline=pipe)
-        queue.failed_job_registry.remove(job, pipeline=pipe)
+        origin.started_job_registry.remove_executions(job, pipeline=pipe)
+        origin.failed_job_registry.remove(job, pipeline=pipe)
         queue.enqueue_job(job, pipeline=pipe, at_front=True)
-        doorbell.ring_in(pipe, keys, (job.meta or {}).get("model", ""))
+        if release is not None:
+            pipe.lrem(release, 1, job.id)
+        doorbell.ring_in(pipe, keys, meta.get("model", ""))
         pipe.execute()
 
 
@@ -86,9 +126,10 @@ class RecoveryMonitor:
         return requeued
 
     def recover(self, name: str) -> list[str]:
-        """Requeue every job a dead worker called ``name`` held (after a crash, at the
-        start of its successor under the same name, or once claimed by a sweep)."""
-        requeued = []
+        """Requeue every job a dead worker called ``name`` held or had waiting in its own
+        queues (after a crash, at the start of its successor under the same name, or once
+        claimed by a sweep)."""
+        requeued = hand_back(self._conn, self._keys, name)
         for job_id in self._registry.take_jobs(name):
             job = _fetch(self._conn, job_id)
             log.warning("worker.lost", worker=name, job_id=job_id,

@@ -1,7 +1,7 @@
 """``specfleet top``: a live view of the fleet from Redis (``--once --json`` for scripts).
 
 Per worker: device, model, busy/total slots, fitted context, tok/s, acceptance, replays/s,
-host fallbacks, current job and heartbeat age; per model and tier: queue depth and how long
+host fallbacks, prefix-cache hit rate, current job and heartbeat age; per model and tier: queue depth and how long
 the head of the queue has waited. Rates are the workers' own lifetime telemetry (published
 with every heartbeat), per second of generation: see coordinator/metrics.py.
 """
@@ -27,12 +27,13 @@ from shared.logs import configure_logging
 def render(snapshot: FleetSnapshot) -> Group:
     """The two tables of one snapshot."""
     workers = Table("worker", "model", "device", "slots", "ctx", "tok/s", "accept",
-                    "replays/s", "fallbacks", "job", "heartbeat", title="workers")
+                    "replays/s", "fallbacks", "prefix hits", "job", "heartbeat",
+                    title="workers")
     for w in snapshot.workers:
         workers.add_row(w.name, w.model, w.device, f"{w.busy_slots}/{w.slots}", str(w.n_ctx),
                         f"{w.tokens_per_second:.1f}", f"{w.acceptance:.3f}",
                         f"{w.replays_per_second:.2f}", str(w.host_fallbacks),
-                        " ".join(w.current_jobs) or "-", f"{w.heartbeat_age_seconds:.1f}s")
+                        f"{w.prefix_hit_rate:.0%}", " ".join(w.current_jobs) or "-", f"{w.heartbeat_age_seconds:.1f}s")
     queues = Table("model", "tier", "queued", "oldest wait", title="queues")
     for q in snapshot.queues:
         queues.add_row(q.model, q.tier, str(q.depth), f"{q.oldest_wait_seconds:.1f}s")

@@ -114,9 +114,16 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(
         assert w["busy_slots"] == 0 and w["current_jobs"] == []
         assert w["tokens_per_second"] > 0 and w["replays_per_second"] == 0
         assert w["host_fallbacks"] == 0
+        # Every job was placed with the prefix cache on: the hit rate is the jobs' own.
+        mine = [r.telemetry for r in results if r.worker == w["name"] and r.telemetry]
+        assert sum(t.prefix_hits + t.prefix_misses for t in mine) == len(mine)
+        hits = sum(t.prefix_hits for t in mine)
+        assert w["prefix_hit_rate"] == pytest.approx(hits / len(mine) if mine else 0.0)
+        assert w["cached_tokens"] == sum(t.cached_tokens for t in mine)
     assert all(q["depth"] == 0 for q in done["queues"])
     text = specfleet("top", "--once", env=fleet.env(0.0, {}), timeout=60)
     assert text.returncode == 0 and all(name in text.stdout for name in NAMES), text.stderr
+    assert "prefix hits" in text.stdout
     listed = specfleet("fleet", "--json", env=fleet.env(0.0, {}), timeout=60)
     assert listed.returncode == 0, listed.stderr
     published = {w["name"]: w["telemetry"]["generated_tokens"]

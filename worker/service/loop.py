@@ -36,6 +36,7 @@ from worker.service.jobs import (
     WorkerRuntime,
     refuse,
 )
+from worker.service.prefix_presence import PrefixPresence
 from worker.service.rq_state import (
     PoisonedJob,
     end_execution,
@@ -71,9 +72,12 @@ class ServingLoop:
     a failing job never stops the others.
     """
 
-    def __init__(self, runtime: WorkerRuntime, intake: JobIntake) -> None:
+    def __init__(self, runtime: WorkerRuntime, intake: JobIntake,
+                 prefixes: PrefixPresence) -> None:
         self.runtime = runtime
         self.intake = intake
+        #: What each slot holds, published for prefix-affinity routing.
+        self.prefixes = prefixes
         #: rq's record of this worker, marked busy or idle (set once it is started).
         self.presence: SimpleWorker | None = None
         self.stopping = threading.Event()
@@ -149,6 +153,8 @@ class ServingLoop:
             self._log_crash(job.id, exc)
             return
         self._running[slot.seq] = _Running(job, execution, run, slot)
+        req = run.req
+        self._ride(lambda: self.prefixes.admitted(slot.seq, req), "prefix.publish")
 
     # -- one engine step for every slot ----------------------------------------------------
     def _step(self) -> None:
@@ -161,6 +167,7 @@ class ServingLoop:
         try:
             updates = rt.engine.step()
         except Exception as exc:  # the engine dropped every active slot: each job failed
+            self._ride(lambda: self.prefixes.dropped(list(self._running)), "prefix.publish")
             for r in list(self._running.values()):
                 r.run.fail(exc)
                 self._close(r, partial(mark_failed, job=r.job, execution=r.execution,
@@ -176,6 +183,10 @@ class ServingLoop:
 
     def _complete(self, r: _Running, result: GenerationResult) -> None:
         rt = self.runtime
+        # Before the final event: a client's next turn, sent once it has this one's answer,
+        # already finds it published.
+        self._ride(lambda: self.prefixes.ended(r.slot.seq, r.run.req, result.text,
+                                               result.tokens), "prefix.publish")
         try:
             final = r.run.finish(result)
         except JobInterrupted as exc:

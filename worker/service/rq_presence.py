@@ -27,21 +27,24 @@ log = get_logger("worker")
 
 class ContextTiers:
     """The context tiers of a model this worker serves: every tier up to its own per-slot
-    context. Registering adds its own to the model's tier set; :meth:`queues` reads the set
-    again (each heartbeat), so a tier that appears later is served from then on."""
+    context, and its own queues (jobs routed to ``worker`` for the prefixes it holds).
+    Registering adds its own to the model's tier set; :meth:`queues` reads the set again
+    (each heartbeat), so a tier that appears later is served from then on."""
 
-    def __init__(self, connection: Redis, keys: Keys, model: str, n_ctx: int) -> None:
+    def __init__(self, connection: Redis, keys: Keys, model: str, n_ctx: int,
+                 worker: str) -> None:
         self._conn = connection
         self._keys = keys
         self._model = model
         self._n_ctx = n_ctx
+        self._worker = worker
         connection.zadd(keys.tiers(model), {str(n_ctx): n_ctx})
 
     def queues(self) -> list[str]:
         """The queue names to take from, in order (``Keys.queues``)."""
         tiers = [int(text(t)) for t in self._conn.zrangebyscore(self._keys.tiers(self._model),
                                                                 0, self._n_ctx)]
-        return self._keys.queues(self._model, tiers)
+        return self._keys.queues(self._model, tiers, self._worker)
 
 
 def _pid_alive(pid: int) -> bool:

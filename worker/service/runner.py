@@ -25,7 +25,7 @@ from shared.cancel import request_cancel
 from shared.logs import get_logger
 from shared.outage import RedisOutage
 from shared.protocol import FitReport, WorkerCapacity, WorkerInfo
-from shared.recovery import RecoveryMonitor
+from shared.recovery import RecoveryMonitor, hand_back
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
 from shared.settings import Settings
@@ -39,6 +39,7 @@ from worker.service.intake import JobIntake
 from worker.service.jobs import WorkerRuntime
 from worker.service.loop import ServingLoop
 from worker.service.metrics import start_worker_metrics
+from worker.service.prefix_presence import PrefixPresence
 from worker.service.rq_presence import ContextTiers, RqPresence, check_name_free
 from worker.service.startup import (
     WorkerOptions,
@@ -90,14 +91,16 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         capacity=runtime.capacity,
         chat_template=True, n_vocab=engine.model.n_vocab,
         chat_template_source=choose_template(engine.model, settings.chat_template).source,
-        metrics_port=metrics.port)
+        metrics_port=metrics.port, prefix_cache=engine.config.prefix_cache)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
     monitor = RecoveryMonitor(connection, registry, settings)
-    tiers = ContextTiers(connection, keys, options.model_name, runtime.n_ctx)
+    tiers = ContextTiers(connection, keys, options.model_name, runtime.n_ctx, name)
     queues = [Queue(q, connection=connection, serializer=JSONSerializer,
                     default_timeout=settings.job_timeout_seconds) for q in tiers.queues()]
+    prefixes = PrefixPresence(connection, keys, options.model_name, name,
+                              settings.worker_ttl_seconds, engine.config.prefix_cache)
     loop = ServingLoop(runtime, JobIntake(connection, keys, name, options.model_name,
-                                          tiers.queues()))
+                                          tiers.queues(), runtime.n_ctx), prefixes)
     presence = RqPresence.start(
         connection, name, queues, on_shutdown=loop.stopping.set,
         on_stop_job=lambda job_id: request_cancel(connection, keys, job_id,
@@ -117,6 +120,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
 
     def on_tick() -> None:
         presence.heartbeat()
+        prefixes.refresh()
         loop.intake.listen(tiers.queues())
         metrics.job_requeued("lost", len(monitor.sweep()))
 
@@ -141,6 +145,8 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         metrics.close()
         runtime.cancels.close()
         try:
+            # jobs routed here that it will not run: back to the shared queues, first
+            metrics.job_requeued("shutdown", len(hand_back(connection, keys, name)))
             registry.deregister(name)
             presence.stop()
         except Exception as exc:  # Redis gone for good: the TTL and recovery take over
