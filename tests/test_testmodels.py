@@ -2,14 +2,18 @@
 
 Other tests lean on these facts: the hybrid has an MTP head and its twin has none, the files
 are reproducible, greedy margins are wide (so batch-width numerics cannot flip an argmax) and
-speculation on them is non-trivial (full accepts and rejections both happen).
+speculation on them is non-trivial (full accepts and rejections both happen). The SWA model
+really slides: its window changes the output, its cache drops old cells, and its SWA-only
+state is the window's cells and restores exactly (what prefix reuse on Gemma relies on).
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import gguf
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -26,10 +30,14 @@ from worker.llm import (
     capture_llama_log,
 )
 from worker.testmodels import TinyModels, write_dense_llama, write_qwen35_hybrid
-from worker.testmodels.recipe import Recipe
+from worker.testmodels.recipe import Dims, Recipe
+from worker.testmodels.tiny import SWA_LAYERS, SWA_WINDOW, write_gemma3_swa
 
 PROMPTS = ([1, 2, 3], [10, 20, 30, 40, 50], [200, 7, 7, 99])
-TINY = ("dense", "hybrid", "headless")
+TINY = ("dense", "hybrid", "headless", "swa")
+SWA_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+#: A context whose SWA cache is small: pad(min(n_ctx, n_swa + n_ubatch), 256) = 256 cells.
+SWA_CONTEXT = ContextSpec(n_ctx=1024, n_batch=32, n_ubatch=32, n_threads=2)
 
 
 def greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
@@ -93,7 +101,7 @@ def test_headless_twin_has_the_hybrids_trunk(tiny_models: TinyModels) -> None:
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
-    for write in (write_dense_llama, write_qwen35_hybrid):
+    for write in (write_dense_llama, write_qwen35_hybrid, write_gemma3_swa):
         a = write(tmp_path / "a.gguf", 3).read_bytes()
         b = write(tmp_path / "b.gguf", 3).read_bytes()
         c = write(tmp_path / "c.gguf", 4).read_bytes()
@@ -102,7 +110,7 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
         assert len(a) < 1_100_000
 
 
-@pytest.mark.parametrize("name", ["dense", "hybrid"])
+@pytest.mark.parametrize("name", ["dense", "hybrid", "swa"])
 def test_greedy_has_wide_margins_and_leaves_the_permutation_sometimes(
     tiny_models: TinyModels, name: str
 ) -> None:
@@ -134,10 +142,147 @@ def test_mtp_speculation_is_non_trivial(tiny_models: TinyModels) -> None:
         assert accepted[0] > accepted[3]  # partly accepted
 
 
-@pytest.mark.parametrize("name", ["dense", "hybrid"])
+@pytest.mark.parametrize("name", ["dense", "hybrid", "swa"])
 def test_ngram_speculation_is_non_trivial(tiny_models: TinyModels, name: str) -> None:
     for t in _spec_telemetry(getattr(tiny_models, name), SpecMethod.NGRAM, 4):
         assert 0.2 < t.acceptance < 0.95, t.acceptance
+
+
+def test_ngram_acceptance_on_a_repeated_block_prompt(swa_model: Path) -> None:
+    """A prompt of one block four times over: the drafter finds the block's n-grams in it."""
+    block = [int(t) for t in np.random.default_rng(7).integers(0, 256, 24)]
+    config = EngineConfig(str(swa_model), n_ctx=512,
+                          capacity=EngineCapacity(method=SpecMethod.NGRAM, draft_max=4))
+    with SpeculativeEngine(config) as engine:
+        acceptance = engine.generate(block * 4, 160).telemetry.acceptance
+    assert acceptance > 0.2, acceptance
+
+
+# -- the sliding-window model ------------------------------------------------------------------
+def _feed(ctx: Context, batch: Batch, tokens: list[int], pos0: int) -> None:
+    """Decode ``tokens`` at ``pos0..`` in batch-sized chunks, logits on every row."""
+    for i in range(0, len(tokens), batch.capacity):
+        ctx.decode(batch.set(tokens[i:i + batch.capacity], pos0 + i, logits=True))
+
+
+def _swa_pos_min(ctx: Context, seq: int = 0) -> int:
+    return int(llama_cpp.llama_memory_seq_pos_min(ctx.mem, seq))
+
+
+def _tokens(n: int, seed: int = 1) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
+
+
+def test_swa_model_has_its_window_and_one_global_layer(swa_model: Path, tmp_path: Path) -> None:
+    with capture_llama_log() as lines, Model(ModelSpec(str(swa_model))) as model:
+        assert llama_cpp.llama_model_n_swa(model.ptr) == SWA_WINDOW
+        assert model.n_layer == SWA_LAYERS
+        assert not model.is_recurrent
+    swa_layers = [line for line in lines if "is_swa = 1" in line]
+    global_layers = [line for line in lines if "is_swa = 0" in line and "layer   5" in line]
+    assert len(swa_layers) == SWA_LAYERS - 1 and global_layers, lines
+    other = write_gemma3_swa(tmp_path / "w16.gguf", window=16)
+    with Model(ModelSpec(str(other))) as model:
+        assert llama_cpp.llama_model_n_swa(model.ptr) == 16
+    with pytest.raises(ValueError, match="window"):
+        write_gemma3_swa(tmp_path / "w0.gguf", window=0)
+
+
+def test_the_window_changes_what_the_model_predicts(swa_model: Path, tmp_path: Path) -> None:
+    """Equal to the same weights without a window while every token sees its whole context,
+    different once the context outgrows the window: the window is not a label."""
+    wide = write_gemma3_swa(tmp_path / "wide.gguf", window=4096)
+    prompt = [1, 2, 3]
+    windowed, _ = greedy(swa_model, prompt, 120)
+    unwindowed, _ = greedy(wide, prompt, 120)
+    inside = SWA_WINDOW - len(prompt)  # tokens predicted from at most SWA_WINDOW positions
+    assert windowed[:inside] == unwindowed[:inside]
+    assert windowed != unwindowed
+
+
+def test_swa_cache_overwrites_cells_older_than_the_window(swa_model: Path) -> None:
+    """With ``swa_full=False`` (the engine's setting) 600 tokens overflow the 256-cell SWA
+    cache and its oldest positions are gone; a full-size SWA cache keeps them all."""
+    tokens = _tokens(600)
+    with Model(ModelSpec(str(swa_model))) as model:
+        for swa_full, expected_min in ((False, 600 - 256), (True, 0)):
+            with Context(model, SWA_CONTEXT.with_(swa_full=swa_full)) as ctx:
+                batch = Batch(SWA_CONTEXT.n_batch)
+                try:
+                    _feed(ctx, batch, tokens, 0)
+                finally:
+                    batch.close()
+                assert ctx.pos_max() == 599
+                assert _swa_pos_min(ctx) == expected_min, swa_full
+
+
+def test_batched_decode_matches_single_token_decodes(swa_model: Path) -> None:
+    """A verify decodes k rows at once; each must be the row a one-token decode gives, to F32
+    (and F16-KV) noise, far below the greedy margins, so batching never moves an argmax."""
+    prompt = [1, 2, 3]
+    k = 8
+    with Model(ModelSpec(str(swa_model))) as model:
+        generated, margins = greedy_on(model, prompt, 120)
+        text = prompt + generated
+        worst = 0.0
+        for start in (20, 60, 100):  # inside, past and far past the window
+            with Context(model, SWA_CONTEXT) as wide, Context(model, SWA_CONTEXT) as narrow:
+                batch = Batch(SWA_CONTEXT.n_batch)
+                try:
+                    _feed(wide, batch, text[:start], 0)
+                    wide.decode(batch.set(text[start:start + k], start, logits=True))
+                    batched = wide.logits_rows(0, k).copy()
+                    _feed(narrow, batch, text[:start], 0)
+                    single = []
+                    for i, token in enumerate(text[start:start + k]):
+                        narrow.decode(batch.set([token], start + i, logits=True))
+                        single.append(narrow.logits(0).copy())
+                finally:
+                    batch.close()
+            assert np.array_equal(batched.argmax(axis=1), np.argmax(single, axis=1))
+            worst = max(worst, float(np.abs(batched - np.array(single)).max()))
+    assert worst < 1e-2, worst
+    assert worst * 100 < margins.min(), (worst, margins.min())
+
+
+def test_swa_state_is_the_window_and_restores_exactly(swa_model: Path) -> None:
+    """The SWA-only state holds exactly the window's cells, whatever the length; restored after
+    its cells were overwritten (and the rest trimmed with seq_rm) the next decode is the same,
+    and without it the SWA layers see an empty window and the logits move."""
+    tokens = _tokens(700)
+    p = 300
+    with Model(ModelSpec(str(swa_model))) as model, Context(model, SWA_CONTEXT) as ctx:
+        d = Dims()  # a cell: K and V of every SWA layer, F16 (llama.cpp's default cache type)
+        cell_bytes = (SWA_LAYERS - 1) * 2 * d.n_head_kv * d.head_dim * 2
+        batch = Batch(SWA_CONTEXT.n_batch)
+        try:
+            _feed(ctx, batch, tokens[:200], 0)
+            size_at_200 = ctx.state_size(SWA_ONLY)
+            _feed(ctx, batch, tokens[200:p], 200)
+            size = ctx.state_size(SWA_ONLY)
+            assert size == size_at_200
+            assert SWA_WINDOW * cell_bytes <= size < (SWA_WINDOW + 1) * cell_bytes, size
+            assert size * 2 < ctx.state_size(0)  # the global layer's cells are not in it
+            saved = (ctypes.c_uint8 * size)()
+            assert ctx.state_save(saved, SWA_ONLY) == size
+
+            ctx.decode(batch.set([tokens[p]], p, logits=True))
+            reference = ctx.logits(0).copy()
+            _feed(ctx, batch, tokens[p + 1:p + 300], p + 1)
+            assert _swa_pos_min(ctx) > p  # the window before p is overwritten
+
+            assert ctx.state_restore(saved, size, SWA_ONLY) == size
+            assert _swa_pos_min(ctx) == p - SWA_WINDOW
+            assert ctx.seq_rm(p, -1)
+            ctx.decode(batch.set([tokens[p]], p, logits=True))
+            assert float(np.abs(ctx.logits(0) - reference).max()) < 1e-4
+
+            _feed(ctx, batch, tokens[p + 1:p + 300], p + 1)
+            assert ctx.seq_rm(p, -1)  # no restore: the SWA cache has nothing left before p
+            ctx.decode(batch.set([tokens[p]], p, logits=True))
+            assert float(np.abs(ctx.logits(0) - reference).max()) > 0.1
+        finally:
+            batch.close()
 
 
 @pytest.mark.gemma

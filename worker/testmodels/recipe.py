@@ -17,6 +17,8 @@ which leaves rollback and telemetry untested. Every tiny model therefore shares 
   A steep gate makes the switch nearly binary, so greedy top-1/top-2 margins stay wide.
 
 The MTP head has no switch: it predicts ``perm`` and is right whenever the switch is off.
+Gemma's blocks RMS-normalise their outputs (post-norms), so there the post-norm weights size
+what each block adds, and the switch gets an "off" unit (see :meth:`Recipe.switch`).
 Jumps stay within four cycles of eight tokens, so greedy text revisits the same n-grams.
 """
 
@@ -96,6 +98,11 @@ class Recipe:
         embd[:, CONST_DIM] = CONST_VALUE
         self.embd = embd.astype(F32)
 
+    @property
+    def token_norm(self) -> float:
+        """Length of every embedding's token part (the Fourier planes)."""
+        return float(np.sqrt(self.dims.n_embd - CONST_VALUE**2))
+
     def rng(self, name: str) -> np.random.Generator:
         return np.random.default_rng([self.seed, *name.encode()])
 
@@ -150,8 +157,16 @@ class Recipe:
         norm2 = float(rows[0] @ rows[0])
         return (rows * (self.strengths.logit_scale / norm2)).astype(F32)
 
-    def switch(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(gate, up, down) of the feed-forward switch; see the module docstring."""
+    def switch(self, name: str, post_normed: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate, up, down) of the feed-forward switch; see the module docstring.
+
+        ``post_normed`` is for blocks whose output is RMS-normalised before the residual add
+        (Gemma's ``ffn_post_norm``): there the output's size is fixed, so "off" cannot mean
+        "output ~0". One more unit, gated the opposite way, then writes the constant dimension
+        (which the output layer ignores) instead, and the normalised output points either at
+        ``J x`` (on) or at the constant dimension (off); :meth:`switch_post_norm` sizes it.
+        """
         d, s = self.dims, self.strengths
         probe = self.rng(name).standard_normal(d.n_embd - CONST_DIM - 1)
         probe /= np.linalg.norm(probe)
@@ -161,8 +176,33 @@ class Recipe:
         up = np.zeros((d.n_ff, d.n_embd))
         up[:CONST_DIM, :CONST_DIM] = np.eye(CONST_DIM)
         down = np.zeros((d.n_embd, d.n_ff))
-        down[:CONST_DIM, :CONST_DIM] = s.jump * self.jump_map()
+        down[:CONST_DIM, :CONST_DIM] = (1.0 if post_normed else s.jump) * self.jump_map()
+        if post_normed:
+            off = CONST_DIM  # the first unit after the 48 token units
+            gate[off] = -gate[0]
+            # as large as the token units' output, so neither side wins near the threshold
+            up[off, CONST_DIM] = self.token_norm / CONST_VALUE
+            down[CONST_DIM, off] = 1.0
         return gate.astype(F32), up.astype(F32), down.astype(F32)
+
+    # -- post-norm weights (blocks that RMS-normalise their output: Gemma) ------------------
+    # A post-normed block adds an output of RMS 1 (times these weights) to a stream of RMS
+    # ``stream_rms`` (Gemma scales embeddings by sqrt(n_embd)), whatever the block computed;
+    # the weights give each part the size, relative to the stream, a pre-norm block gives it.
+    def context_post_norm(self, stream_rms: float) -> np.ndarray:
+        """Post-norm weights of a context writer (attention, plain feed-forward)."""
+        d = self.dims
+        w = np.zeros(d.n_embd)
+        w[SCRATCH] = self.strengths.context * np.sqrt((d.n_embd - CONST_DIM - 1) / d.n_embd)
+        return (w * stream_rms).astype(F32)
+
+    def switch_post_norm(self, stream_rms: float) -> np.ndarray:
+        """Post-norm weights of the ``post_normed`` switch: on, it adds ``jump`` times the
+        stream's token part along ``J``; off, one stream RMS to the constant dimension."""
+        w = np.zeros(self.dims.n_embd)
+        w[:CONST_DIM] = self.strengths.jump * self.token_norm / np.sqrt(self.dims.n_embd)
+        w[CONST_DIM] = 1.0
+        return (w * stream_rms).astype(F32)
 
     # -- generic parts ---------------------------------------------------------------------
     @staticmethod

@@ -2,7 +2,8 @@
 
 No small real model with an MTP head can be downloaded, so tests write their own: a dense
 ``llama`` (KV cache only), a hybrid ``qwen35`` (gated delta-net + attention) with one NextN
-(MTP) layer, and the same hybrid without its head (the "no MTP head" path). All are F32 with
+(MTP) layer, the same hybrid without its head (the "no MTP head" path), and a ``gemma3`` with
+interleaved sliding-window attention (Gemma 3 270M's layout, in miniature). All are F32 with
 llama.cpp's built-in dummy tokenizer (``tok_0 .. tok_255``); tests drive token ids directly.
 Weights follow :mod:`worker.testmodels.recipe` so that speculation is non-trivial.
 """
@@ -33,17 +34,20 @@ SSM_CONV_KERNEL = 4
 SSM_STATE = 16
 SSM_GROUPS = 2
 SSM_HEADS = 4  # time_step_rank: number of value heads
+SWA_LAYERS = 6  # gemma3's default pattern: 5 sliding-window layers, then 1 global (layer 5)
+SWA_WINDOW = 32
 
 Tensors = Iterator[tuple[str, np.ndarray]]
 
 
 @dataclass(frozen=True)
 class TinyModels:
-    """Paths of the three tiny models built by :func:`build_tiny_models`."""
+    """Paths of the four tiny models built by :func:`build_tiny_models`."""
 
     dense: Path
     hybrid: Path
     headless: Path
+    swa: Path
 
 
 def build_tiny_models(directory: Path, seed: int = 0) -> TinyModels:
@@ -53,6 +57,7 @@ def build_tiny_models(directory: Path, seed: int = 0) -> TinyModels:
         dense=write_dense_llama(directory / "tiny-dense-llama.gguf", seed),
         hybrid=write_qwen35_hybrid(directory / "tiny-qwen35-mtp.gguf", seed),
         headless=write_qwen35_hybrid(directory / "tiny-qwen35-headless.gguf", seed, mtp=False),
+        swa=write_gemma3_swa(directory / "tiny-gemma3-swa.gguf", seed),
     )
 
 
@@ -121,6 +126,31 @@ def write_qwen35_hybrid(
     return path
 
 
+def write_gemma3_swa(path: Path, seed: int = 0, window: int = SWA_WINDOW,
+                     strengths: Strengths = DEFAULT_STRENGTHS) -> Path:
+    """Write a 6-layer F32 ``gemma3`` with a ``window``-token sliding window on layers 0-4.
+
+    Layer 5 attends globally, as every sixth layer of Gemma 3 does, so a context with
+    ``swa_full=False`` keeps two caches: a full one for layer 5 and a window-sized one whose
+    old cells are overwritten, the case prefix reuse and rollback must get right on Gemma.
+    """
+    if window < 1:  # llama.cpp reads 0 as "no sliding window": a different model, silently
+        raise ValueError(f"window must be at least 1 token, got {window}")
+    recipe = Recipe(seed, strengths=strengths)
+    d = recipe.dims
+    writer = _writer(path, "gemma3", d, n_blocks=SWA_LAYERS)
+    writer.add_key_length(d.head_dim)
+    writer.add_value_length(d.head_dim)
+    writer.add_rope_dimension_count(d.head_dim)
+    writer.add_sliding_window(window)
+    writer.add_rope_freq_base_swa(ROPE_BASE)
+    _add_tensors(writer, _skeleton(recipe))
+    for il in range(SWA_LAYERS):
+        _add_tensors(writer, _gemma3_block(recipe, il))
+    _finish(writer)
+    return path
+
+
 # -- GGUF plumbing ---------------------------------------------------------------------------
 def _writer(path: Path, arch: str, d: Dims, n_blocks: int, chat: bool = False) -> gguf.GGUFWriter:
     writer = gguf.GGUFWriter(str(path), arch)
@@ -171,11 +201,14 @@ def _skeleton(r: Recipe) -> Tensors:
 def _dense_block(r: Recipe, il: int) -> Tensors:
     d, p = r.dims, f"blk.{il}"
     yield f"{p}.attn_norm.weight", r.ones(d.n_embd)
-    yield f"{p}.attn_q.weight", r.matrix(f"{p}.q", d.n_head * d.head_dim, d.n_embd,
-                                         r.strengths.sharpness)
+    yield _query(r, p, d.n_head * d.head_dim)
     yield from _kvo(r, p)
     yield f"{p}.ffn_norm.weight", r.ones(d.n_embd)
     yield from _ffn(r, p, switch=il == DENSE_LAYERS - 1)
+
+
+def _query(r: Recipe, p: str, rows: int) -> tuple[str, np.ndarray]:
+    return f"{p}.attn_q.weight", r.matrix(f"{p}.q", rows, r.dims.n_embd, r.strengths.sharpness)
 
 
 def _kvo(r: Recipe, p: str) -> Tensors:
@@ -186,11 +219,11 @@ def _kvo(r: Recipe, p: str) -> Tensors:
     yield f"{p}.attn_output.weight", r.to_scratch(f"{p}.o", d.n_head * d.head_dim)
 
 
-def _ffn(r: Recipe, p: str, switch: bool) -> Tensors:
+def _ffn(r: Recipe, p: str, switch: bool, post_normed: bool = False) -> Tensors:
     """The last trunk block's feed-forward is the recipe's switch; others write context."""
     d = r.dims
     if switch:
-        gate, up, down = r.switch(f"{p}.switch")
+        gate, up, down = r.switch(f"{p}.switch", post_normed)
     else:
         gate = r.matrix(f"{p}.gate", d.n_ff, d.n_embd, 2.0)
         up = r.matrix(f"{p}.up", d.n_ff, d.n_embd)
@@ -209,13 +242,37 @@ def _qwen35_ffn(r: Recipe, il: int, switch: bool) -> Tensors:
 
 def _gated_attention(r: Recipe, il: int) -> Tensors:
     """Qwen3.5 attention: ``attn_q`` holds query and output gate together."""
-    d, p = r.dims, f"blk.{il}"
-    yield f"{p}.attn_q.weight", r.matrix(f"{p}.q", 2 * d.n_head * d.head_dim, d.n_embd,
-                                         r.strengths.sharpness)
-    # q and k are RMS-normalised per head here: their norm weights set the sharpness.
+    d = r.dims
+    yield from _normed_attention(r, f"blk.{il}", 2 * d.n_head * d.head_dim)
+
+
+def _normed_attention(r: Recipe, p: str, query_rows: int) -> Tensors:
+    """Attention whose q and k are RMS-normalised per head (qwen35, gemma3): there the norm
+    weights, not the projections' gain, set the sharpness."""
+    d = r.dims
+    yield _query(r, p, query_rows)
     yield f"{p}.attn_q_norm.weight", r.ones(d.head_dim) * r.strengths.sharpness
     yield f"{p}.attn_k_norm.weight", r.ones(d.head_dim)
     yield from _kvo(r, p)
+
+
+def _gemma3_block(r: Recipe, il: int) -> Tensors:
+    """Gemma 3's block: pre- and post-norms around attention and feed-forward.
+
+    The post-norms fix the size of what each half adds to the residual stream (of RMS
+    sqrt(n_embd), Gemma's embedding scale), so their weights, not the projections, size the
+    context writers and the switch; the switch is the post-normed kind (see Recipe.switch).
+    """
+    d, p = r.dims, f"blk.{il}"
+    stream_rms = float(np.sqrt(d.n_embd))
+    switch = il == SWA_LAYERS - 1
+    yield f"{p}.attn_norm.weight", r.ones(d.n_embd)
+    yield from _normed_attention(r, p, d.n_head * d.head_dim)
+    yield f"{p}.post_attention_norm.weight", r.context_post_norm(stream_rms)
+    yield f"{p}.ffn_norm.weight", r.ones(d.n_embd)
+    yield from _ffn(r, p, switch, post_normed=True)
+    yield f"{p}.post_ffw_norm.weight", (r.switch_post_norm(stream_rms) if switch
+                                        else r.context_post_norm(stream_rms))
 
 
 def _delta_net(r: Recipe, il: int) -> Tensors:
