@@ -75,8 +75,9 @@ class WrongProposer:
 
 
 def test_adaptive_width_narrows_drafts_that_keep_failing(dense_ngram: Subject) -> None:
-    """Seed 003's rule through the engine: every draft is rejected at position 0, so the
-    ceiling falls from 7 to 1 after 12 drafts (two poor drafts per step) and stays there."""
+    """The width policy (docs/engine.md, "Width policy") through the engine: every draft is
+    rejected at position 0, so the ceiling falls from 7 to 1 after 12 drafts (two poor drafts
+    per step) and stays there."""
     wrong = WrongProposer(dense_ngram.reference)
     spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=7)
     fixed = dense_ngram.engine.generate(PROMPT, TOKENS, spec, proposer=wrong)

@@ -20,8 +20,9 @@ TARGET_UBATCH = 512
 #: prompt is decoded in slices of this size mixed into the verify batches, so the other slots
 #: keep streaming while it loads.
 PREFILL_CHUNK = TARGET_UBATCH
-#: Draft-context batch width: compute buffers scale with ubatch x vocabulary (seed 000 cut
-#: it from 256 to 32); the prompt catch-up simply takes more, smaller decodes.
+#: Draft-context batch width: compute buffers scale with ubatch x vocabulary, so it is 32,
+#: not 256 (docs/engine.md, "Proposers"); the prompt catch-up simply takes more, smaller
+#: decodes.
 DRAFT_BATCH = 32
 
 

@@ -1,5 +1,6 @@
-"""How wide the next draft may be (a fixed width, or seed 003's adaptive ceiling), and how
-much of a draft with known per-token confidences is worth verifying.
+"""How wide the next draft may be (a fixed width, or the adaptive ceiling of docs/engine.md,
+"Width policy"), and how much of a draft with known per-token confidences is worth
+verifying.
 
 The loop always asks a policy and always reports back, so turning adaptation on or off is a
 choice of object, not an ``if adaptive`` in the per-token path.
@@ -42,9 +43,10 @@ class FixedWidth:
 
 
 class AdaptiveWidth:
-    """Seed 003's rule: start at ``draft_max``; two consecutive drafts that reached the
-    ceiling and accepted fewer than 3 lower it by one; a fully accepted ceiling-reaching draft
-    raises it by one; never above ``draft_max``, never below 1.
+    """The rule of docs/engine.md, "Width policy": start at ``draft_max``; two consecutive
+    drafts that reached the ceiling and accepted fewer than 3 lower it by one; a fully
+    accepted ceiling-reaching draft raises it by one; never above ``draft_max``, never
+    below 1.
 
     A draft shorter than the ceiling was cut short (p-min, no n-gram continuation, token or
     context limit, a failed draft decode) and says nothing about the ceiling, so it neither

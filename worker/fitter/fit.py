@@ -433,8 +433,9 @@ def _report(sizer: _Sizer, n_ctx: int, budget: _Budget, source: str) -> FitRepor
 
 
 def _state_details(sizer: _Sizer, n_ctx: int, fitted: Breakdown) -> dict[str, object]:
-    """Recurrent figures: exact group and checkpoint sizes, and seed 003's plane delta
-    (target at n_rs_seq = D + 1 minus at D), kept only as a diagnostic."""
+    """Recurrent figures: exact group and checkpoint sizes, and the plane delta (target at
+    n_rs_seq = D + 1 minus at D: docs/fitter.md, "What is measured how"), kept only as a
+    diagnostic."""
     if sizer.state is None:
         return {}
     one_more = sizer.target(n_ctx, sizer.specs.plan.n_rs_seq + 1)

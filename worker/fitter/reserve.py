@@ -1,6 +1,7 @@
 """Reserve every slot's checkpoint storage right after the engine loads, before serving.
 
-The device checkpoint is a separate allocation that no context breakdown shows (seed 003):
+The device checkpoint is a separate allocation that no context breakdown shows (docs/fitter.md,
+"Reservation"):
 left to the first deep rejection, runtime could have eaten the fitted headroom by then. So
 the worker allocates it at start-up through the engine's own ``CheckpointStore`` and checks
 it against what the fit measured. A failure, a zero, or a reservation that differs from the

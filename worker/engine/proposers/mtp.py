@@ -4,8 +4,8 @@ One model, two contexts. The draft context (``ctx_type = MTP``) runs only the Ne
 and an entry at position ``p`` is (token ``p``, the target's hidden state at ``p - 1``); its
 output predicts token ``p + 1``. The draft context therefore has to be kept in step with the
 target: it is fed every prompt position as the target prefills it and, after each verify,
-only the confirmed token and the accepted drafts (seed 000: the rejected tail never has to be
-computed, and the draft context never has to be rolled back).
+only the confirmed token and the accepted drafts: the rejected tail never has to be computed,
+and the draft context never has to be rolled back (docs/engine.md, "Proposers").
 
 The draft context holds as many sequences as the target (one per slot), and
 :class:`MtpDrafter` drafts for every MTP slot of an engine step together: the catch-up of

@@ -5,8 +5,8 @@ attention KV (which is trimmed by position instead). Two storages exist:
 
 - **device** (``PARTIAL_ONLY | ON_DEVICE``): llama.cpp copies the tensors into a buffer owned
   by the context, on the device holding them; our byte buffer receives only a small header.
-  No state crosses host memory, which is why it is preferred (seed 003: host checkpoints cost
-  a large share of throughput).
+  No state crosses host memory, which is why it is preferred (host checkpoints cost a large
+  share of throughput: docs/benchmarks.md, docs/rollback.md "Cost").
 - **host** (``PARTIAL_ONLY``): the whole payload is copied into one reusable host buffer.
 
 A device save can fail (llama.cpp reports it as a zero or short write, or the call raises).

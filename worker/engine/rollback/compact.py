@@ -54,7 +54,8 @@ class Reservation:
 
 
 class CompactRollback:
-    """Bounded-depth recurrent rollback with checkpoint restore and replay (seed 003)."""
+    """Bounded-depth recurrent rollback with checkpoint restore and replay (docs/rollback.md,
+    "Why compact rollback")."""
 
     def __init__(self, depth: int, draft_max: int, mode: CheckpointMode,
                  fail_device: bool, slots: int = 1) -> None:
@@ -76,7 +77,8 @@ class CompactRollback:
         start); returns the mode and the bytes reserved per slot.
 
         A device reservation that fails for one slot selects host storage for every slot: at
-        start-up a failure says the device cannot hold checkpoints this run (seed 003), and
+        start-up a failure says the device cannot hold checkpoints this run (docs/rollback.md,
+        "Checkpoint storage: device first, sticky host fallback"), and
         one mode for all slots keeps the reservation one figure the fit can check. Later save
         failures stay per slot (:class:`CheckpointStore`'s sticky fallback).
         """
