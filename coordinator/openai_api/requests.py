@@ -84,6 +84,8 @@ class Extension(_Strict):
     speculative: SpecSettings | None = None
     priority: Priority = Priority.NORMAL
     parse_special: bool = False
+    #: False: prefill this request from its first token and leave nothing cached.
+    prefix_cache: bool = True
 
 
 class StreamOptions(_Strict):
@@ -123,7 +125,8 @@ class Sampled(_Strict):
         served name an alias stands for)."""
         body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
                                 "sampling": self.sampling(),
-                                "priority": str(self.specfleet.priority)}
+                                "priority": str(self.specfleet.priority),
+                                "prefix_cache": self.specfleet.prefix_cache}
         if self.specfleet.speculative is not None:
             # Only what the request set: an unset field means "the worker's capacity".
             body["speculative"] = self.specfleet.speculative.model_dump(mode="json",

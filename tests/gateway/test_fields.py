@@ -100,6 +100,15 @@ def test_echo_and_logit_bias_reach_the_request() -> None:
         7: -100.0, 9: 3.0}
 
 
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_the_prefix_cache_opt_out_reaches_the_request(endpoint: str) -> None:
+    body = CHAT_BODY if endpoint == CHAT else COMPLETION_BODY
+    [default] = parse_body(endpoint, body).choices
+    assert GenerationRequest.model_validate(default.request).prefix_cache is True
+    [opted] = parse_body(endpoint, {**body, "specfleet": {"prefix_cache": False}}).choices
+    assert GenerationRequest.model_validate(opted.request).prefix_cache is False
+
+
 def test_aliases_resolve_to_the_served_model_and_answer_as_the_alias() -> None:
     parsed = parse_body(CHAT, {**CHAT_BODY, "model": "gpt-4o"}, {"gpt-4o": "m"})
     assert parsed.model == "gpt-4o" and parsed.choices[0].request["model"] == "m"
