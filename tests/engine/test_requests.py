@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.capacity import CapacityError
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings
 from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
@@ -58,10 +59,14 @@ def test_a_request_without_a_seed_is_given_one_that_reproduces_it(
     assert again.tokens == first.tokens
 
 
-def test_draft_max_is_clamped_to_the_engine_capacity(dense_ngram: Subject) -> None:
-    result = dense_ngram.engine.generate(PROMPT, 100, SpecSettings(method="ngram", draft_max=30))
-    assert result.telemetry.draft_max == 7
-    assert len(result.telemetry.drafted_per_position) <= 7
+def test_a_draft_max_above_the_capacity_is_refused_and_one_within_it_runs(
+        dense_ngram: Subject) -> None:
+    """The rule of shared/capacity.py, as at submit: never a silent clamp to N."""
+    with pytest.raises(CapacityError, match="draft_max 30 exceeds the worker's draft width 7"):
+        dense_ngram.engine.generate(PROMPT, 100, SpecSettings(method="ngram", draft_max=30))
+    result = dense_ngram.engine.generate(PROMPT, 100, SpecSettings(method="ngram", draft_max=5))
+    assert result.telemetry.draft_max == 5
+    assert len(result.telemetry.drafted_per_position) <= 5
     assert result.tokens == dense_ngram.reference[:100]
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from time import perf_counter
 
-from shared.capacity import effective_spec
+from shared.capacity import within_capacity
 from shared.logs import get_logger
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings, Telemetry
 from worker.engine.config import (
@@ -35,7 +35,6 @@ from worker.engine.proposers.base import Draft, Proposer
 from worker.engine.proposers.factory import (
     make_proposer,
     make_suffix_shared,
-    resolve_request_method,
     uses_mtp,
 )
 from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
@@ -146,9 +145,11 @@ class SpeculativeEngine:
         leaves no room in the per-slot context, a method the engine was not loaded for) are a
         ``ValueError`` here, before anything is allocated.
         """
-        # What the request left unset is the engine's (shared/capacity.py, as at submit).
-        spec = effective_spec(request.spec or self.config.request_defaults, self.plan.capacity())
-        method = resolve_request_method(spec.method, self.method)
+        # Narrowed to what the engine was loaded for, unset fields the engine's: the rule of
+        # shared/capacity.py, applied here once for the worker as at submit for the fleet.
+        spec = within_capacity(request.spec or self.config.request_defaults,
+                               self.plan.capacity())
+        method = spec.method
         self._check_request(request.prompt_tokens, request.max_tokens)
         free = [s for s in range(self.config.slots) if s not in self._slots]
         if not free:

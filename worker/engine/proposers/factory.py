@@ -9,7 +9,6 @@ engine was built for is an error with a message, never a silent fallback to some
 
 from __future__ import annotations
 
-from shared.capacity import narrow_method
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import Proposer
@@ -30,12 +29,6 @@ def uses_mtp(method: SpecMethod) -> bool:
 def uses_suffix(method: SpecMethod) -> bool:
     """An engine loaded for ``method`` needs row costs and an output cache."""
     return method in (SpecMethod.SUFFIX, SpecMethod.MTP_SUFFIX)
-
-
-def resolve_request_method(requested: SpecMethod, engine: SpecMethod) -> SpecMethod:
-    """A request may narrow the engine's method, never widen it (``shared.capacity``: the
-    same rule the coordinator applies at submit)."""
-    return narrow_method(requested, engine)
 
 
 def make_suffix_shared(method: SpecMethod, target: Context, batch: Batch, draft_max: int,
