@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared.capacity import capacity_refusal
+from shared.capacity import CapacityError, within_capacity
 from shared.protocol import GenerationRequest, WorkerInfo, describe_validation_error
 
 
@@ -70,11 +70,13 @@ def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
         raise SubmitError(f"model '{request.model}' has no chat template: send a prompt, or "
                           "start its workers with SPECFLEET_CHAT_TEMPLATE", param="messages")
     check_vocabulary(request, workers)
-    refusals = [(w.name, why) for w in workers if w.capacity is not None
-                and (why := capacity_refusal(request.speculative, w.capacity))]
-    if refusals:  # any live worker of the model may take the job, so each must serve it
-        name, why = refusals[0]
-        raise SubmitError(f"speculative: {why} (worker {name} of model '{request.model}')")
+    for w in workers:  # any live worker of the model may take the job, so each must serve it
+        if w.capacity is not None:
+            try:
+                within_capacity(request.speculative, w.capacity)
+            except CapacityError as exc:
+                raise SubmitError(f"speculative: {exc} (worker {w.name} of model "
+                                  f"'{request.model}')") from None
     largest = max(w.n_ctx for w in workers)
     lowest, _ = prompt_token_bounds(request)
     if lowest + request.max_tokens > largest:

@@ -21,7 +21,6 @@ import structlog
 from pydantic import ValidationError
 from redis import Redis
 
-from shared.capacity import capacity_refusal, effective_spec
 from shared.event_stream import EventWriter
 from shared.keys import Keys
 from shared.logs import get_logger
@@ -171,9 +170,10 @@ class JobRun:
         rt = self.rt
         return rt.interrupt.is_set() or rt.lost.is_set() or self._cancel.cancelled()
 
-    def reject(self, message: str) -> NoReturn:
-        """The engine refused the request at admission (a prompt it cannot hold, ...)."""
-        _reject(self.rt, self.writer, self.log, message, "request")
+    def reject(self, message: str, error_type: str = "request") -> NoReturn:
+        """The engine refused the request at admission (a prompt it cannot hold, a setting
+        beyond its capacity, ...)."""
+        _reject(self.rt, self.writer, self.log, message, error_type)
 
     def finish(self, result: GenerationResult) -> dict[str, Any]:
         """The final event of a finished (or cancelled) generation; rq's result.
@@ -243,10 +243,6 @@ def _admit(rt: WorkerRuntime, writer: EventWriter, logger: structlog.typing.Filt
     if req.model != rt.model_name:
         _reject(rt, writer, logger,
                 f"this worker serves model '{rt.model_name}', not '{req.model}'", "wrong_model")
-    refusal = capacity_refusal(req.speculative, rt.capacity)
-    if refusal is not None:
-        _reject(rt, writer, logger, f"speculative: {refusal}", "capacity")
-    req = req.model_copy(update={"speculative": effective_spec(req.speculative, rt.capacity)})
     n_vocab = rt.engine.model.n_vocab
     outside = sorted({t for t in [*(req.prompt_tokens or []), *req.sampling.logit_bias]
                       if t >= n_vocab})

@@ -23,6 +23,7 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.worker import SimpleWorker, WorkerStatus
 
+from shared.capacity import CapacityError
 from shared.logs import get_logger
 from shared.outage import RedisOutage, ride_out
 from shared.recovery import requeue_front
@@ -139,6 +140,8 @@ class ServingLoop:
             run = JobRun.open(rt, job.id, request)
             try:
                 slot = rt.engine.admit(run.slot_request())
+            except CapacityError as exc:  # shared/capacity.py: the rule applied at submit
+                run.reject(f"speculative: {exc}", "capacity")
             except ValueError as exc:
                 run.reject(str(exc))
         except RedisOutage:
