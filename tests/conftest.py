@@ -7,9 +7,9 @@ the demo extra is missing; the F16 copy is cached in ``$SPECFLEET_CACHE_DIR`` (d
 Tiers: ``make test`` runs everything (CI); ``make test-fast`` (``-m "not slow"``) leaves out
 the tests marked ``slow``. A test is marked ``slow`` here, from what it uses, never by hand:
 when it, or any fixture it requests (transitively), names one of :data:`SLOW_USES` (worker
-fleets, gateway processes, a Redis replica group, Gemma). So a
-new test lands in the right tier by using those helpers; an in-process test or one that runs
-a single short process stays fast.
+fleets, gateway processes, a Redis replica group, Gemma, statistical samples), or is marked
+``gemma``. So a new test lands in the right tier by using those helpers; an in-process test
+or one that runs a single short process stays fast.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import pytest
 from worker.testmodels import TinyModels, build_tiny_models, gemma
 
 #: Names whose use makes a test slow: they start worker processes (``Fleet``, ``live_run``),
-#: a gateway process (``Gateway``), a Redis replica group with a sentinel, or load Gemma 3 270M.
+#: a gateway process (``Gateway``), a Redis replica group with a sentinel, load Gemma 3 270M,
+#: or draw a statistical sample of thousands of generations (``plain_sample``).
 SLOW_USES = frozenset({"Fleet", "Gateway", "live_run", "sentinel_group", "gemma_path",
-                       "gemma_f16_path"})
+                       "gemma_f16_path", "plain_sample"})
 
 
 def _names(code: CodeType) -> Iterator[str]:
@@ -54,7 +55,7 @@ def _uses(item: pytest.Item) -> set[str]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``slow`` every test that uses one of :data:`SLOW_USES` (the tier rule above)."""
     for item in items:
-        if _uses(item) & SLOW_USES:
+        if _uses(item) & SLOW_USES or item.get_closest_marker("gemma") is not None:
             item.add_marker(pytest.mark.slow)
 
 
