@@ -94,5 +94,6 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
     app.add_middleware(BodyLimit, limit=gateway.max_request_bytes)
     if gateway.origins():  # outermost: a preflight is answered before keys are asked for
         app.add_middleware(CORSMiddleware, allow_origins=gateway.origins(),
-                           allow_methods=["*"], allow_headers=["*"], max_age=600)
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                           allow_headers=["*"], max_age=600)
     return app

@@ -77,7 +77,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return APIError(400, str(exc), param=exc.param, code=exc.code).response()
+        status = 404 if exc.code == "model_not_found" else 400
+        return APIError(status, str(exc), param=exc.param, code=exc.code).response()
 
     @app.exception_handler(SubmitError)
     async def _submit(_: Request, exc: SubmitError) -> JSONResponse:

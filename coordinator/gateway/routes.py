@@ -29,6 +29,7 @@ from coordinator.gateway.streaming import (
     Ending,
     completion_sse,
     endings_or_disconnect,
+    refusal,
     responses_sse,
     with_keepalive,
 )
@@ -98,9 +99,8 @@ def _served(workers: Sequence[WorkerInfo]) -> dict[str, list[WorkerInfo]]:
     return served
 
 
-def _model_object(name: str, ws: list[WorkerInfo], alias_of: str | None = None,
-                  aliases: Sequence[str] = ()) -> dict[str, Any]:
-    """One served model (or an alias of it) and its workers' capacity."""
+def _model_object(name: str, ws: list[WorkerInfo], aliases: Sequence[str]) -> dict[str, Any]:
+    """One served model, its aliases and its workers' capacity."""
     templates = sorted({w.chat_template_source for w in ws if w.chat_template_source})
     return {"id": name, "object": "model", "created": int(min(w.started_at for w in ws)),
             "owned_by": "specfleet",
@@ -110,7 +110,7 @@ def _model_object(name: str, ws: list[WorkerInfo], alias_of: str | None = None,
                           "chat_templates": templates,
                           "vocab_size": min((w.n_vocab for w in ws if w.n_vocab), default=None),
                           "spec_methods": sorted({m for w in ws for m in w.spec_methods}),
-                          "alias_of": alias_of, "aliases": list(aliases),
+                          "alias_of": None, "aliases": list(aliases),
                           "workers": [_capacity(w) for w in ws]}}
 
 
@@ -126,27 +126,29 @@ async def _model_objects(request: Request) -> list[dict[str, Any]]:
     workers = await asyncio.to_thread(_coordinator(request).registry.live_workers)
     served = _served(workers)
     aliases = _aliases(request)
-    objects = [_model_object(name, ws, aliases=sorted(a for a, m in aliases.items()
-                                                      if m == name))
-               for name, ws in sorted(served.items())]
-    objects += [_model_object(alias, served[model], alias_of=model)
-                for alias, model in sorted(aliases.items()) if model in served]
-    return objects
+    return [_model_object(name, ws, aliases=sorted(a for a, m in aliases.items() if m == name))
+            for name, ws in sorted(served.items())]
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    """Served models (those with a live worker), their aliases, their workers' capacity."""
+    """Served models (those with a live worker) and their workers' capacity; each lists its
+    aliases (as llama-server and vLLM do: one entry per model)."""
     return {"object": "list", "data": await _model_objects(request)}
 
 
 @router.get("/v1/models/{model_id}")
 async def model(request: Request, model_id: str) -> dict[str, Any]:
-    found = [m for m in await _model_objects(request) if m["id"] == model_id]
+    """One served model, or an alias of one (its own id, ``specfleet.alias_of``)."""
+    target = _aliases(request).get(model_id, model_id)
+    found = [m for m in await _model_objects(request) if m["id"] == target]
     if not found:
         raise APIError(404, f"no live worker serves model '{model_id}'", "not_found_error",
                        param="model", code="model_not_found")
-    return found[0]
+    if target == model_id:
+        return found[0]
+    return {**found[0], "id": model_id,
+            "specfleet": {**found[0]["specfleet"], "alias_of": target, "aliases": []}}
 
 
 @router.post("/v1/completions")
@@ -203,9 +205,19 @@ async def _finish(request: Request, job_ids: Sequence[str]) -> list[Ending] | JS
     return endings
 
 
+async def _refused_early(request: Request, job_ids: Sequence[str]) -> None:
+    """Before a stream's headers: the ``APIError`` of a job a worker refused at once (up to
+    one keep-alive interval, the most a client waits for its headers)."""
+    ending = await refusal(request.app.state.redis, _coordinator(request).keys, job_ids[0],
+                           request.app.state.keepalive_seconds)
+    if ending is not None:
+        _check([ending])
+
+
 async def _generate(request: Request, parsed: Parsed) -> Any:
     job_ids = await asyncio.to_thread(_submit_all, _coordinator(request), parsed.choices)
     if parsed.stream:
+        await _refused_early(request, job_ids)
         return _sse(request, completion_sse(
             request.app.state.redis, _coordinator(request).keys, parsed, job_ids,
             int(time.time())), job_ids)
@@ -222,6 +234,7 @@ async def responses(request: Request) -> Any:
     [job_id] = await asyncio.to_thread(_submit_all, _coordinator(request), parsed.choices)
     created = int(time.time())
     if parsed.stream:
+        await _refused_early(request, [job_id])
         sequence = EventSequence(job_id, parsed, body, created)
         return _sse(request, responses_sse(request.app.state.redis, _coordinator(request).keys,
                                            sequence), [job_id])

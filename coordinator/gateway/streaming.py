@@ -35,7 +35,15 @@ from coordinator.openai_api import replies
 from coordinator.openai_api.requests import CHAT, Parsed
 from coordinator.openai_api.responses import EventSequence
 from shared.keys import Keys
-from shared.protocol import AnyEvent, ErrorEvent, FinalEvent, JobStatus, TokenLogprob
+from shared.protocol import (
+    AnyEvent,
+    ErrorEvent,
+    FinalEvent,
+    JobStatus,
+    ProgressEvent,
+    TokenEvent,
+    TokenLogprob,
+)
 from shared.redis_client import COMMAND_RETRIES, HEALTH_CHECK_SECONDS, SOCKET_TIMEOUT
 from shared.sentinel import async_sentinel_client, is_sentinel_url
 
@@ -87,6 +95,30 @@ async def job_ending(redis: aioredis.Redis, keys: Keys, job_id: str) -> Ending:
             final = event
     assert final is not None  # the cursor is done only at a final event
     return Ending(final, error_type)
+
+
+async def refusal(redis: aioredis.Redis, keys: Keys, job_id: str,
+                  seconds: float) -> Ending | None:
+    """The ending of a job refused when a worker took it (a prompt too long for its context,
+    which only the worker can count), if that happens within ``seconds``; None once the job
+    generates, or still waits. A stream waits this long before its headers, so a refused
+    request is answered with its status instead of a 200 whose stream ends in an error."""
+    async def watch() -> Ending | None:
+        error_type = None
+        async for event in job_events(redis, keys, StreamCursor(job_id)):
+            if isinstance(event, ErrorEvent):
+                error_type = event.error_type
+            elif isinstance(event, FinalEvent):
+                return Ending(event, error_type)
+            elif isinstance(event, TokenEvent) or (isinstance(event, ProgressEvent)
+                                                   and event.stage == "generating"):
+                return None
+        return None
+
+    try:
+        return await asyncio.wait_for(watch(), seconds)
+    except TimeoutError:
+        return None
 
 
 async def until_disconnected(receive: Receive) -> None:

@@ -14,6 +14,10 @@ from typing import Any
 from coordinator.client import JobResult
 from coordinator.openai_api.requests import CHAT, NATIVE, Parsed
 from shared.protocol import FinalEvent, FinishReason, TokenLogprob
+from shared.version import package_version
+
+#: OpenAI's ``system_fingerprint``: which backend configuration answered (ours: the version).
+SYSTEM_FINGERPRINT = f"specfleet-{package_version()}"
 
 
 def finish_reason(final: FinalEvent) -> str | None:
@@ -122,7 +126,8 @@ def response_body(parsed: Parsed, finals: Sequence[FinalEvent]) -> dict[str, Any
     return {"id": completion_id(endpoint, finals[0].job_id),
             "object": "chat.completion" if endpoint == CHAT else "text_completion",
             "created": int(finals[0].ts), "model": parsed.model, "choices": choices,
-            "usage": usage(parsed, finals), "specfleet": extensions(finals)}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "usage": usage(parsed, finals),
+            "specfleet": extensions(finals)}
 
 
 def chunk(endpoint: str, completion: str, model: str, created: int, index: int = 0, *,
@@ -158,4 +163,5 @@ def usage_chunk(parsed: Parsed, completion: str, created: int,
 
 def _chunk_base(endpoint: str, completion: str, model: str, created: int) -> dict[str, Any]:
     return {"id": completion, "created": created, "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "object": "chat.completion.chunk" if endpoint == CHAT else "text_completion"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from shared.protocol import (
     MAX_SEED,
     MAX_TOKENS_CAP,
     MAX_TOP_LOGPROBS,
+    GenerationRequest,
     Priority,
     SamplingParams,
     SpecSettings,
@@ -314,6 +316,19 @@ def resolve(model: object, aliases: Mapping[str, str]) -> str | None:
     return aliases.get(model, model) if isinstance(model, str) else None
 
 
+#: What a served model's name may be (``GenerationRequest.model``: it names Redis keys).
+_SERVED_NAME = re.compile(next(rule.pattern for rule in
+                               GenerationRequest.model_fields["model"].metadata
+                               if getattr(rule, "pattern", None)))
+
+
+def check_model_name(sent: str, served: str) -> None:
+    """A name no worker can serve (``org/model``, not an alias) is an unknown model (404),
+    not a malformed request."""
+    if not _SERVED_NAME.match(served):
+        raise RequestError(f"unknown model '{sent}'", param="model", code="model_not_found")
+
+
 def parse_body(endpoint: str, body: dict[str, Any],
                aliases: Mapping[str, str] | None = None) -> Parsed:
     """Our requests for an OpenAI ``body`` sent to ``endpoint`` (``RequestError`` naming the
@@ -326,6 +341,7 @@ def parse_body(endpoint: str, body: dict[str, Any],
     except ValidationError as exc:
         raise from_validation(exc) from None
     served = resolve(parsed.model, aliases or {}) or parsed.model
+    check_model_name(parsed.model, served)
     prompts = parsed.jobs(served)
     if len(prompts) * parsed.n > MAX_CHOICES:
         raise RequestError(f"n ({parsed.n}) x prompts ({len(prompts)}) exceeds "

@@ -22,6 +22,7 @@ from coordinator.openai_api.requests import (
     Parsed,
     Sampled,
     _Strict,
+    check_model_name,
     our_messages,
     resolve,
 )
@@ -73,6 +74,7 @@ def parse_responses(body: dict[str, Any], aliases: dict[str, str]) -> tuple[Pars
     if not request.turns():
         raise RequestError("input: must hold at least one message", param="input")
     served = resolve(request.model, aliases) or request.model
+    check_model_name(request.model, served)
     job = {**request.base_request(served, request.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS),
            "messages": our_messages(request.turns())}
     return Parsed(RESPONSES, request.model, [Choice(job)], request.stream), request

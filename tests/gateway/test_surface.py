@@ -129,6 +129,14 @@ def test_requests_the_fleet_can_judge_are_400s(deployment: Deployment,
     with pytest.raises(openai.BadRequestError) as bias:
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, logit_bias={"5000": 1})
     assert bias.value.body["param"] == "sampling.logit_bias"
+    # a stream a worker refuses at once is answered with the status, not a 200
+    with pytest.raises(openai.BadRequestError) as streamed:
+        list(client.completions.create(model=MODEL_NAME, prompt="tok_1 " * 2000, max_tokens=200,
+                                       stream=True))
+    assert streamed.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as slashed:
+        client.completions.create(model="org/model", prompt=PROMPT, max_tokens=2)
+    assert slashed.value.body["code"] == "model_not_found"
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     r = httpx.post(deployment.gateway.url + "/v1/completions", content=deep, timeout=30)
     assert r.status_code == 400 and "deeper than 64" in r.json()["error"]["message"]
@@ -190,6 +198,8 @@ def test_files_list_retrieve_delete_and_cors(settings: Settings, fleet: Fleet,
         assert "access-control-allow-origin" not in other.headers
         fleet.start("w1")
         assert client.models.retrieve("gpt-4o-mini").specfleet["alias_of"] == MODEL_NAME
+        [served] = client.models.list().data  # one entry per model, its aliases listed
+        assert served.id == MODEL_NAME and served.specfleet["aliases"] == ["gpt-4o-mini"]
         reply = client.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=2)
         assert reply.model == "gpt-4o-mini" and reply.usage.completion_tokens == 2
     finally:
