@@ -16,7 +16,10 @@ from .cli import parse_specfleet
 from .files import DOCKERFILE, GLOBAL, ROOT, Stage, dockerfile_stages
 
 RUNTIMES = ("cli", "worker", "gateway", "worker-cuda")
-BUILDERS = {"cli": "build", "worker": "build", "gateway": "build", "worker-cuda": "build-cuda"}
+BUILDERS = {"cli": "build", "worker": "build", "gateway": "build-gateway",
+            "worker-cuda": "build-cuda"}
+#: The builders that compile llama-cpp-python (the gateway's installs no model runtime).
+COMPILING = ("build", "build-cuda")
 COMPILERS = re.compile(r"\b(build-essential|cmake|gcc|g\+\+|python3-dev)\b")
 SECRET_NAMES = re.compile(r"PASSWORD|SECRET|TOKEN|API_KEYS?|CREDENTIAL", re.I)
 
@@ -54,7 +57,8 @@ def test_compiles_happen_in_build_stages_and_runtimes_copy_the_finished_env(
         for stage_name in {runtime, root.name}:
             for run in stages[stage_name].all("RUN"):
                 assert not COMPILERS.search(run.args), f"{stage_name}: compiler in {run.args!r}"
-        assert COMPILERS.search(" ".join(r.args for r in stages[builder].all("RUN")))
+        if builder in COMPILING:
+            assert COMPILERS.search(" ".join(r.args for r in stages[builder].all("RUN")))
     assert "devel" in stages["build-cuda"].base and "runtime" in stages["worker-cuda"].base
     # the devel and runtime images are the same CUDA release
     assert stages["build-cuda"].base.replace("-devel-", "-") == (
@@ -66,7 +70,7 @@ def test_the_cuda_build_compiles_llama_cpp_with_cuda_and_installs_the_cuda_extra
     build = stages["build-cuda"]
     cmake = " ".join(a.args for a in [*build.all("ARG"), *build.all("ENV")])
     assert "-DGGML_CUDA=on" in cmake and "CMAKE_CUDA_ARCHITECTURES" in cmake
-    assert any('".[cuda]"' in r.args for r in build.all("RUN"))
+    assert any('".[cuda,worker]"' in r.args for r in build.all("RUN"))
     runtime_env = " ".join(e.args for e in stages["worker-cuda"].all("ENV"))
     # NVML (the fitter) numbers GPUs by PCI bus; CUDA must too, or cuda:N is another device
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in runtime_env and "utility" in runtime_env
@@ -90,6 +94,19 @@ def test_the_pins_are_read_from_pyproject_not_repeated(stages: dict[str, Stage])
                              check=True).stdout.strip()
         assert out in expected.values(), (extraction, out)
     assert "0.3.36" not in DOCKERFILE.read_text()
+
+
+def test_the_gateway_image_installs_no_llama_cpp(stages: dict[str, Stage]) -> None:
+    """``specfleet serve`` never loads a model (tests/test_process_imports.py): its image is
+    built without the worker extra, so it neither compiles nor ships llama-cpp-python."""
+    runs = " ".join(r.args for r in stages["build-gateway"].all("RUN"))
+    assert "pip install ." in runs and "llama" not in runs and "worker" not in runs
+    assert not COMPILERS.search(runs)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    core = pyproject[pyproject.index("dependencies = ["):pyproject.index("]\n\n")]
+    assert "llama-cpp-python" not in core  # only the worker extra pulls it in
+    copies = [c.args for c in stages["gateway"].all("COPY")]
+    assert copies and all("--from=build " not in c and "demo-model" not in c for c in copies)
 
 
 def test_every_runtime_runs_as_a_non_root_user(stages: dict[str, Stage]) -> None:
