@@ -44,6 +44,7 @@ bench: install
 	$(PY) bench/spec_sampling.py
 	$(PY) bench/rollback_depth.py
 	$(PY) bench/service_overhead.py
+	$(PY) bench/prefix_reuse.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
