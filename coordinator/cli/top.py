@@ -1,9 +1,10 @@
 """``specfleet top``: a live view of the fleet from Redis (``--once --json`` for scripts).
 
 Per worker: device, model, busy/total slots, fitted context, tok/s, acceptance, replays/s,
-host fallbacks, prefix-cache hit rate, current job and heartbeat age; per model and tier: queue depth and how long
-the head of the queue has waited. Rates are the workers' own lifetime telemetry (published
-with every heartbeat), per second of generation: see coordinator/metrics.py.
+host fallbacks, prefix-cache hit rate, current job and heartbeat age; per model and tier:
+queue depth and how long the head of the queue has waited. Rates are the workers' own
+lifetime telemetry (published with every heartbeat), per second of generation: see
+coordinator/metrics.py.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def render(snapshot: FleetSnapshot) -> Group:
         workers.add_row(w.name, w.model, w.device, f"{w.busy_slots}/{w.slots}", str(w.n_ctx),
                         f"{w.tokens_per_second:.1f}", f"{w.acceptance:.3f}",
                         f"{w.replays_per_second:.2f}", str(w.host_fallbacks),
-                        f"{w.prefix_hit_rate:.0%}", " ".join(w.current_jobs) or "-", f"{w.heartbeat_age_seconds:.1f}s")
+                        f"{w.prefix_hit_rate:.0%}", " ".join(w.current_jobs) or "-",
+                        f"{w.heartbeat_age_seconds:.1f}s")
     queues = Table("model", "tier", "queued", "oldest wait", title="queues")
     for q in snapshot.queues:
         queues.add_row(q.model, q.tier, str(q.depth), f"{q.oldest_wait_seconds:.1f}s")
