@@ -228,3 +228,27 @@ def test_chat_works_on_a_model_without_a_template(settings: Settings, dense_mode
     finally:
         gateway.stop()
         plain.stop_all()
+
+
+def test_cached_prompt_tokens_are_reported_in_usage(client: openai.OpenAI) -> None:
+    """A prompt sent again is served from the worker's prefix cache; ``usage`` says how much
+    (``prompt_tokens_details.cached_tokens``: chat, completions, streamed, and the Responses
+    API's ``input_tokens_details``)."""
+    prompt = [7, 8, 9, 10, 11, 12] * 8
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2,
+                                      temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= len(prompt) == again.usage.prompt_tokens
+    assert cached == again.specfleet["telemetry"]["cached_tokens"]
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2,
+                                              temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens > 0
+    turns = [{"role": "user", "content": "tok_3 tok_4 tok_5 " * 6}]
+    client.chat.completions.create(model=MODEL_NAME, messages=turns, max_tokens=2)  # type: ignore[arg-type]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=turns, max_tokens=2)  # type: ignore[arg-type]
+    assert chat.usage.prompt_tokens_details.cached_tokens > 0
+    reply = client.responses.create(model=MODEL_NAME, input=turns[0]["content"],
+                                    max_output_tokens=2)
+    assert reply.usage.input_tokens_details.cached_tokens > 0
