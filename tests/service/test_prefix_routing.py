@@ -11,6 +11,7 @@ worker rewrites that figure only when a slot admits or ends a job.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -165,6 +166,29 @@ def test_a_killed_holders_waiting_job_runs_elsewhere_and_its_prefixes_vanish(
         assert result.status is JobStatus.FINISHED and result.worker == "w1"
         assert result.attempts == attempts
     assert sum(coordinator.queue_depths(MODEL_NAME).values()) == 0
+
+
+def test_a_leaving_holder_hands_its_waiting_jobs_back(fleet: Fleet,
+                                                      coordinator: Coordinator) -> None:
+    """SIGTERM: the running job finishes there, the routed one waiting goes to the shared
+    queue (before another worker even exists) and runs there once."""
+    fleet.start("w0", step_delay=STEP_DELAY)
+    first = coordinator.submit(_request(PREFIX)).result(timeout=60)
+    long = coordinator.submit(_request(PREFIX, max_tokens=60))
+    _busy_until_first_token(long)
+    _make_load_stale(coordinator, "w0", 0)
+    routed = coordinator.submit(_request(PREFIX + first.tokens))
+    assert ":w:w0" in _origin(coordinator, routed.job_id)
+    fleet.kill("w0", signal.SIGTERM)
+    assert fleet.procs["w0"].wait(timeout=60) == 0
+    assert coordinator.handle(long.job_id).result(timeout=5).worker == "w0"
+    assert ":w:" not in _origin(coordinator, routed.job_id)
+    assert "job.handed_back" in fleet.log("w0")
+    assert not coordinator.connection.exists(
+        coordinator.keys.prefix_blocks(MODEL_NAME, "w0"))
+    fleet.start("w1")
+    result = routed.result(timeout=60)
+    assert (result.status, result.worker, result.attempts) == (JobStatus.FINISHED, "w1", 1)
 
 
 def test_own_queues_keep_priorities(fleet: Fleet, coordinator: Coordinator) -> None:
