@@ -20,10 +20,12 @@ from helpers import SPECFLEET, free_port  # isort: skip
 class Gateway:
     """One ``specfleet serve`` subprocess on a free loopback port."""
 
-    def __init__(self, settings: Settings, logs: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, settings: Settings, logs: Path, env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = ()) -> None:
         self.settings = settings
         self.log_path = logs / f"gateway-{os.urandom(3).hex()}.log"
         self.extra_env = env or {}
+        self.args = args  # more ``specfleet serve`` options
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
 
@@ -39,7 +41,8 @@ class Gateway:
                "SPECFLEET_WORKER_TTL_SECONDS": str(self.settings.worker_ttl_seconds),
                **self.extra_env}
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([SPECFLEET, "serve", "--port", str(self.port)], env=env,
+        self.proc = subprocess.Popen([SPECFLEET, "serve", "--port", str(self.port), *self.args],
+                                     env=env,
                                      stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:

@@ -4,6 +4,8 @@ CORS, aliases, chat on a model without a template, and the 400s the fleet can ju
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ from shared.settings import Settings
 from .conftest import Deployment
 from .gateway import Gateway
 
+from helpers import SPECFLEET  # isort: skip
 from service.workers import CTX, MODEL_NAME, Fleet  # isort: skip
 
 PROMPT = [5, 17, 33, 2]
@@ -174,9 +177,9 @@ def test_responses_plain_and_streamed(client: openai.OpenAI) -> None:
 
 def test_files_list_retrieve_delete_and_cors(settings: Settings, fleet: Fleet,
                                              tmp_path: Path) -> None:
-    gateway = Gateway(settings, tmp_path, env={
-        "SPECFLEET_CORS_ORIGINS": "https://app.example", "SPECFLEET_API_KEYS": "k1",
-        "SPECFLEET_MODEL_ALIASES": f"gpt-4o-mini={MODEL_NAME}"}).start()
+    gateway = Gateway(settings, tmp_path, env={"SPECFLEET_API_KEYS": "k1"}, args=(
+        "--cors-origins", "https://app.example", "--model-alias", f"gpt-4o-mini={MODEL_NAME}",
+    )).start()
     try:
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k1", max_retries=0)
         uploaded = client.files.create(file=("a.jsonl", b'{"x": 1}\n'), purpose="batch")
@@ -252,3 +255,33 @@ def test_cached_prompt_tokens_are_reported_in_usage(client: openai.OpenAI) -> No
     reply = client.responses.create(model=MODEL_NAME, input=turns[0]["content"],
                                     max_output_tokens=2)
     assert reply.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_serve_refuses_a_malformed_alias_by_its_option(settings: Settings) -> None:
+    env = {**os.environ, "REDIS_URL": settings.redis_url, "SPECFLEET_PREFIX": settings.prefix}
+    for alias, why in (("nope", "is not ALIAS=MODEL"), (f"a={MODEL_NAME}", "names two models")):
+        args = ["--model-alias", alias] if "=" not in alias else [
+            "--model-alias", alias, "--model-alias", "a=other"]
+        done = subprocess.run([SPECFLEET, "serve", "--port", "0", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "--model-alias" in done.stderr and why in done.stderr
+
+
+@pytest.mark.gemma
+def test_the_readme_chat_example_on_the_demo_model(settings: Settings, gemma_path: Path,
+                                                   tmp_path: Path) -> None:
+    """The README's curl body on Gemma 3 270M, whose GGUF has no chat template: a 200 with
+    an answer, rendered in Gemma's turns (``architecture:gemma``)."""
+    fleet = Fleet(settings, gemma_path, tmp_path)
+    gateway = Gateway(settings, tmp_path).start()
+    try:
+        fleet.start("demo", args=("--ctx", "1024"))
+        r = httpx.post(gateway.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        model = httpx.get(gateway.url + f"/v1/models/{MODEL_NAME}").json()
+        assert model["specfleet"]["chat_templates"] == ["architecture:gemma"]
+    finally:
+        gateway.stop()
+        fleet.stop_all()
