@@ -17,7 +17,7 @@ from helpers import specfleet
 
 from coordinator.batch import BatchStore
 from coordinator.client import Coordinator
-from coordinator.gateway.schemas import NATIVE
+from coordinator.openai_api.requests import NATIVE
 from shared.event_stream import EventWriter
 from shared.protocol import JobStatus, WorkerInfo
 
