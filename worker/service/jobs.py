@@ -2,7 +2,7 @@
 
 A job is an rq job whose function is ``JOB_FUNCTION`` and whose single argument is a plain
 JSON ``GenerationRequest`` dict, so nothing is unpickled. The worker's own loop
-(``runner.py``) takes it from its queue and opens a :class:`JobRun` on the worker's
+(``loop.py``) takes it from its queue and opens a :class:`JobRun` on the worker's
 :class:`WorkerRuntime`: the model lives on the worker, never in the job, and rq never calls
 the function itself. Each run is one *attempt* (an ``INCR`` on the job's attempt
 counter): crash recovery or a shutdown requeue makes the next run attempt + 1, and the stream

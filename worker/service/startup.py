@@ -1,6 +1,6 @@
 """Worker start-up before any job: pin the device, fit (or check) the context, load, reserve.
 
-Kept apart from the serving loop (``runner.py``) because it is the part that decides what a
+Kept apart from the serving loop (``loop.py``) because it is the part that decides what a
 worker *can* do (its capacity); the loop only decides what it does next. Start-up order
 matters: the device is pinned (``CUDA_VISIBLE_DEVICES``) before llama.cpp loads, and checkpoint
 memory is reserved before any request can take the headroom.
