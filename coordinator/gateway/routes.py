@@ -49,6 +49,8 @@ public = APIRouter()
 
 #: Deepest nesting of arrays and objects a JSON body may have (OpenAI's bodies need < 10).
 MAX_JSON_DEPTH = 64
+#: Longest a stream's headers wait for its job to be taken and not refused.
+REFUSAL_WAIT_SECONDS = 1.0
 #: Why a worker refused a job (``ErrorEvent.error_type``) when the request itself is at fault:
 #: answered 400, like the refusals made before queueing.
 _REQUEST_FAULTS = frozenset({"context", "validation", "prompt", "capacity", "wrong_model"})
@@ -206,10 +208,12 @@ async def _finish(request: Request, job_ids: Sequence[str]) -> list[Ending] | JS
 
 
 async def _refused_early(request: Request, job_ids: Sequence[str]) -> None:
-    """Before a stream's headers: the ``APIError`` of a job a worker refused at once (up to
-    one keep-alive interval, the most a client waits for its headers)."""
+    """Before a stream's headers: the ``APIError`` of a job a worker refused at once (an
+    idle worker refuses within milliseconds; a queued job's stream starts after
+    :data:`REFUSAL_WAIT_SECONDS` at most, so clients with short header timeouts still get
+    their headers)."""
     ending = await refusal(request.app.state.redis, _coordinator(request).keys, job_ids[0],
-                           request.app.state.keepalive_seconds)
+                           min(REFUSAL_WAIT_SECONDS, request.app.state.keepalive_seconds))
     if ending is not None:
         _check([ending])
 
