@@ -21,8 +21,18 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator, JobHandle
+from coordinator.routing import choose_holder
 from shared.prefix_digest import BUSY_FIELD, request_digests
-from shared.protocol import GenerationRequest, JobStatus, Priority, ProgressEvent, TokenEvent
+from shared.protocol import (
+    GenerationRequest,
+    JobStatus,
+    Priority,
+    ProgressEvent,
+    TokenEvent,
+    WorkerInfo,
+)
+from shared.redis_client import connect
+from shared.settings import Settings
 
 from .workers import MODEL_NAME, Fleet
 
@@ -81,6 +91,51 @@ def test_digests_share_exactly_the_common_prefix_and_agree_across_processes() ->
     out = subprocess.run([sys.executable, "-c", code, json.dumps(turn2)], capture_output=True,
                          text=True, check=True, env={"PYTHONHASHSEED": "12345"})
     assert json.loads(out.stdout) == second
+
+
+def _registered(name: str, n_ctx: int = 512, slots: int = 1,
+                prefix_cache: bool = True) -> WorkerInfo:
+    return WorkerInfo(name=name, model_name=MODEL_NAME, model_path="m.gguf", device="cpu",
+                      n_ctx=n_ctx, slots=slots, version="0", pid=1, host="h", started_at=0.0,
+                      heartbeat_at=0.0, prefix_cache=prefix_cache)
+
+
+def test_submit_scores_holders_by_depth_then_free_slots(settings: Settings) -> None:
+    """The choice itself, against hashes as workers publish them (no worker needed)."""
+    conn, keys = connect(settings.redis_url), settings.keys
+    request = GenerationRequest(model=MODEL_NAME, prompt_tokens=PREFIX + OTHER)
+    digests = request_digests(request)
+    assert len(digests) == 4
+
+    def publish(name: str, blocks: int, busy: int) -> None:
+        key = keys.prefix_blocks(MODEL_NAME, name)
+        conn.delete(key)
+        conn.hset(key, mapping={BUSY_FIELD: busy, **dict.fromkeys(digests[:blocks], 1)})
+
+    def chosen(workers: list[WorkerInfo], req: GenerationRequest = request,
+               tier: int | None = 512) -> str | None:
+        route = choose_holder(conn, keys, req, workers, tier)
+        return route.worker if route else None
+
+    deep, wide = _registered("deep"), _registered("wide", slots=4)
+    publish("deep", 4, busy=0)
+    publish("wide", 2, busy=0)
+    assert chosen([deep, wide]) == "deep"  # the deepest prefix wins
+    publish("deep", 4, busy=1)
+    assert chosen([deep, wide]) == "wide"  # ... while it has a free slot
+    publish("deep", 2, busy=0)
+    assert chosen([deep, wide]) == "wide"  # equal depth: the most free slots
+    own = Queue(keys.own_queue(MODEL_NAME, "wide"), connection=conn).key
+    conn.rpush(own, "a", "b", "c", "d")  # jobs already routed to it count as its load
+    assert chosen([deep, wide]) == "deep"
+    publish("deep", 0, busy=0)
+    assert chosen([deep, wide]) is None  # nobody free holds a whole block: shared queues
+    publish("deep", 4, busy=0)
+    assert chosen([_registered("deep", n_ctx=256), wide]) is None  # its context is too small
+    assert chosen([_registered("deep", prefix_cache=False), wide]) is None  # cache off
+    opted_out = request.model_copy(update={"prefix_cache": False})
+    assert chosen([deep, wide], opted_out) is None
+    assert chosen([deep, wide]) == "deep"
 
 
 def test_a_request_goes_to_the_holder_of_its_prefix_and_elsewhere_when_it_is_busy(
