@@ -63,6 +63,7 @@ def cached_engine(model: Path, method: SpecMethod, slots: int, depth: int | None
 SUBJECTS = {
     "dense": ("dense_model", SpecMethod.NGRAM, None),
     "hybrid": ("hybrid_model", SpecMethod.MTP, DEPTH),
+    "swa": ("swa_model", SpecMethod.NGRAM, None),
 }
 
 
@@ -95,7 +96,7 @@ ARRIVAL = st.tuples(st.integers(0, 30), PROMPT, st.integers(1, 40),
                     st.one_of(st.none(), st.integers(0, 60)))  # cancel at this step, or never
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[
     HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schedule=st.lists(ARRIVAL, min_size=1, max_size=6))
 def test_random_schedules_with_shared_prefixes_equal_plain_greedy(
@@ -255,3 +256,27 @@ def test_a_resumed_mtp_draft_drafts_as_a_fresh_one(hybrid_model: Path) -> None:
             assert reused.prefix_restores == (how == "checkpoint")
             assert (reused.drafted_per_position, reused.accepted_per_position) == (
                 plain.drafted_per_position, plain.accepted_per_position), how
+
+
+def test_a_cut_below_the_sliding_window_restores_a_checkpoint(swa_model: Path) -> None:
+    """Once a sequence outgrows its SWA cache, the oldest window cells are overwritten:
+    cutting it back far below its end would decode with a broken window (llama.cpp does not
+    complain), so the cut comes from a prefix checkpoint, while a cut near the end is still
+    live."""
+    n_ctx = 2048
+    reference = Reference(swa_model, n_ctx)
+    doc = [random.Random(9).randrange(VOCAB) for _ in range(1600)]
+    with cached_engine(swa_model, SpecMethod.NGRAM, slots=1, n_ctx=n_ctx) as engine:
+        engine.generate(doc, 8)
+        assert engine.target.pos_min(0) > CHECKPOINT_SPACING + 100, "the window never moved"
+        deep = doc[:CHECKPOINT_SPACING + 100] + [4, 4]
+        far = engine.generate(deep, 16)
+        assert far.tokens == reference(deep, 16)
+        assert (far.telemetry.cached_tokens, far.telemetry.prefix_restores) == (
+            CHECKPOINT_SPACING, 1)
+        near = deep + far.tokens[:10] + [5]
+        close = engine.generate(near, 16)
+        assert close.tokens == reference(near, 16)
+        assert close.telemetry.prefix_restores == 0
+        assert close.telemetry.cached_tokens == len(deep) + 10
+    reference.engine.close()
