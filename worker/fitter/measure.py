@@ -109,8 +109,9 @@ def measure_context(model: Model, spec: ContextSpec, device: str, rows: int,
 def measure_prefix_checkpoint(model: Model, spec: ContextSpec) -> int:
     """Bytes of the largest prefix checkpoint of one sequence (0: none is needed), measured
     on a small real context the way the engine measures its reservation
-    (:func:`worker.engine.prefix_cache.checkpoint_bytes`)."""
-    small = spec.with_(n_ctx=_PROBE_CTX, n_batch=_PROBE_CTX, n_seq_max=1, n_rs_seq=0)
+    (:func:`worker.engine.prefix_cache.checkpoint_bytes`). The state's header depends on
+    the sequences a context holds, so the probe keeps the engine's ``n_seq_max``."""
+    small = spec.with_(n_ctx=_PROBE_CTX * spec.n_seq_max, n_batch=_PROBE_CTX)
     try:
         with Context(model, small) as ctx:
             return checkpoint_bytes(model, ctx)
