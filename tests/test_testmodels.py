@@ -30,7 +30,7 @@ from worker.llm import (
     capture_llama_log,
 )
 from worker.testmodels import TinyModels, write_dense_llama, write_qwen35_hybrid
-from worker.testmodels.recipe import Dims, Recipe
+from worker.testmodels.recipe import Dims, Recipe, Strengths
 from worker.testmodels.tiny import SWA_LAYERS, SWA_WINDOW, write_gemma3_swa
 
 PROMPTS = ([1, 2, 3], [10, 20, 30, 40, 50], [200, 7, 7, 99])
@@ -185,6 +185,58 @@ def test_swa_greedy_stays_clear_of_ties_on_random_prompts(swa_model: Path) -> No
     assert min(smallest) > 2.0, smallest
 
 
+def _full_vs_incremental(ctx: Context, batch: Batch, tokens: list[int]) -> np.ndarray:
+    """Per position, max |dlogit| between one decode of all ``tokens`` and one per token."""
+    ctx.seq_clear(0)
+    ctx.decode(batch.set(tokens, 0, logits=True))
+    full = ctx.logits_rows(0, len(tokens)).copy()
+    ctx.seq_clear(0)
+    single = []
+    for pos, token in enumerate(tokens):
+        ctx.decode(batch.set([token], pos, logits=True))
+        single.append(ctx.logits(0).copy())
+    return np.abs(full - np.array(single)).max(axis=1)
+
+
+def _greedy_conversation(ctx: Context, batch: Batch, docs: list[list[int]], first: int,
+                         turns: int) -> list[int]:
+    """A chat-like sequence: 40 tokens of one document, then ``turns`` times 24 greedy
+    tokens followed by the next 8 tokens of the next document (a user's turn)."""
+    text = docs[first][:40]
+    for turn in range(turns):
+        ctx.seq_clear(0)
+        ctx.decode(batch.set(text, 0, logits=[False] * (len(text) - 1) + [True]))
+        row, reply = len(text) - 1, []
+        for pos in range(len(text), len(text) + 24):
+            reply.append(int(np.argmax(ctx.logits(row))))
+            ctx.decode(batch.set(reply[-1:], pos, logits=True))
+            row = 0
+        user = docs[(first + 1) % len(docs)][turn * 8:turn * 8 + 8]
+        text = text + reply + user
+    return text
+
+
+def test_swa_full_batch_and_one_token_decodes_agree(swa_model: Path) -> None:
+    """Prefix reuse and speculation decode positions in other shapes (a whole prompt at once,
+    verify rows, one token at a time) than plain greedy and must reproduce it token for token:
+    on this model one decode of a whole sequence and one-token decodes give the same logits to
+    1e-3 at every position, along greedy conversations and random sequences longer than the
+    window (the sparse, position-only recipe; dense weights moved them by up to 60)."""
+    docs = [[int(t) for t in np.random.default_rng(100 + d).integers(0, 256, 160)]
+            for d in range(3)]
+    spec = ContextSpec(n_ctx=2048, n_batch=512, n_threads=2)
+    with Model(ModelSpec(str(swa_model))) as model, Context(model, spec) as ctx:
+        batch = Batch(spec.n_batch)
+        try:
+            sequences = [_greedy_conversation(ctx, batch, docs, first, turns=8)
+                         for first in range(3)]
+            sequences += [_tokens(400, seed) for seed in range(5)]
+            worst = [float(_full_vs_incremental(ctx, batch, s).max()) for s in sequences]
+        finally:
+            batch.close()
+    assert max(worst) < 1e-3, worst
+
+
 def test_swa_model_has_its_window_and_one_global_layer(swa_model: Path, tmp_path: Path) -> None:
     with capture_llama_log() as lines, Model(ModelSpec(str(swa_model))) as model:
         assert llama_cpp.llama_model_n_swa(model.ptr) == SWA_WINDOW
@@ -198,6 +250,8 @@ def test_swa_model_has_its_window_and_one_global_layer(swa_model: Path, tmp_path
         assert llama_cpp.llama_model_n_swa(model.ptr) == 16
     with pytest.raises(ValueError, match="window"):
         write_gemma3_swa(tmp_path / "w0.gguf", window=0)
+    with pytest.raises(ValueError, match="sharpness"):
+        write_gemma3_swa(tmp_path / "s2.gguf", strengths=Strengths(sharpness=2.0))
 
 
 def test_the_window_changes_what_the_model_predicts(swa_model: Path, tmp_path: Path) -> None:

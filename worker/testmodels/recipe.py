@@ -157,9 +157,13 @@ class Recipe:
         norm2 = float(rows[0] @ rows[0])
         return (rows * (self.strengths.logit_scale / norm2)).astype(F32)
 
-    def switch(self, name: str, post_normed: bool = False
+    def switch(self, name: str, post_normed: bool = False, probe_dim: int | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate, up, down) of the feed-forward switch; see the module docstring.
+
+        ``probe_dim`` makes the probe one scratch dimension instead of a random direction, so
+        each gate input is a sum of two products only (probe and threshold), which every
+        matmul kernel rounds alike (see :meth:`sparse`).
 
         ``post_normed`` is for blocks whose output is RMS-normalised before the residual add
         (Gemma's ``ffn_post_norm``): there the output's size is fixed, so "off" cannot mean
@@ -168,8 +172,11 @@ class Recipe:
         ``J x`` (on) or at the constant dimension (off); :meth:`switch_post_norm` sizes it.
         """
         d, s = self.dims, self.strengths
-        probe = self.rng(name).standard_normal(d.n_embd - CONST_DIM - 1)
-        probe /= np.linalg.norm(probe)
+        if probe_dim is None:
+            probe = self.rng(name).standard_normal(d.n_embd - CONST_DIM - 1)
+            probe /= np.linalg.norm(probe)
+        else:
+            probe = np.eye(d.n_embd - CONST_DIM - 1)[probe_dim]
         gate = np.zeros((d.n_ff, d.n_embd))
         gate[:CONST_DIM, SCRATCH] = s.gate * probe
         gate[:CONST_DIM, CONST_DIM] = -s.gate * s.threshold / CONST_VALUE
@@ -221,6 +228,22 @@ class Recipe:
         g = self.strengths.context if gain is None else gain
         out[SCRATCH] = self.matrix(name, n_scratch, n_in, g)
         return out
+
+    def sparse(self, name: str, n_out: int, n_in: int, rows: np.ndarray, columns: np.ndarray,
+               gain: float = 1.0) -> np.ndarray:
+        """An (out, in) matrix whose row ``rows[j]`` reads only column ``columns[j]``.
+
+        With one nonzero weight per row, each output is a single rounded product, whatever
+        order a kernel sums in: batched gemm and one-row gemv give the same bits, so a model
+        built from such matrices is batch-invariant (dense ones differ in the last bits, which
+        F16 roundings downstream, K/V cache and ggml's GELU table, can turn into jumps).
+        Weights are ``gain`` times a random sign times a magnitude in [0.5, 1.5).
+        """
+        rng = self.rng(name)
+        out = np.zeros((n_out, n_in))
+        magnitude = rng.uniform(0.5, 1.5, len(rows)) * rng.choice([-1.0, 1.0], len(rows))
+        out[rows, columns] = gain * magnitude
+        return out.astype(F32)
 
     def vector(self, name: str, n: int, mean: float, spread: float) -> np.ndarray:
         rng = self.rng(name)

@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from worker.testmodels.recipe import SCRATCH, Dims, Recipe, Strengths
+from worker.testmodels.recipe import CONST_DIM, SCRATCH, Dims, Recipe, Strengths
 
 DEFAULT_STRENGTHS = Strengths()
 #: Gemma's switch sits in a post-normed block, where its on/off mix flips the argmax over a
@@ -41,6 +41,13 @@ SSM_GROUPS = 2
 SSM_HEADS = 4  # time_step_rank: number of value heads
 SWA_LAYERS = 6  # gemma3's default pattern: 5 sliding-window layers, then 1 global (layer 5)
 SWA_WINDOW = 32
+#: Per layer, the two attention heads' offsets (tokens back). Offsets 0-3 win by the widest
+#: margins; layers 2-4 aim beyond the window (212, 377, 370 tokens back), where their
+#: sliding-window heads fall back to 11, 19 and 12 back, and the window-less twin does not.
+SWA_OFFSETS = ((1, 2), (3, 0), (212, 1), (377, 2), (370, 3), (1, 3))
+#: ``attn_q_norm``/``attn_k_norm`` weight: each RoPE pair adds 2 w^2 / sqrt(head_dim) = 69 x
+#: cos(...) to a score, so the smallest margin (0.55 of a pair, an offset-370 head) is ~38.
+ATTENTION_NORM = 14.0
 
 Tensors = Iterator[tuple[str, np.ndarray]]
 
@@ -138,9 +145,18 @@ def write_gemma3_swa(path: Path, seed: int = 0, window: int = SWA_WINDOW,
     Layer 5 attends globally, as every sixth layer of Gemma 3 does, so a context with
     ``swa_full=False`` keeps two caches: a full one for layer 5 and a window-sized one whose
     old cells are overwritten, the case prefix reuse and rollback must get right on Gemma.
+    With the default window, one decode of a sequence and one decode per token give the same
+    logits (to ~1e-5; see :func:`_gemma3_block`); a wider window is the same weights, whose
+    far-aiming heads then have narrow score margins, so it is not batch-invariant.
+
+    Attention here is by position, not by query gain, so ``strengths.sharpness`` has no
+    meaning for this model and a value other than the default is refused.
     """
     if window < 1:  # llama.cpp reads 0 as "no sliding window": a different model, silently
         raise ValueError(f"window must be at least 1 token, got {window}")
+    if strengths.sharpness != DEFAULT_STRENGTHS.sharpness:
+        raise ValueError(f"strengths.sharpness is not used by the gemma3 model (attention is "
+                         f"by position, sized by ATTENTION_NORM), got {strengths.sharpness}")
     recipe = Recipe(seed, strengths=strengths)
     d = recipe.dims
     writer = _writer(path, "gemma3", d, n_blocks=SWA_LAYERS)
@@ -224,11 +240,11 @@ def _kvo(r: Recipe, p: str) -> Tensors:
     yield f"{p}.attn_output.weight", r.to_scratch(f"{p}.o", d.n_head * d.head_dim)
 
 
-def _ffn(r: Recipe, p: str, switch: bool, post_normed: bool = False) -> Tensors:
+def _ffn(r: Recipe, p: str, switch: bool) -> Tensors:
     """The last trunk block's feed-forward is the recipe's switch; others write context."""
     d = r.dims
     if switch:
-        gate, up, down = r.switch(f"{p}.switch", post_normed)
+        gate, up, down = r.switch(f"{p}.switch")
     else:
         gate = r.matrix(f"{p}.gate", d.n_ff, d.n_embd, 2.0)
         up = r.matrix(f"{p}.up", d.n_ff, d.n_embd)
@@ -262,22 +278,84 @@ def _normed_attention(r: Recipe, p: str, query_rows: int) -> Tensors:
 
 
 def _gemma3_block(r: Recipe, il: int) -> Tensors:
-    """Gemma 3's block: pre- and post-norms around attention and feed-forward.
+    """Gemma 3's block, built to be batch-invariant: pre- and post-norms around attention and
+    feed-forward.
 
     The post-norms fix the size of what each half adds to the residual stream (of RMS
     sqrt(n_embd), Gemma's embedding scale), so their weights, not the projections, size the
     context writers and the switch; the switch is the post-normed kind (see Recipe.switch).
+    Every matrix before the switch's output is :meth:`Recipe.sparse` (one weight per row, or
+    two for the switch's gate) and attention is by position only (:func:`_offset_attention`),
+    so batched and one-token decodes agree bit for bit up to the output layer: dense random
+    matrices here let batch-width rounding cross F16 boundaries (the K/V cache, ggml's GELU
+    table) and moved logits by up to 60 (docs/test-models.md, "Batch invariance").
     """
     d, p = r.dims, f"blk.{il}"
     stream_rms = float(np.sqrt(d.n_embd))
     switch = il == SWA_LAYERS - 1
     yield f"{p}.attn_norm.weight", r.ones(d.n_embd)
-    yield from _normed_attention(r, p, d.n_head * d.head_dim)
+    yield from _offset_attention(r, p, SWA_OFFSETS[il])
     yield f"{p}.post_attention_norm.weight", r.context_post_norm(stream_rms)
     yield f"{p}.ffn_norm.weight", r.ones(d.n_embd)
-    yield from _ffn(r, p, switch, post_normed=True)
+    if switch:
+        probe_dim = int(r.rng(f"{p}.switch.probe").integers(d.n_embd - CONST_DIM - 1))
+        gate, up, down = r.switch(f"{p}.switch", post_normed=True, probe_dim=probe_dim)
+    else:
+        gate, up, down = _sparse_ffn(r, p)
+    yield f"{p}.ffn_gate.weight", gate
+    yield f"{p}.ffn_up.weight", up
+    yield f"{p}.ffn_down.weight", down
     yield f"{p}.post_ffw_norm.weight", (r.switch_post_norm(stream_rms) if switch
                                         else r.context_post_norm(stream_rms))
+
+
+def _offset_attention(r: Recipe, p: str, offsets: tuple[int, int]) -> Tensors:
+    """Attention whose scores depend on position only: head h peaks ``offsets[h]`` tokens back.
+
+    Queries and keys read only the constant dimension, so after ``attn_q_norm``/``attn_k_norm``
+    each is one fixed vector; RoPE (NEOX pairs ``(i, i + 16)``) turns the score into
+    ``S * sum_i cos(theta_i * (delta - offset))``: the key is 1 in every pair and the query is
+    turned back by ``theta_i * offset``. ``S`` (the norm weights) makes the best visible cell
+    win by a wide margin at every position (see :data:`ATTENTION_NORM`), so softmax is one-hot
+    in F32 and in the F16 accumulator of ggml's CPU flash attention alike: the output is that
+    cell's V exactly. An offset beyond the window makes the sliding-window head fall back to
+    a fixed cell inside it, so the window changes what the model sees.
+    """
+    d = r.dims
+    half = d.head_dim // 2
+    theta = ROPE_BASE ** (-np.arange(half) / half)
+    q = np.zeros((d.n_head * d.head_dim, d.n_embd))
+    for h, offset in enumerate(offsets):
+        q[h * d.head_dim:h * d.head_dim + half, CONST_DIM] = np.cos(theta * offset)
+        q[h * d.head_dim + half:(h + 1) * d.head_dim, CONST_DIM] = -np.sin(theta * offset)
+    k = np.zeros((d.n_head_kv * d.head_dim, d.n_embd))
+    k[:half, CONST_DIM] = 1.0
+    v_sources = r.rng(f"{p}.v.sources").choice(
+        np.delete(np.arange(d.n_embd), CONST_DIM), d.head_dim, replace=False)
+    n_scratch = d.n_embd - CONST_DIM - 1
+    o_sources = r.rng(f"{p}.o.sources").choice(d.n_head * d.head_dim, n_scratch, replace=False)
+    yield f"{p}.attn_q.weight", q.astype(np.float32)
+    yield f"{p}.attn_q_norm.weight", r.ones(d.head_dim) * ATTENTION_NORM
+    yield f"{p}.attn_k_norm.weight", r.ones(d.head_dim) * ATTENTION_NORM
+    yield f"{p}.attn_k.weight", k.astype(np.float32)
+    yield f"{p}.attn_v.weight", r.sparse(f"{p}.v", d.head_dim, d.n_embd,
+                                         np.arange(d.head_dim), v_sources)
+    yield f"{p}.attn_output.weight", r.sparse(f"{p}.o", d.n_embd, d.n_head * d.head_dim,
+                                              np.arange(d.n_embd)[SCRATCH], o_sources)
+
+
+def _sparse_ffn(r: Recipe, p: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A context writer of one GELU-gated product of two stream dimensions per scratch
+    dimension (the other units stay zero): a nonlinear record of the context, and sparse."""
+    d = r.dims
+    n_scratch = d.n_embd - CONST_DIM - 1
+    units = np.arange(n_scratch)
+    readable = np.delete(np.arange(d.n_embd), CONST_DIM)
+    rng = r.rng(f"{p}.ffn.sources")
+    gate = r.sparse(f"{p}.gate", d.n_ff, d.n_embd, units, rng.choice(readable, n_scratch), 2.0)
+    up = r.sparse(f"{p}.up", d.n_ff, d.n_embd, units, rng.choice(readable, n_scratch))
+    down = r.sparse(f"{p}.down", d.n_embd, d.n_ff, np.arange(d.n_embd)[SCRATCH], units)
+    return gate, up, down
 
 
 def _delta_net(r: Recipe, il: int) -> Tensors:
