@@ -42,12 +42,13 @@ SSM_HEADS = 4  # time_step_rank: number of value heads
 SWA_LAYERS = 6  # gemma3's default pattern: 5 sliding-window layers, then 1 global (layer 5)
 SWA_WINDOW = 32
 #: Per layer, the two attention heads' offsets (tokens back). Offsets 0-3 win by the widest
-#: margins; layers 2-4 aim beyond the window (212, 377, 370 tokens back), where their
-#: sliding-window heads fall back to 11, 19 and 12 back, and the window-less twin does not.
-SWA_OFFSETS = ((1, 2), (3, 0), (212, 1), (377, 2), (370, 3), (1, 3))
-#: ``attn_q_norm``/``attn_k_norm`` weight: each RoPE pair adds 2 w^2 / sqrt(head_dim) = 69 x
-#: cos(...) to a score, so the smallest margin (0.55 of a pair, an offset-370 head) is ~38.
-ATTENTION_NORM = 14.0
+#: margins; four sliding-window heads aim beyond the window (100, 212, 377, 370 back), fall
+#: back to 0, 11, 19 and 12 back inside it, and the window-less twin does not (offset 100:
+#: 56 back at position 60, 100 from position 100 on).
+SWA_OFFSETS = ((1, 2), (3, 100), (212, 1), (377, 2), (370, 3), (1, 3))
+#: ``attn_q_norm``/``attn_k_norm`` weight: each RoPE pair adds 2 w^2 / sqrt(head_dim) = 141 x
+#: cos(...) to a score, so the smallest margin (0.255 of a pair, the offset-100 head) is ~36.
+ATTENTION_NORM = 20.0
 
 Tensors = Iterator[tuple[str, np.ndarray]]
 
@@ -147,7 +148,7 @@ def write_gemma3_swa(path: Path, seed: int = 0, window: int = SWA_WINDOW,
     old cells are overwritten, the case prefix reuse and rollback must get right on Gemma.
     With the default window, one decode of a sequence and one decode per token give the same
     logits (to ~1e-5; see :func:`_gemma3_block`); a wider window is the same weights, whose
-    far-aiming heads then have narrow score margins, so it is not batch-invariant.
+    far-aiming heads then win by under one logit at some positions: not batch-invariant.
 
     Attention here is by position, not by query gain, so ``strengths.sharpness`` has no
     meaning for this model and a value other than the default is refused.
