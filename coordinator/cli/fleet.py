@@ -34,17 +34,18 @@ def fleet(
         print(json.dumps({"workers": [w.model_dump(mode="json") for w in workers],
                           "queues": queues}))
         return
-    table = Table("worker", "model", "device", "ctx/slot", "busy", "spec", "chat template",
-                  "jobs", "heartbeat")
+    table = Table("worker", "model", "device", "ctx/slot", "busy", "spec", "jobs", "heartbeat")
     now = time.time()
     for w in workers:
         table.add_row(w.name, w.model_name, w.device, str(w.n_ctx),
                       f"{len(w.current_jobs)}/{w.slots}", ",".join(w.spec_methods),
-                      w.chat_template_source or ("yes" if w.chat_template else "none"),
                       ", ".join(w.current_jobs) or "-", f"{now - w.heartbeat_at:.1f}s ago")
     console = Console()
     console.print(table)
+    templates = {m: sorted({w.chat_template_source or "none" for w in workers
+                            if w.model_name == m}) for m in models}
     for model, depths in queues.items():
         waiting = {q: n for q, n in depths.items() if n}
+        chat = f" (chat template: {', '.join(templates[model])})" if templates[model] else ""
         console.print(f"{model}: " + (", ".join(f"{q} {n} queued" for q, n in waiting.items())
-                                      or "nothing queued"))
+                                      or "nothing queued") + chat)

@@ -103,6 +103,7 @@ def test_fleet_and_cancel(fleet: Fleet, coordinator: Coordinator) -> None:
     while handle.job_id[:8] not in (table := _cli(fleet, "fleet").stdout):
         assert time.monotonic() < deadline, table  # the next heartbeat lists the job
     assert "1/1" in table  # busy slots / slots
+    assert f"{MODEL_NAME}: nothing queued (chat template: default:chatml)" in table
     cancelled = _cli(fleet, "cancel", handle.job_id)
     assert cancelled.returncode == 0 and handle.job_id in cancelled.stdout
     assert handle.result(timeout=30).status is JobStatus.CANCELLED
