@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -50,14 +51,32 @@ CASES = {
 }
 
 
-def _loaded(argv: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess[str],
-                                                      list[str]]:
-    out = tmp_path / "modules.json"
+@dataclass
+class Run:
+    """One sub-command's process: its exit status, stderr and ``sys.modules`` at exit."""
+
+    returncode: int
+    stderr: str
+    modules: list[str]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """Every case's process, all started at once: most of each one's time is the Redis
+    client's retry backoff, spent sleeping, so they overlap instead of queueing."""
+    workdir = tmp_path_factory.mktemp("imports")
     env = {k: v for k, v in os.environ.items() if k != "SPECFLEET_REDIS_URL"}
     env["REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
-    proc = subprocess.run([sys.executable, "-c", _PRELUDE, str(out), *argv], env=env,
-                          capture_output=True, text=True, timeout=120)
-    return proc, json.loads(out.read_text())
+    procs = {case: subprocess.Popen(
+        [sys.executable, "-c", _PRELUDE, str(workdir / f"{case}.json"), *argv], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for case, (argv, *_) in CASES.items()}
+    done = {}
+    for case, proc in procs.items():
+        _, stderr = proc.communicate(timeout=120)
+        done[case] = Run(proc.returncode, stderr,
+                         json.loads((workdir / f"{case}.json").read_text()))
+    return done
 
 
 def _forbidden(modules: list[str], roots: tuple[str, ...]) -> list[str]:
@@ -65,20 +84,19 @@ def _forbidden(modules: list[str], roots: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_process_loads_only_what_it_runs(case: str, tmp_path: Path) -> None:
+def test_a_process_loads_only_what_it_runs(case: str, runs: dict[str, Run]) -> None:
     argv, status, says, roots = CASES[case]
-    proc, modules = _loaded(argv, tmp_path)
-    assert proc.returncode == status, proc.stderr
-    assert says in proc.stderr
-    loaded = _forbidden(modules, roots)
+    run = runs[case]
+    assert run.returncode == status, run.stderr
+    assert says in run.stderr
+    loaded = _forbidden(run.modules, roots)
     assert not loaded, f"specfleet {' '.join(argv)} loaded {loaded[:12]}"
 
 
-def test_the_check_sees_what_a_worker_loads(tmp_path: Path) -> None:
+def test_the_check_sees_what_a_worker_loads(runs: dict[str, Run]) -> None:
     """The same inspection finds llama.cpp in a worker: it can fail."""
-    _, modules = _loaded(CASES["worker"][0], tmp_path)
-    assert _forbidden(modules, NO_MODEL)
-    assert "llama_cpp" in modules
+    assert _forbidden(runs["worker"].modules, NO_MODEL)
+    assert "llama_cpp" in runs["worker"].modules
 
 
 def test_every_sub_command_module_is_reachable() -> None:
