@@ -111,7 +111,9 @@ def chat(http: httpx.Client, url: str, messages: list[dict[str, str]], max_token
     usage: dict[str, Any] = {}
     worker = None
     t0 = time.perf_counter()
-    with http.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as response:
+    # llama-server closes a connection after a stream: a pooled one would be dead next time.
+    with http.stream("POST", url + "/v1/chat/completions", json=body, timeout=900,
+                     headers={"Connection": "close"}) as response:
         if response.status_code != 200:
             raise SystemExit(f"bench: {url} answered {response.status_code}: "
                              f"{response.read().decode()[:400]}")
@@ -349,6 +351,9 @@ def main() -> None:
     parser.add_argument("--llama-server", default=os.environ.get(SERVER_ENV))
     parser.add_argument("--threads", type=int, default=2, help="threads of the one worker "
                         "of (a) and (b) and of llama-server; the 2 batch workers get half")
+    parser.add_argument("--parts", choices=["all", "ab", "cd"], default="all",
+                        help="ab: the chat and system-prompt parts only (one worker, "
+                             "llama-server); cd: the batch and routing parts only")
     args = parser.parse_args()
     configure_logging(level="warning")
     turns, asks, long_chars = (4, 4, SHORT_CHARS) if args.quick else (8, 8, LONG_CHARS)
@@ -365,13 +370,15 @@ def main() -> None:
     batches: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="specfleet-bench-") as tmp, local_redis() as redis:
         logs = Path(tmp)
-        for on in (True, False):
+        for on in (True, False) if args.parts != "cd" else ():
             mode = "on" if on else "off"
             print(f"(a, b) one worker, prefix cache {mode}", file=sys.stderr)
             with specfleet(redis, gemma, logs, 1, args.threads, on) as served:
                 chats[mode] = _curve(conversation(http, served.url, turns))
                 prompts[mode] = _after_first(questions(http, served.url, asks, long_chars))
-        if server is None:
+        if args.parts == "cd":
+            pass
+        elif server is None:
             print("llama-server: not found (--llama-server PATH or $SPECFLEET_LLAMA_SERVER); "
                   "skipped", file=sys.stderr)
         else:
@@ -382,7 +389,7 @@ def main() -> None:
                     "chat": _curve(conversation(http, url, turns, keep)),
                     "system_prompt": _after_first(questions(http, url, asks, long_chars, keep))}
         threads = max(1, args.threads // 2)
-        for on in (True, False):
+        for on in (True, False) if args.parts != "ab" else ():
             mode = "on" if on else "off"
             print(f"(c{', d' if on else ''}) two workers, prefix cache {mode}", file=sys.stderr)
             with specfleet(redis, gemma, logs, 2, threads, on) as served:
@@ -392,7 +399,8 @@ def main() -> None:
     summary["chat"] = chats
     summary["system_prompt"] = prompts
     summary["batch"] = batches
-    print(_table(summary))
+    if args.parts == "all":
+        print(_table(summary))
     print(json.dumps(summary, indent=2, default=lambda o: asdict(o)))
 
 

@@ -17,7 +17,9 @@ class TokenChunker:
     """Groups the engine's committed tokens into small token events.
 
     A chunk is sent once it holds ``chunk`` tokens or has waited ``flush_seconds``, so a fast
-    engine does not pay one Redis round trip per token and a slow one still streams live.
+    engine does not pay one Redis round trip per token and a slow one still streams live. The
+    first delivery goes out at once: the time to the first token is what a client waits on
+    (with a cached prefix it is one short decode, which a 50 ms wait would triple).
     Text deltas are never split: a chunk carries whole ``on_tokens`` deliveries. With
     ``logprobs`` on, each delivery's logprobs (one per token) travel in the same chunk.
     """
@@ -43,7 +45,7 @@ class TokenChunker:
             if len(logprobs) != len(tokens):
                 raise ValueError(f"{len(logprobs)} logprobs for {len(tokens)} tokens")
             self._logprobs.extend(logprobs)
-        if (len(self._tokens) >= self._chunk
+        if (self._index == 0 or len(self._tokens) >= self._chunk
                 or time.monotonic() - self._since >= self._flush_seconds):
             self.flush()
 
