@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import specfleet
+from helpers import SPECFLEET
 
 from .private_redis import free_port, private_redis
 from .workers import MODEL_NAME
@@ -42,22 +43,43 @@ def refusing_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         yield port
 
 
-@pytest.mark.parametrize("command", sorted(COMMANDS))
-@pytest.mark.parametrize("failure", ["wrong password", "unreachable"])
+CASES = [(command, failure) for command in sorted(COMMANDS)
+         for failure in ("wrong password", "unreachable")]
+
+
+@pytest.fixture(scope="module")
+def runs(refusing_redis: int, dense_model: Path, tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[tuple[str, str], tuple[int, subprocess.CompletedProcess[str]]]:
+    """Every command against both failures, all at once: each spends most of its seconds in
+    the Redis client's retry backoff, asleep, so together they take one command's time."""
+    started = {}
+    for command, failure in CASES:
+        port = refusing_redis if failure == "wrong password" else free_port()
+        work = tmp_path_factory.mktemp(f"{command}-{failure.replace(' ', '-')}")
+        requests = work / "in.jsonl"
+        requests.write_text(json.dumps({"custom_id": "a", "body": {"prompt_tokens": [1],
+                                                                   "max_tokens": 1}}) + "\n")
+        args = [a.format(requests=requests, out=work / "out.jsonl", model=dense_model)
+                for a in COMMANDS[command]]
+        env = {**os.environ, "REDIS_URL": f"redis://{USER}:{PASSWORD}@127.0.0.1:{port}/0",
+               "SPECFLEET_PREFIX": "secrets", "SPECFLEET_LOG_LEVEL": "debug",
+               "SPECFLEET_LOG_FORMAT": "json", "SPECFLEET_REDIS_OUTAGE_SECONDS": "1",
+               "CUDA_VISIBLE_DEVICES": ""}
+        started[command, failure] = port, subprocess.Popen(
+            [SPECFLEET, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+    done = {}
+    for case, (port, proc) in started.items():
+        out, err = proc.communicate(timeout=120)
+        done[case] = port, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
+@pytest.mark.parametrize(("command", "failure"), CASES)
 def test_a_redis_error_names_user_and_host_but_never_the_password(
-        command: str, failure: str, refusing_redis: int, dense_model: Path,
-        tmp_path: Path) -> None:
-    port = refusing_redis if failure == "wrong password" else free_port()
-    requests = tmp_path / "in.jsonl"
-    requests.write_text(json.dumps({"custom_id": "a", "body": {"prompt_tokens": [1],
-                                                               "max_tokens": 1}}) + "\n")
-    args = [a.format(requests=requests, out=tmp_path / "out.jsonl", model=dense_model)
-            for a in COMMANDS[command]]
-    env = {**os.environ, "REDIS_URL": f"redis://{USER}:{PASSWORD}@127.0.0.1:{port}/0",
-           "SPECFLEET_PREFIX": "secrets", "SPECFLEET_LOG_LEVEL": "debug",
-           "SPECFLEET_LOG_FORMAT": "json", "SPECFLEET_REDIS_OUTAGE_SECONDS": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
-    done = specfleet(*args, env=env)
+        command: str, failure: str,
+        runs: dict[tuple[str, str], tuple[int, subprocess.CompletedProcess[str]]]) -> None:
+    port, done = runs[command, failure]
     assert done.returncode == 3, done.stderr
     assert PASSWORD not in done.stdout + done.stderr
     error = [line for line in done.stderr.splitlines() if line.startswith("specfleet: error:")]
