@@ -24,8 +24,10 @@ def test_the_fit_counts_the_checkpoints_llama_cpp_saves(tiny_models: TinyModels,
     engine = allocate(fit).engine
     if which == "dense":  # attention trims to any prefix: nothing to checkpoint
         assert size == 0 and fit.report.components["prefix_checkpoints"] == 0
+        assert fit.report.details["prefix_checkpoint_mode"] is None
         return
     assert fit.report.components["prefix_checkpoints"] == 2 * DEFAULT_CHECKPOINTS * size
+    assert fit.report.details["prefix_checkpoint_mode"] == "host"
     # A sequence well past the window: what a save at its end really takes.
     n = 3 * max(engine.model.n_swa, 32)
     with Batch(n) as batch:

@@ -418,6 +418,8 @@ def _report(sizer: _Sizer, n_ctx: int, budget: _Budget, source: str) -> FitRepor
         "prefix_checkpoints_per_slot": (sizer.config.prefix_checkpoints
                                         if sizer.prefix_checkpoint else 0),
         "prefix_checkpoint_bytes": sizer.prefix_checkpoint,
+        # Host only: llama.cpp keeps one ON_DEVICE checkpoint per sequence, compact rollback's.
+        "prefix_checkpoint_mode": "host" if sizer.prefix_checkpoint else None,
     }
     return FitReport(
         model_path=sizer.config.model_path, n_ctx=n_ctx, n_ctx_train=sizer.model.n_ctx_train,
