@@ -343,7 +343,7 @@ class SpeculativeEngine:
         c.prefix_restores = reused.restores
         if reused.hits:
             log.info("prefix.reused", **slot.request.log_fields, seq=slot.seq,
-                     source=placement.source, cached_tokens=placement.keep,
+                     source=placement.source, cached_tokens=reused.cached_tokens,
                      prompt_tokens=len(slot.request.prompt_tokens),
                      prefill_tokens=slot.to_prefill + 1)
 

@@ -68,6 +68,11 @@ class MemoryKind(Enum):
     WINDOW = "window"
     RECURRENT = "recurrent"
 
+    @property
+    def checkpoints(self) -> bool:
+        """The live state cannot give every prefix: prefix checkpoints are worth keeping."""
+        return self is not MemoryKind.ATTENTION
+
     @classmethod
     def of(cls, model: Model, swa_full: bool) -> MemoryKind:
         if model.is_recurrent:
@@ -87,7 +92,7 @@ def checkpoint_bytes(model: Model, ctx: Context, seq: int = 0) -> int:
     bound is a full window. The fitter counts the same figure (``prefix_checkpoints``).
     """
     kind = MemoryKind.of(model, ctx.spec.swa_full)
-    if kind is MemoryKind.ATTENTION:
+    if not kind.checkpoints:
         return 0
     sizes = []
     with Batch(2) as batch:
@@ -252,8 +257,9 @@ class PrefixCache:
         if limit <= 0:
             return Placement(seq)
         live = limit if self._trimmable(seq, limit, len(entry.tokens), mtp) else 0
-        ckpt = next((c for c in reversed(sorted(entry.checkpoints, key=lambda c: c.pos))
-                     if c.pos <= limit and (c.hidden is not None or not mtp)), None)
+        ckpt = max((c for c in entry.checkpoints
+                    if c.pos <= limit and (c.hidden is not None or not mtp)),
+                   key=lambda c: c.pos, default=None)
         if ckpt is not None and ckpt.pos > live:
             return Placement(seq, ckpt.pos, ckpt)
         return Placement(seq, live)

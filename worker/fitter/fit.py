@@ -17,7 +17,7 @@ from typing import Final, Literal
 from shared.protocol import CheckpointMode, DeviceFit, FitReport
 from worker.engine.config import EngineCapacity, EngineConfig, model_spec
 from worker.engine.plan import ModelFacts
-from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
+from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS, MemoryKind
 from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device, require_device
 from worker.fitter.errors import FitError
 from worker.fitter.measure import (
@@ -105,8 +105,8 @@ class _Sizer:
         weights come from the no_alloc load."""
         on_gpu = self.device != "cpu"
         gpu_weights = weights_bytes(self.model, None, self.device) if on_gpu else 0
-        prefix = self.config.prefix_cache and self.config.prefix_checkpoints > 0 and (
-            self.model.is_recurrent or self.model.n_swa > 0)
+        prefix = (self.config.prefix_cache and self.config.prefix_checkpoints > 0
+                  and MemoryKind.of(self.model, self.specs.target.swa_full).checkpoints)
         if on_gpu and not self.model.is_recurrent and not prefix:
             return gpu_weights, None, 0
         real, buffers = load_model(replace(model_spec(self.config), n_gpu_layers=0))
