@@ -228,8 +228,12 @@ def test_a_long_prompt_is_checkpointed_every_spacing(hybrid_model: Path) -> None
                        n_ctx=n_ctx) as engine:
         first = engine.generate(doc, 8)
         assert first.telemetry.prefix_checkpoint_saves == 3  # 512, 1024, the prompt's end
+        deeper = doc[:2 * CHECKPOINT_SPACING + 20] + [8, 8]
+        third = engine.generate(deeper, 16)  # the deepest of 512 and 1024 below the cut
         question = doc[:CHECKPOINT_SPACING + 100] + [9, 9, 9]
         second = engine.generate(question, 16)
+    assert third.tokens == reference(deeper, 16)
+    assert third.telemetry.cached_tokens == 2 * CHECKPOINT_SPACING
     assert second.tokens == reference(question, 16)
     assert second.telemetry.cached_tokens == CHECKPOINT_SPACING
     assert second.telemetry.prefix_restores == 1
