@@ -26,6 +26,8 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema
 
+from shared.constraint import Constraint
+
 #: Import path of the job function every generation job names on its rq queue; workers run
 #: nothing else. Part of the wire contract: coordinator and workers both read it from here.
 JOB_FUNCTION = "worker.service.jobs.run_generation"
@@ -254,6 +256,10 @@ class GenerationRequest(_Strict):
     speculative: SpecSettings = Field(default_factory=SpecSettings)
     priority: Priority = Priority.NORMAL
     custom_id: str | None = Field(default=None, max_length=256)
+    constraint: Constraint | None = Field(
+        default=None, description="what the output may say: JSON, a JSON Schema, a grammar "
+                                  "(Lark, GBNF) or a regex (shared/constraint.py); the "
+                                  "target distribution is masked to it")
     prefix_cache: bool = Field(
         default=True, description="reuse a cached prefix of this prompt and keep this "
                                   "request's tokens for later ones (false: prefill from the "

@@ -1,0 +1,113 @@
+"""What a generation is allowed to say: JSON (any object, or one JSON Schema), a grammar (Lark
+or GBNF) or a regular expression, carried on the wire as the user gave it.
+
+Both sides compile it with llguidance (docs/structured.md says why llguidance): the
+coordinator without a vocabulary, to refuse what cannot compile with a message naming the
+problem before anything is queued (:func:`check_constraint`); the worker against its model's
+own vocabulary, to mask the target distribution (``worker/engine/constraint/``). One function,
+:meth:`Constraint.llguidance_grammar`, turns every kind into llguidance's grammar text, so the
+two sides can never compile different things.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: Hard caps on what a constraint may carry (a schema is JSON text when measured).
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_SCHEMA_CHARS = 64 * 1024
+
+
+class ConstraintKind(StrEnum):
+    """The kinds of constraint; ``json_object`` is OpenAI's JSON mode (any JSON object)."""
+
+    JSON_OBJECT = "json_object"
+    JSON_SCHEMA = "json_schema"
+    LARK = "lark"
+    GBNF = "gbnf"
+    REGEX = "regex"
+
+
+class ConstraintError(ValueError):
+    """A constraint that does not compile; the message names the problem (a 400 at the edge)."""
+
+
+class Constraint(BaseModel):
+    """One constraint: ``kind`` and, by kind, ``json_schema`` (a JSON Schema object) or
+    ``grammar`` (Lark, GBNF or regex text). ``json_object`` carries neither."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    kind: ConstraintKind
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="kind json_schema: the schema the output must validate")
+    grammar: str | None = Field(
+        default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS,
+        description="kind lark, gbnf or regex: the grammar text")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_from_wire(cls, data: Any) -> Any:
+        """Strict models take an enum only as an instance; the wire carries its string."""
+        if isinstance(data, dict) and isinstance(data.get("kind"), str):
+            try:
+                data = {**data, "kind": ConstraintKind(data["kind"])}
+            except ValueError:
+                kinds = ", ".join(k.value for k in ConstraintKind)
+                raise ValueError(f"'kind' must be one of {kinds}, not {data['kind']!r}") from None
+        return data
+
+    @model_validator(mode="after")
+    def _fields_match_kind(self) -> Constraint:
+        if self.kind is ConstraintKind.JSON_SCHEMA:
+            if self.json_schema is None or self.grammar is not None:
+                raise ValueError("kind 'json_schema' takes 'json_schema' (and no 'grammar')")
+            if len(json.dumps(self.json_schema)) > MAX_SCHEMA_CHARS:
+                raise ValueError(f"'json_schema' is over {MAX_SCHEMA_CHARS} characters")
+        elif self.kind is ConstraintKind.JSON_OBJECT:
+            if self.json_schema is not None or self.grammar is not None:
+                raise ValueError("kind 'json_object' takes neither 'json_schema' nor 'grammar'")
+        elif self.grammar is None or self.json_schema is not None:
+            raise ValueError(f"kind {self.kind.value!r} takes 'grammar' (and no 'json_schema')")
+        return self
+
+    def llguidance_grammar(self) -> str:
+        """This constraint as llguidance grammar text, the one both sides compile.
+
+        Raises :class:`ConstraintError` where the translation itself fails (a GBNF grammar
+        llguidance's converter cannot read, a schema it does not support)."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            if self.kind is ConstraintKind.JSON_OBJECT:
+                return LLMatcher.grammar_from_json_schema(
+                    {"type": "object"}, defaults={"whitespace_flexible": False})
+            if self.kind is ConstraintKind.JSON_SCHEMA:
+                return LLMatcher.grammar_from_json_schema(
+                    self.json_schema, defaults={"whitespace_flexible": False})
+            assert self.grammar is not None
+            if self.kind is ConstraintKind.REGEX:
+                return LLMatcher.grammar_from_regex(self.grammar)
+            lark = gbnf_to_lark(self.grammar) if self.kind is ConstraintKind.GBNF else self.grammar
+            return LLMatcher.grammar_from_lark(lark)
+        except ConstraintError:
+            raise
+        except Exception as exc:  # llguidance raises ValueError/RuntimeError/its own kinds
+            raise ConstraintError(f"{self.kind.value} constraint: {exc}") from exc
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """Compile ``constraint`` without a vocabulary; raise :class:`ConstraintError` naming the
+    problem. The coordinator calls this before queueing, so a worker never receives a
+    constraint that cannot compile (its own compile then fails only on its vocabulary)."""
+    from llguidance import LLMatcher
+
+    grammar = constraint.llguidance_grammar()
+    error = LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise ConstraintError(f"{constraint.kind.value} constraint: {error}")
