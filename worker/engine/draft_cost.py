@@ -59,6 +59,29 @@ class RowCosts:
             seconds[rows] = min(seconds[rows], seconds[rows + 1])
         return cls(seconds)
 
+    @classmethod
+    def measure_steps(cls, target: Context, batch: Batch, slots: int,
+                      draft_max: int) -> RowCosts:
+        """Costs of verify decodes of 1 .. ``slots`` x (``draft_max`` + 1) rows, for the row
+        budget of steps with several slots (:mod:`worker.engine.row_budget`).
+
+        A wide table cannot be timed row by row at load (520 rows for 8 slots of 64 drafts),
+        so the widths a step of S slots typically decodes are timed (1, 2, S x 2^k and the
+        top) and the counts between them are interpolated linearly. Not the next wider one's
+        cost: that makes every count just past a timed one look dearer than it is, the
+        goodput rule never chooses it, and so no step ever measures it. Interpolated entries
+        are corrected by the first verifies that run at their width."""
+        top = slots * (draft_max + 1)
+        timed = sorted({1, 2, top, *(slots * 2**k for k in range(top.bit_length())
+                                     if slots * 2**k < top)})
+        seconds = measure_costs(target, batch, top, widths=timed)
+        for lo, hi in zip(timed, timed[1:], strict=False):
+            for rows in range(lo + 1, hi):
+                seconds[rows] = seconds[lo] + (seconds[hi] - seconds[lo]) * (rows - lo) / (hi - lo)
+        for rows in range(top - 1, 0, -1):
+            seconds[rows] = min(seconds[rows], seconds[rows + 1])
+        return cls(seconds)
+
     def observe(self, rows: int, seconds: float) -> None:
         """A verify decode of ``rows`` rows just took ``seconds``."""
         if not 0 < rows < len(self.seconds) or seconds <= 0.0:

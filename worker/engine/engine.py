@@ -39,7 +39,7 @@ from worker.engine.proposers.factory import (
 )
 from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
 from worker.engine.rollback import make_rollback
-from worker.engine.row_budget import plan_widths, reach
+from worker.engine.row_budget import draft_chances, plan_widths
 from worker.engine.sampling import make_sampler
 from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
 from worker.engine.telemetry import SpecCounters
@@ -107,7 +107,8 @@ class SpeculativeEngine:
                           else list(range(self.draft_max + 1)))
             self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
                                              self.draft_max, config.lookup_cache_bytes)
-            self.step_costs = (self._measure_step_costs()
+            self.step_costs = (RowCosts.measure_steps(self.target, self.verifier.batch,
+                                                      config.slots, self.draft_max)
                                if config.row_budget and config.slots > 1 and self.draft_max
                                else None)
         except BaseException:
@@ -262,7 +263,7 @@ class SpeculativeEngine:
         chunks = self._chunks([s for s in self.active if s.phase is Phase.PREFILL])
         drafts = self._draft(decoding)
         if self.step_costs is not None and len(decoding) > 1:
-            chances = [reach(s.counters, len(d.tokens), self._by_method.get(s.method))
+            chances = [draft_chances(d, s.counters, self._by_method.get(s.method))
                        for s, d in zip(decoding, drafts, strict=True)]
             widths = plan_widths(chances, self.step_costs.seconds)
             # A sampled draft keeps its width: which positions are drafts decides its tokens,
@@ -290,17 +291,6 @@ class SpeculativeEngine:
                 updates.append(SlotUpdate(slot, committed, slot.stream.take(final=False), True,
                                           logprobs=slot.logprobs_of_last(len(committed))))
         return updates
-
-    def _measure_step_costs(self) -> RowCosts:
-        """Seconds of a verify decode of 1 .. slots x (draft_max + 1) rows, for the row budget
-        of steps with several slots (:mod:`worker.engine.row_budget`): the widths a step of
-        S slots typically decodes are timed, the others take the next wider one's cost until
-        a step of that width measures them."""
-        slots = self.config.slots
-        top = slots * (self.draft_max + 1)
-        widths = {1, 2, top, *(slots * 2**k for k in range(top.bit_length()) if slots * 2**k < top)}
-        return RowCosts(measure_costs(self.target, self.verifier.batch, top,
-                                      widths=sorted(widths)))
 
     def _chunks(self, loading: list[Slot]) -> list[PrefillChunk]:
         """This step's prompt slices: up to :data:`PREFILL_CHUNK` tokens, oldest slot first.

@@ -24,16 +24,21 @@ class Draft:
     failed draft decode); the width policy reads that from its length alone. ``dists`` are
     the distributions the tokens were sampled from (the MTP head under sampling), for
     rejection sampling; None: every token is a point mass (lookup drafts, greedy drafts).
+    ``confidences`` are the drafter's own calibrated chances that each token is accepted
+    given that those before it were (the suffix drafter's); the row budget prefers them to the
+    slot's record per position. None: the drafter has no such estimate.
     """
 
     tokens: list[int]
     dists: list[Distribution] | None = None
+    confidences: list[float] | None = None
 
     def cut(self, width: int) -> Draft:
         """The first ``width`` tokens (a width policy or the row budget shortened it)."""
         if width >= len(self.tokens):
             return self
-        return Draft(self.tokens[:width], None if self.dists is None else self.dists[:width])
+        return Draft(self.tokens[:width], None if self.dists is None else self.dists[:width],
+                     None if self.confidences is None else self.confidences[:width])
 
 
 @dataclass(frozen=True)

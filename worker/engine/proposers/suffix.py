@@ -82,7 +82,7 @@ class SuffixProposer:
         keep = best_draft_length(confidences, self._shared.costs.seconds)
         self._draft, self._cells = tokens[:keep], cells[:keep]
         self.stamp()
-        return Draft(self._draft)
+        return Draft(self._draft, confidences=confidences[:keep])
 
     def stamp(self) -> None:
         """The verify starts now: the time until :meth:`observe` is its cost. A drafter that
