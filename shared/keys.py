@@ -121,6 +121,23 @@ class Keys:
         """Set of model names that have (had) workers."""
         return f"{self.prefix}:models"
 
+    def worker_models(self) -> str:
+        """Hash of each name in the fleet set -> the model it serves, kept while the name is
+        listed, so a worker declared lost is reported with its model."""
+        return f"{self.prefix}:workers:models"
+
+    def fleet_clock(self) -> str:
+        """Hash of the fleet's contact with Redis, in Redis server time (ms): ``beat``, the
+        last heartbeat or recovery sweep Redis served; ``resumed``, when contact last resumed
+        after a gap (a stall, an outage, a restart). Nobody is declared lost until contact
+        has held for one registration TTL (``shared/registry.py``)."""
+        return f"{self.prefix}:fleet:clock"
+
+    def fleet_events(self) -> str:
+        """Stream of fleet-wide events (``worker.lost``, whoever swept it), bounded, read by
+        ``specfleet top`` and ``specfleet monitor --fleet-events``."""
+        return f"{self.prefix}:fleet:events"
+
     def batch(self, batch_id: str) -> str:
         """Hash describing a submitted batch (status, counts, job ids)."""
         return f"{self.prefix}:batch:{batch_id}"
@@ -141,6 +158,16 @@ class Keys:
     def batches(self) -> str:
         """Sorted set of batch ids scored by creation time (the listing)."""
         return f"{self.prefix}:batches"
+
+    def open_batches(self) -> str:
+        """Sorted set of the batches not yet ended, scored by when their window closes: what
+        every gateway's batch pump looks after (lines left to queue, a window past)."""
+        return f"{self.prefix}:batches:open"
+
+    def gateway_wake(self, gateway_id: str) -> str:
+        """Stream one gateway's stream hub reads beside the job streams: an entry wakes its
+        blocked read when a new stream is to be followed."""
+        return f"{self.prefix}:gateway:{gateway_id}:wake"
 
     def job_batch(self, job_id: str) -> str:
         """A batch job's line reference (JSON), read by the final-event script to account

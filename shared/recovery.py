@@ -8,12 +8,18 @@ the worker's in-flight list, which its intake filled atomically as it took each 
 jobs routed to it that still wait in its own queues (:func:`hand_back`, also run when a worker
 leaves): every one goes back to the front of the shared queue it would have waited on.
 
-A Redis that has just restarted expired every registration while it was down (TTLs are
-absolute times), though the workers are alive and reconnecting. Until Redis has been up for
-one registration TTL, nobody is declared lost: every live worker has re-registered by then.
+A Redis that has just restarted, stalled or refused writes lets every registration lapse,
+though the workers are alive: the sweep claims a lapsed name only when contact with Redis has
+held for one registration TTL since the last gap, measured in Redis server time
+(``FleetRegistry.claim_lapsed``), so a stall cannot make the fleet declare itself lost. Every
+worker declared lost is also written to the fleet's event stream (``Keys.fleet_events``), so
+``specfleet top`` and ``specfleet monitor --fleet-events`` see it whichever process swept it.
 """
 
 from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
 
 from redis import Redis
 from rq.exceptions import NoSuchJobError
@@ -23,7 +29,7 @@ from rq.serializers import JSONSerializer
 
 from shared import doorbell
 from shared.event_stream import EventWriter
-from shared.keys import Keys
+from shared.keys import STREAM_FIELD, Keys
 from shared.logs import get_logger
 from shared.protocol import Priority
 from shared.registry import FleetRegistry
@@ -32,6 +38,8 @@ from shared.settings import Settings
 
 log = get_logger("recovery")
 
+#: Entries the fleet's event stream keeps (about: trimmed approximately).
+FLEET_EVENTS_MAXLEN = 10_000
 #: States in which a job of a dead worker still needs running (queued: popped, not started).
 _UNFINISHED = {JobStatus.QUEUED, JobStatus.STARTED}
 
@@ -106,45 +114,57 @@ def _requeue_front(connection: Redis, keys: Keys, job: Job, release: str | None 
 
 
 class RecoveryMonitor:
-    """Finds lost workers and requeues the job each was running."""
+    """Finds lost workers and requeues the job each was running.
 
-    def __init__(self, connection: Redis, registry: FleetRegistry, settings: Settings) -> None:
+    ``sweeper`` names who sweeps (a worker's name; None: a client) in the fleet events."""
+
+    def __init__(self, connection: Redis, registry: FleetRegistry, settings: Settings,
+                 sweeper: str | None = None) -> None:
         self._conn = connection
         self._registry = registry
         self._settings = settings
         self._keys = settings.keys
+        self._sweeper = sweeper
 
     def sweep(self) -> list[str]:
         """Recover every lost worker; returns the ids of the jobs requeued."""
+        found = self._registry.claim_lapsed()
+        if found.deferred is not None and found.waiting:
+            log.info("recovery.deferred", reason=found.deferred, seconds=found.seconds,
+                     lapsed=found.waiting)
         requeued: list[str] = []
-        lost = self._registry.lost_names()
-        if lost and self._redis_just_restarted():
-            return requeued
-        for name in lost:
-            if self._registry.claim_lost(name):
-                requeued += self.recover(name)
+        for name, model in found.lost.items():
+            requeued += self.recover(name, model or None, swept=True)
         return requeued
 
-    def recover(self, name: str) -> list[str]:
+    def recover(self, name: str, model: str | None = None, swept: bool = False) -> list[str]:
         """Requeue every job a dead worker called ``name`` held or had waiting in its own
         queues (after a crash, at the start of its successor under the same name, or once
-        claimed by a sweep)."""
+        claimed by a sweep: ``swept``). A worker that left anything, or was swept, is
+        reported lost: in the log and on the fleet's event stream."""
         requeued = hand_back(self._conn, self._keys, name)
-        for job_id in self._registry.take_jobs(name):
+        held = self._registry.take_jobs(name)
+        for job_id in held:
             job = _fetch(self._conn, job_id)
-            log.warning("worker.lost", worker=name, job_id=job_id,
-                        model=(job.meta or {}).get("model") if job else None)
+            model = model or ((job.meta or {}).get("model") if job else None)
             if job is not None and self._requeue(job, lost_worker=name):
                 requeued.append(job.id)
+        if swept or held or requeued:
+            self._report_lost(name, model, held, requeued)
         return requeued
 
-    def _redis_just_restarted(self) -> bool:
-        """True while Redis has been up for less than one registration TTL (plus a beat)."""
-        uptime = int(self._conn.info("server").get("uptime_in_seconds", 0))
-        if uptime < self._settings.worker_ttl_seconds + 1:
-            log.info("recovery.deferred", reason="redis restarted", redis_uptime_seconds=uptime)
-            return True
-        return False
+    def _report_lost(self, name: str, model: str | None, held: list[str],
+                     requeued: list[str]) -> None:
+        """``worker.lost``, in this process's log and on the fleet's event stream (one
+        record a lost worker: the jobs it held, those requeued, who found it)."""
+        record = {"event": "worker.lost", "worker": name, "model": model, "jobs": held,
+                  "requeued": requeued, "by": self._sweeper,
+                  "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+                  "level": "warning"}
+        log.warning("worker.lost", worker=name, model=model, jobs=held, requeued=requeued,
+                    by=self._sweeper)
+        self._conn.xadd(self._keys.fleet_events(), {STREAM_FIELD: json.dumps(record)},
+                        maxlen=FLEET_EVENTS_MAXLEN, approximate=True)
 
     def requeue(self, job_id: str, lost_worker: str) -> bool:
         """Requeue one unfinished job and say so on its stream."""

@@ -10,7 +10,14 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
-from shared.protocol import JOB_FUNCTION, FinalEvent, JobStatus, ProgressEvent, TokenEvent
+from shared.protocol import (
+    JOB_FUNCTION,
+    FinalEvent,
+    JobStatus,
+    ProgressEvent,
+    TokenEvent,
+    WorkerInfo,
+)
 from shared.recovery import RecoveryMonitor
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
@@ -69,6 +76,14 @@ def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings)
     conn.lmove(queue.key, keys.inflight("ghost"))  # a worker took it ...
     registry = FleetRegistry(conn, keys, settings.worker_ttl_seconds)
     conn.zadd(keys.workers(), {"ghost": 1.0})  # ... and died: listed, registration expired
+    live = WorkerInfo(name="live", model_name=MODEL_NAME, model_path="/m.gguf", device="cpu",
+                      n_ctx=256, version="test", pid=1, host="h", started_at=time.time(),
+                      heartbeat_at=time.time())
+    in_contact = time.monotonic() + settings.worker_ttl_seconds + 0.2
+    while time.monotonic() < in_contact:  # the fleet in contact with Redis for a TTL
+        registry.heartbeat(live)
+        time.sleep(settings.heartbeat_seconds)
+    registry.deregister("live")
 
     monitors = [RecoveryMonitor(conn, registry, settings) for _ in range(8)]
     results: list[list[str]] = []

@@ -20,6 +20,7 @@ from typing import Any
 
 from redis import Redis
 
+from shared import redis_faults
 from shared.cancel import is_cancelled
 from shared.keys import Keys
 from shared.logs import get_logger
@@ -44,8 +45,12 @@ class JobCancel:
             now = time.monotonic()
             if self._polled is None or now - self._polled >= self._watch.poll_seconds:
                 self._polled = now
-                if self._watch.read_key(self.job_id):
-                    self.hit.set()
+                try:
+                    if self._watch.read_key(self.job_id):
+                        self.hit.set()
+                except Exception as exc:  # a refusing Redis: the next poll reads it again
+                    if redis_faults.classify(exc) is None:
+                        raise
         return self.hit.is_set()
 
 

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
+from shared import redis_faults
 from shared.logs import get_logger
 from shared.protocol import WorkerInfo
 from shared.registry import FleetRegistry
@@ -38,14 +40,38 @@ class Heartbeat(threading.Thread):
         self._stopped = threading.Event()
 
     def run(self) -> None:
+        # A Redis that refuses for a while (down, out of memory, busy, read-only): one
+        # ``redis.unavailable`` and one fault counted per spell, like ``ride_out``'s.
+        down: tuple[redis_faults.Fault, float] | None = None
         while not self._stopped.wait(self._interval):
             try:
-                if not self._registry.heartbeat(self._info()) and self._on_lost:
+                declared_lost = not self._registry.heartbeat(self._info())
+            except Exception as exc:  # a Redis hiccup must not kill the heartbeat
+                fault = redis_faults.classify(exc)
+                if fault is None:
+                    log.warning("worker.heartbeat_failed", error=repr(exc))
+                elif down is None or down[0] is not fault:
+                    if down is not None:
+                        redis_faults.ended(down[0], "heartbeat", time.monotonic() - down[1])
+                    down = (fault, time.monotonic())
+                    log.warning("redis.unavailable", operation="heartbeat", fault=str(fault),
+                                error=str(exc))
+                    redis_faults.started(fault, "heartbeat")
+                continue
+            if down is not None:
+                seconds = time.monotonic() - down[1]
+                log.info("redis.recovered", operation="heartbeat", fault=str(down[0]),
+                         down_seconds=round(seconds, 2))
+                redis_faults.ended(down[0], "heartbeat", seconds)
+                down = None
+            try:
+                if declared_lost and self._on_lost:
                     self._on_lost()
                 if self._on_tick:
                     self._on_tick()
-            except Exception as exc:  # a Redis hiccup must not kill the heartbeat
-                log.warning("worker.heartbeat_failed", error=repr(exc))
+            except Exception as exc:  # nor a failed sweep
+                log.warning("worker.heartbeat_failed", error=repr(exc),
+                            fault=str(redis_faults.classify(exc) or "") or None)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -32,6 +32,7 @@ from prometheus_client import (
 )
 
 from shared.protocol import CheckpointMode, FitReport, Telemetry
+from shared.redis_faults import Fault
 
 PREFIX = "specfleet:"
 
@@ -90,6 +91,13 @@ class WorkerMetrics:
                             (*_BASE, "outcome"))
         self.requeues = counter("requeues", "Jobs this worker put back at the front of a queue",
                                 (*_BASE, "reason"))
+        self.redis_faults = counter("redis_faults", "Spells of Redis refusing this worker's "
+                                    "commands (down, loading, out of memory, read-only, "
+                                    "busy ...) that it waited out or gave up on, by kind",
+                                    (*_BASE, "kind"))
+        self.redis_fault_seconds = counter("redis_fault_seconds", "Seconds this worker's "
+                                           "operations waited on a refusing Redis, by kind",
+                                           (*_BASE, "kind"))
         self.checkpoint_mode = gauge("checkpoint_mode",
                                      "1 for the checkpoint storage in force, 0 for the other",
                                      (*_BASE, "mode"))
@@ -206,6 +214,13 @@ class WorkerMetrics:
         own; ``lost``: a dead worker's, found by its recovery sweep)."""
         if count:
             self.requeues.labels(*self._base, reason).inc(count)
+
+    # -- Redis faults (shared.redis_faults: this worker listens while it runs) -------------
+    def redis_fault(self, kind: Fault, operation: str) -> None:
+        self.redis_faults.labels(*self._base, str(kind)).inc()
+
+    def redis_fault_over(self, kind: Fault, operation: str, seconds: float) -> None:
+        self.redis_fault_seconds.labels(*self._base, str(kind)).inc(seconds)
 
     # -- serving --------------------------------------------------------------------------
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:

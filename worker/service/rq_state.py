@@ -24,8 +24,8 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from shared.outage import TRANSIENT
 from shared.protocol import JOB_FUNCTION
+from shared.redis_faults import classify
 
 
 class PoisonedJob(Exception):
@@ -41,17 +41,17 @@ def load_job(connection: Redis, job_id: str) -> tuple[Job, Any]:
     """Fetch ``job_id`` and its one request argument; :class:`PoisonedJob` says why not."""
     try:
         job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
-    except TRANSIENT:
-        raise
     except NoSuchJobError:
         raise PoisonedJob("no such job (its hash expired or was deleted)") from None
     except Exception as exc:  # rq raises many types on a corrupt hash: each is a refusal
+        if classify(exc) is not None:  # ... but a refusing Redis is no verdict on the job
+            raise
         raise PoisonedJob(f"unreadable job hash ({type(exc).__name__}: {exc})") from None
     try:
         func_name, args, kwargs = job.func_name, job.args, job.kwargs
-    except TRANSIENT:
-        raise
-    except Exception:
+    except Exception as exc:
+        if classify(exc) is not None:
+            raise
         raise PoisonedJob("payload is not a JSON job (pickled, corrupt or malformed)",
                           job) from None
     if func_name != JOB_FUNCTION:

@@ -21,6 +21,7 @@ from redis import Redis
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
+from shared import redis_faults
 from shared.cancel import request_cancel
 from shared.logs import get_logger
 from shared.outage import RedisOutage
@@ -79,6 +80,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
                   fit: FitReport | None) -> None:
     keys = settings.keys
     metrics = start_worker_metrics(name, options.model_name, device, options.metrics_port)
+    stop_listening = redis_faults.listen(metrics)
     runtime = WorkerRuntime(engine=engine, connection=connection, settings=settings,
                             worker_name=name, model_name=options.model_name,
                             n_ctx=engine.config.n_ctx, cancels=CancelWatch(connection, keys),
@@ -93,7 +95,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         chat_template_source=choose_template(engine.model, settings.chat_template).source,
         metrics_port=metrics.port, prefix_cache=engine.config.prefix_cache)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
-    monitor = RecoveryMonitor(connection, registry, settings)
+    monitor = RecoveryMonitor(connection, registry, settings, sweeper=name)
     tiers = ContextTiers(connection, keys, options.model_name, runtime.n_ctx, name)
     queues = [Queue(q, connection=connection, serializer=JSONSerializer,
                     default_timeout=settings.job_timeout_seconds) for q in tiers.queues()]
@@ -142,6 +144,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         raise
     finally:
         heartbeat.stop()
+        stop_listening()
         metrics.close()
         runtime.cancels.close()
         try:
