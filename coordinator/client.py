@@ -26,10 +26,11 @@ from rq.serializers import JSONSerializer
 from coordinator.events import StreamCursor, follow
 from coordinator.routing import choose_holder
 from coordinator.validation import SubmitError, check_admission, choose_tier, parse_request
-from shared import doorbell
+from shared import doorbell, redis_faults
 from shared.cancel import request_cancel
 from shared.event_stream import EventWriter
 from shared.logs import get_logger
+from shared.outage import ride_out
 from shared.protocol import (
     JOB_FUNCTION,
     AnyEvent,
@@ -205,12 +206,54 @@ class Coordinator:
                job_id: str | None = None) -> JobHandle:
         """Validate and queue one request; ``SubmitError`` says why it was refused.
 
-        ``job_id`` lets a caller record the job (a batch line) before it can run."""
+        ``job_id`` lets a caller record the job (a batch line) before it can run. A Redis
+        that refuses for a while (down, restarting, out of memory, busy ...) is waited out
+        for up to ``redis_outage_seconds``, as the stream that follows is; the job is queued
+        once even when a retried enqueue's first try had landed."""
         # The seed is fixed here, before queueing: a re-run of the job samples the same tokens.
         req = parse_request(request).with_seed()
-        workers = self._serving(req.model)
-        check_admission(req, workers, self.known_models, self.settings.require_live_worker)
         job_id = job_id or uuid.uuid4().hex
+        outage = self.settings.redis_outage_seconds
+        workers = ride_out(lambda: self._admit(req), outage, "submit.admit")
+        tried = False
+
+        def enqueue() -> Queue:
+            nonlocal tried
+            if tried and self.connection.exists(Job.key_for(job_id)):
+                return self._queue(Job.fetch(job_id, connection=self.connection,
+                                             serializer=JSONSerializer).origin)
+            tried = True
+            return self._enqueue(req, job_id, workers)
+        queue = ride_out(enqueue, outage, "submit.enqueue")
+        log.info("job.queued", job_id=job_id, model=req.model, attempt=0, queue=queue.name,
+                 priority=str(req.priority), max_tokens=req.max_tokens,
+                 seed=req.sampling.seed)
+        return JobHandle(self, job_id)
+
+    def _admit(self, req: GenerationRequest) -> list[WorkerInfo]:
+        """The live workers that may serve ``req``, or ``SubmitError``. No live worker while
+        some of the model's registrations have just lapsed (Redis restarted or stalled under
+        them: they re-register within a heartbeat, or recovery removes them within a TTL)
+        is waited out for up to two registration TTLs before it is a refusal."""
+        waited = 0.0
+        while True:
+            workers = self._serving(req.model)
+            try:
+                check_admission(req, workers, self.known_models,
+                                self.settings.require_live_worker)
+            except SubmitError as exc:
+                if (exc.reason != "no_worker" or waited >= 2 * self.settings.worker_ttl_seconds
+                        or not self.registry.lapsed(req.model)):
+                    raise
+                time.sleep(self.settings.heartbeat_seconds)
+                waited += self.settings.heartbeat_seconds
+                continue
+            return workers
+
+    def _enqueue(self, req: GenerationRequest, job_id: str,
+                 workers: list[WorkerInfo]) -> Queue:
+        """Queue the job (on its holder's own queue, or the shared one of its tier), list
+        the holder and ring the doorbell, in one transaction; returns the queue."""
         tier = choose_tier(req, workers)
         if tier is not None:
             self._record_tier(req.model, tier)
@@ -239,10 +282,7 @@ class Coordinator:
         if route is not None:
             log.info("prefix.routed", job_id=job_id, model=req.model, worker=route.worker,
                      depth_blocks=route.depth_blocks, free_slots=route.free_slots)
-        log.info("job.queued", job_id=job_id, model=req.model, attempt=0, queue=queue.name,
-                 priority=str(req.priority), max_tokens=req.max_tokens,
-                 seed=req.sampling.seed)
-        return JobHandle(self, job_id)
+        return queue
 
     def handle(self, job_id: str) -> JobHandle:
         """A handle on a job submitted earlier (by anyone)."""
@@ -272,8 +312,15 @@ class Coordinator:
         return True
 
     def fleet(self) -> list[WorkerInfo]:
-        """Live workers (recovering any lost one's job first)."""
-        RecoveryMonitor(self.connection, self.registry, self.settings).sweep()
+        """Live workers (recovering any lost one's job first: a sweep that a refusing Redis,
+        out of memory say, turns away is left to the next one, the listing still answers)."""
+        try:
+            RecoveryMonitor(self.connection, self.registry, self.settings).sweep()
+        except Exception as exc:
+            fault = redis_faults.classify(exc)
+            if fault is None:
+                raise
+            log.warning("recovery.skipped", fault=str(fault), error=str(exc))
         return self.registry.live_workers()
 
     def queue_depths(self, model: str) -> dict[str, int]:

@@ -13,6 +13,7 @@ the same time, the same figures whether the view refreshes once or every second.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC
@@ -26,6 +27,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
+from shared.keys import STREAM_FIELD
 from shared.protocol import Telemetry, WorkerInfo
 
 #: Content type of :func:`render_fleet_metrics`'s body (Prometheus text exposition 0.0.4).
@@ -38,6 +40,10 @@ PREFIX = "specfleet:"
 PUBLISHED_COUNTS = ("generated_tokens", "prompt_tokens", "drafts", "drafted", "accepted",
                     "target_decodes", "replay_events", "replay_tokens", "checkpoint_saves",
                     "host_fallbacks")
+
+
+#: Lost workers a snapshot shows (the newest of the fleet's event stream).
+LOST_SHOWN = 20
 
 
 @dataclass(frozen=True)
@@ -80,19 +86,34 @@ class QueueRow:
 
 
 @dataclass(frozen=True)
+class LostRow:
+    """A worker declared lost, from the fleet's event stream (whoever swept it)."""
+
+    worker: str
+    model: str | None
+    jobs: list[str]
+    requeued: list[str]
+    by: str | None
+    timestamp: str
+
+
+@dataclass(frozen=True)
 class FleetSnapshot:
     """Everything one read of the fleet found."""
 
     taken_at: float
     workers: list[WorkerRow]
     queues: list[QueueRow]
+    #: The newest workers declared lost (:data:`LOST_SHOWN` at most), newest first.
+    lost: list[LostRow]
 
     def models(self) -> list[str]:
         return sorted({w.model for w in self.workers} | {q.model for q in self.queues})
 
     def to_json(self) -> dict[str, Any]:
         return {"taken_at": self.taken_at, "workers": [asdict(w) for w in self.workers],
-                "queues": [asdict(q) for q in self.queues]}
+                "queues": [asdict(q) for q in self.queues],
+                "lost": [asdict(lost) for lost in self.lost]}
 
 
 def worker_row(info: WorkerInfo, now: float) -> WorkerRow:
@@ -151,14 +172,30 @@ def queue_rows(coordinator: Coordinator, models: set[str], now: float) -> list[Q
     return rows
 
 
+def lost_rows(coordinator: Coordinator, count: int = LOST_SHOWN) -> list[LostRow]:
+    """The newest ``count`` workers declared lost, newest first (``Keys.fleet_events``)."""
+    entries = coordinator.connection.xrevrange(coordinator.keys.fleet_events(), count=count)
+    rows = []
+    for _, fields in entries or []:
+        record = json.loads((fields or {}).get(STREAM_FIELD.encode()) or b"{}")
+        if record.get("event") == "worker.lost":
+            rows.append(LostRow(worker=str(record["worker"]), model=record.get("model"),
+                                jobs=list(record.get("jobs") or []),
+                                requeued=list(record.get("requeued") or []),
+                                by=record.get("by"), timestamp=str(record.get("timestamp"))))
+    return rows
+
+
 def fleet_snapshot(coordinator: Coordinator) -> FleetSnapshot:
-    """Read live workers and every known model's queues (read-only)."""
+    """Read live workers, every known model's queues and the newest lost workers
+    (read-only)."""
     now = time.time()
     infos = coordinator.registry.live_workers()
     workers = sorted((worker_row(w, now) for w in infos), key=lambda r: (r.model, r.name))
     models = {w.model for w in workers} | coordinator.known_models()
     return FleetSnapshot(taken_at=now, workers=workers,
-                         queues=queue_rows(coordinator, models, now))
+                         queues=queue_rows(coordinator, models, now),
+                         lost=lost_rows(coordinator))
 
 
 def render_fleet_metrics(coordinator: Coordinator) -> bytes:
@@ -236,5 +273,5 @@ class _PublishedTelemetry:
         return families
 
 
-__all__ = ["METRICS_CONTENT_TYPE", "FleetSnapshot", "QueueRow", "WorkerRow", "fleet_snapshot",
-           "render_fleet_metrics", "worker_row"]
+__all__ = ["METRICS_CONTENT_TYPE", "FleetSnapshot", "LostRow", "QueueRow", "WorkerRow",
+           "fleet_snapshot", "lost_rows", "render_fleet_metrics", "worker_row"]

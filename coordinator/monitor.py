@@ -7,6 +7,10 @@ equal the engine's own telemetry exactly); host fallbacks from ``checkpoint.fall
 also covers a start-up reservation that fell back before any generation); jobs, failures,
 refusals and requeues from their ``job.*`` events; lost workers from ``worker.lost``.
 
+A worker is declared lost in the log of whichever process swept it, which may be a log not
+being read; with ``fleet_events`` the fleet's event stream in Redis (``Keys.fleet_events``,
+:func:`read_fleet_events`) is the record of lost workers instead, whoever swept them.
+
 A line that is not a JSON object with an ``event`` is counted as unparseable and skipped. A
 line without a ``worker`` field (start-up events such as ``engine.loaded``) belongs to the
 worker that the same source names in its ``worker.registered`` event.
@@ -30,10 +34,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
+from redis import Redis
+
+from shared.keys import STREAM_FIELD, Keys
 from shared.protocol import Telemetry
 
 #: Label for records whose worker no line of their source names.
 UNKNOWN = "-"
+#: The source name of the records read from the fleet's event stream.
+FLEET_SOURCE = "redis:fleet-events"
 #: Records held per source until its worker is known (a start-up is a few dozen lines).
 _PENDING_MAX = 10_000
 
@@ -153,8 +162,10 @@ class _Source:
 class LogSummary:
     """Aggregates log records from any number of sources into per-group tallies."""
 
-    def __init__(self, since: datetime | None = None) -> None:
+    def __init__(self, since: datetime | None = None, fleet_events: bool = False) -> None:
         self.since = since
+        #: Lost workers are counted from the fleet's event stream only (not from logs).
+        self.fleet_events = fleet_events
         self.lines = 0
         self.records = 0
         self.unparseable = 0
@@ -178,6 +189,9 @@ class LogSummary:
         if not isinstance(record, dict) or not isinstance(record.get("event"), str):
             self.unparseable += 1
             return
+        if (self.fleet_events and record["event"] == "worker.lost"
+                and source != FLEET_SOURCE):
+            return  # the fleet's event stream has it, once
         if self.since is not None:
             ts = parse_time(record.get("timestamp"))
             if ts is None or ts < self.since:
@@ -354,6 +368,21 @@ class _Tail:
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
+
+
+def read_fleet_events(connection: Redis, keys: Keys, summary: LogSummary,
+                      after: str = "0-0") -> str:
+    """Feed the fleet's events after stream id ``after`` (``worker.lost`` records, whoever
+    swept them); returns the id to read on from."""
+    while True:
+        entries = connection.xrange(keys.fleet_events(), min=f"({after}", count=1000)
+        if not entries:
+            return after
+        for entry_id, fields in entries:
+            after = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            raw = (fields or {}).get(STREAM_FIELD.encode()) or b""
+            summary.feed(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw,
+                         FLEET_SOURCE)
 
 
 def expand(patterns: Iterable[str]) -> list[str]:

@@ -166,6 +166,19 @@ class FleetRegistry:
         """Every name in the fleet set, alive or not yet recovered."""
         return [text(n) for n in self._conn.zrange(self._keys.workers(), 0, -1)]
 
+    def lapsed(self, model_name: str) -> list[str]:
+        """Workers of ``model_name`` still in the fleet set whose registration has expired:
+        dead and awaiting recovery, or alive and about to re-register (Redis restarted or
+        stalled under them)."""
+        served = self._conn.hgetall(self._keys.worker_models())
+        names = [text(n) for n, m in served.items() if text(m) == model_name]
+        if not names:
+            return []
+        pipe = self._conn.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self._keys.worker(name))
+        return [n for n, alive in zip(names, pipe.execute(), strict=True) if not alive]
+
     def claim_lapsed(self) -> Sweep:
         """Claim every lapsed name, atomically, if contact with Redis has held long enough
         to tell a death from a stall (the module's docstring); each is claimed by exactly

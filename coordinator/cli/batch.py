@@ -26,6 +26,7 @@ from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator
 from coordinator.openai_api.requests import ENDPOINTS, NATIVE
 from shared.logs import configure_logging
+from shared.outage import RedisOutage, ride_out
 from shared.settings import Settings
 
 #: Seconds between two looks at a batch being waited for.
@@ -53,7 +54,7 @@ def _store() -> Iterator[tuple[BatchStore, Settings]]:
     configure_logging(settings.log_level, settings.log_format)
     try:
         yield BatchStore(Coordinator(settings)), settings
-    except RedisError as exc:
+    except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
     except BatchError as exc:
         fail(str(exc), code=1 if exc.status == 404 else 2)
@@ -68,8 +69,11 @@ def _submit(store: BatchStore, path: Path, endpoint: str, model: str | None) -> 
     return store.create(uploaded["id"], endpoint, model=model)
 
 
-def _wait(store: BatchStore, batch_id: str, timeout: float | None) -> dict[str, Any]:
-    """Poll the batch until it ends, with a progress bar on a terminal."""
+def _wait(store: BatchStore, batch_id: str, timeout: float | None,
+          outage_seconds: float) -> dict[str, Any]:
+    """Poll the batch until it ends, with a progress bar on a terminal; a Redis that refuses
+    for a while (restarting, out of memory ...) is waited out for up to ``outage_seconds``
+    (the batch runs on meanwhile)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     started, first_tokens = time.monotonic(), None
     with ExitStack() as stack:
@@ -83,7 +87,7 @@ def _wait(store: BatchStore, batch_id: str, timeout: float | None) -> dict[str, 
                 transient=True, console=Console(stderr=True)))
             task = bar.add_task(batch_id, total=None, done=0, failed=0, tps=0.0)
         while True:
-            batch = store.get(batch_id)
+            batch = ride_out(lambda: store.get(batch_id), outage_seconds, "batch.status")
             counts = batch["request_counts"]
             tokens = batch["specfleet"]["generated_tokens"]
             first_tokens = tokens if first_tokens is None else first_tokens
@@ -145,8 +149,9 @@ def run(input_path: InputFile, model: Annotated[str, typer.Option(
         fail(f"input file not found: {input_path}")
     with ExitStack() as stack:
         out_file, err_file = _open_outputs(stack, out, errors)
-        with _store() as (store, _):
-            batch = _wait(store, _submit(store, input_path, endpoint, model)["id"], timeout)
+        with _store() as (store, settings):
+            batch = _wait(store, _submit(store, input_path, endpoint, model)["id"], timeout,
+                          settings.redis_outage_seconds)
             _write_results(store, batch["id"], out_file, err_file)
             messages = [line["error"]["message"]
                         for line in store.result_lines(batch["id"], "errors")]
@@ -163,12 +168,14 @@ def submit(input_path: InputFile, endpoint: Endpoint = NATIVE,
                help="model for lines whose body names none")] = None,
            wait: Annotated[bool, typer.Option(help="wait until the batch ends")] = False,
            timeout: Timeout = None) -> None:
-    """Upload a batch file and queue its lines; print the batch id (--wait: the batch)."""
-    with _store() as (store, _):
+    """Upload a batch file and queue its lines; print the batch id (--wait: the id first,
+    so the batch can be found whatever happens to this command, then the ended batch)."""
+    with _store() as (store, settings):
         batch = _submit(store, input_path, endpoint, model)
+        print(batch["id"], flush=True)
         if wait:
-            batch = _wait(store, batch["id"], timeout)
-    print(json.dumps(batch) if wait else batch["id"])
+            batch = _wait(store, batch["id"], timeout, settings.redis_outage_seconds)
+            print(json.dumps(batch))
     if wait and batch["status"] != "completed":
         raise typer.Exit(1)
 

@@ -13,13 +13,15 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from redis import RedisError
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.cli.app import app, error_line, fail
+from coordinator.cli.app import app, environment_settings, error_line, fail, fail_redis
 from coordinator.monitor import (
     Condition,
     LogSummary,
@@ -27,8 +29,11 @@ from coordinator.monitor import (
     follow,
     parse_since,
     read_all,
+    read_fleet_events,
     tripped_conditions,
 )
+from shared.outage import RedisOutage, ride_out
+from shared.redis_client import connect
 
 _COLUMNS = ("gens", "tokens", "accept", "accept/pos", "tok/verify", "replays", "fallbacks",
             "failed", "refused", "requeued", "lost")
@@ -74,6 +79,24 @@ def _report(summary: LogSummary, as_json: bool, jobs: bool,
     return bool(alerts)
 
 
+def _fleet_reader(summary: LogSummary) -> Callable[[], None]:
+    """What feeds ``summary`` the fleet's new events each time it is called (a Redis that
+    cannot be read is a one-line error, exit 3)."""
+    settings = environment_settings()
+    connection = connect(settings.redis_url)
+    after = "0-0"
+
+    def read() -> None:
+        nonlocal after
+        try:
+            after = ride_out(lambda: read_fleet_events(connection, settings.keys, summary,
+                                                       after),
+                             settings.redis_outage_seconds, "fleet_events.read")
+        except (RedisError, RedisOutage) as exc:
+            fail_redis(settings, exc)
+    return read
+
+
 @app.command()
 def monitor(
     logs: Annotated[list[str] | None, typer.Argument(
@@ -89,6 +112,9 @@ def monitor(
     jobs: Annotated[bool, typer.Option("--jobs", help="also a per-job table (text)")] = False,
     interval: Annotated[float, typer.Option(
         min=0.05, help="--follow: seconds between summaries")] = 5.0,
+    fleet_events: Annotated[bool, typer.Option(
+        "--fleet-events", help="count lost workers from the fleet's event stream in Redis "
+        "(REDIS_URL, SPECFLEET_PREFIX), whoever swept them, not from the logs read")] = False,
 ) -> None:
     """Summarise JSON logs per worker, model and job: generations, tokens, acceptance (also
     per position), tokens per verify, replays, host fallbacks by reason, failures, refusals,
@@ -96,18 +122,24 @@ def monitor(
     patterns = logs or ["-"]
     try:
         conditions = [Condition.parse(c) for c in fail_on or []]
-        summary = LogSummary(since=parse_since(since) if since else None)
+        summary = LogSummary(since=parse_since(since) if since else None,
+                             fleet_events=fleet_events)
     except ValueError as exc:
         fail(str(exc))
     if not follow_logs and not expand(patterns):
         fail(f"no log file matches {' '.join(patterns)}")
+    read_fleet = _fleet_reader(summary) if fleet_events else None
     if not follow_logs:
+        if read_fleet is not None:
+            read_fleet()
         read_all(patterns, summary)
         raise typer.Exit(1 if _report(summary, as_json, jobs, conditions) else 0)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     next_report = time.monotonic() + interval
     try:
         for _ in follow(patterns, summary, interval=min(interval, 0.5), stdin=sys.stdin):
+            if read_fleet is not None:
+                read_fleet()
             if time.monotonic() >= next_report or tripped_conditions(summary, conditions):
                 next_report = time.monotonic() + interval
                 if _report(summary, as_json, jobs, conditions):

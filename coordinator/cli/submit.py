@@ -14,6 +14,7 @@ from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator, JobResult
 from coordinator.validation import SubmitError
 from shared.logs import configure_logging
+from shared.outage import RedisOutage
 from shared.protocol import JobStatus, Priority, SamplingParams
 
 
@@ -76,6 +77,6 @@ def submit(
         fail(str(exc))
     except TimeoutError as exc:
         fail(str(exc), code=1)
-    except RedisError as exc:
+    except (RedisError, RedisOutage) as exc:  # past redis_outage_seconds, or no retry mends
         fail_redis(settings, exc)
     print_result(result, as_json, streamed=stream, sampling=request.sampling)

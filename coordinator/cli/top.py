@@ -2,7 +2,8 @@
 
 Per worker: device, model, busy/total slots, fitted context, tok/s, acceptance, replays/s,
 host fallbacks, prefix-cache hit rate, current job and heartbeat age; per model and tier:
-queue depth and how long the head of the queue has waited. Rates are the workers' own
+queue depth and how long the head of the queue has waited; and the workers declared lost
+lately, from the fleet's event stream (whichever process swept them). Rates are the workers' own
 lifetime telemetry (published with every heartbeat), per second of generation: see
 coordinator/metrics.py.
 """
@@ -39,7 +40,14 @@ def render(snapshot: FleetSnapshot) -> Group:
     queues = Table("model", "tier", "queued", "oldest wait", title="queues")
     for q in snapshot.queues:
         queues.add_row(q.model, q.tier, str(q.depth), f"{q.oldest_wait_seconds:.1f}s")
-    return Group(workers, queues)
+    if not snapshot.lost:
+        return Group(workers, queues)
+    lost = Table("worker", "model", "jobs held", "requeued", "found by", "at",
+                 title="workers declared lost (newest first)")
+    for row in snapshot.lost:
+        lost.add_row(row.worker, row.model or "-", str(len(row.jobs)), str(len(row.requeued)),
+                     row.by or "a client", row.timestamp)
+    return Group(workers, queues, lost)
 
 
 @app.command()

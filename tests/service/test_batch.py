@@ -136,8 +136,10 @@ def test_batch_sub_commands_share_one_batch(fleet: Fleet, tmp_path: Path) -> Non
     source = tmp_path / "in.jsonl"
     source.write_bytes(_lines(_request(1), _request(2)))
     submitted = _cli(fleet, "batch", "submit", str(source), "--model", MODEL_NAME, "--wait")
-    batch = json.loads(submitted.stdout)
+    printed_id, ended = submitted.stdout.splitlines()  # the id first, the ended batch last
+    batch = json.loads(ended)
     assert submitted.returncode == 0 and batch["status"] == "completed"
+    assert printed_id == batch["id"]
     batch_id = batch["id"]
     out = tmp_path / "out.jsonl"
     done = _cli(fleet, "batch", "results", batch_id, "--out", str(out))
