@@ -1,22 +1,28 @@
 """Batches that live in Redis (OpenAI's Batch API): files in, jobs, files out.
 
-A batch advances with no client alive. Creating one turns every line of its input file into a
-job at once; each job's final event is accounted to the batch by the script that appends it
-(``worker.service.events``: counts, the line's result, the batch's end), whoever writes it (a
-worker, a cancel of a queued job, crash recovery). A line that cannot become a job (not UTF-8,
-not JSON, not a batch line, a request the coordinator refuses) gets a failed final event
-through the same script, so there is one way a line is accounted. Output and error files are
-assembled from Redis when they are read, in input order. The process creating a batch holds a
-short lease while it queues the lines; if it dies half-way, the next reader of the batch (a
-status poll, any gateway) takes the lease and queues the rest, with job ids derived from the
-batch and the line so that no line runs twice. The HTTP gateway and
-``specfleet batch`` both use :class:`BatchStore`; there is no other implementation.
+A batch advances with no client alive. Creating one checks its input file (JSON Lines, every
+``custom_id`` its own, within the limits) and answers at once, ``validating``; its lines are
+turned into jobs afterwards by :meth:`BatchStore.advance` (``in_progress`` from the first
+line), which whoever holds the batch's short creator lease runs: the creating process, or any
+gateway's batch pump when that one died (the lease lapses in seconds, job ids follow from the
+batch and the line, so no line runs twice). A line whose model has no live worker (a rolling
+restart) waits for one; once the batch's window (``SPECFLEET_BATCH_WINDOW_SECONDS``, OpenAI's
+``24h``) has passed, the batch is ``expired``: lines not yet run are withdrawn and reported
+``batch_expired``, the finished ones stay in its output. Each job's final event is accounted
+to the batch by the script that appends it (``shared.event_stream``: counts, the line's
+result, the batch's end), whoever writes it (a worker, a cancel of a queued job, crash
+recovery). A line that cannot become a job (not UTF-8, not JSON, not a batch line, a request
+the coordinator refuses) gets a failed final event through the same script, so there is one
+way a line is accounted. Output and error files are assembled from Redis when they are read,
+in input order. The HTTP gateway and ``specfleet batch`` both use :class:`BatchStore`; there
+is no other implementation.
 
 Redis keys (``shared.keys``): ``file:{id}`` (uploads), ``files`` (their listing),
 ``batch:{id}`` (status, counts, meta),
 ``batch:{id}:jobs`` (line -> custom id, job id, model), ``batch:{id}:results`` (line -> final
 event), ``batch:{id}:creator`` (the queueing lease), ``job:{id}:batch`` (a job's line
-reference, read by the script), ``batches`` (listing).
+reference, read by the script), ``batches`` (listing), ``batches:open`` (batches not ended,
+by when their window closes: what the gateways' pumps look after).
 Everything expires ``SPECFLEET_RESULT_TTL_SECONDS`` after the batch's last change.
 """
 
@@ -26,10 +32,11 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 from rq.job import Job
 
 from coordinator.client import Coordinator
@@ -37,19 +44,53 @@ from coordinator.openai_api import replies, requests
 from coordinator.openai_api.fields import RequestError
 from coordinator.validation import SubmitError
 from shared.event_stream import EventWriter
+from shared.logs import get_logger
 from shared.protocol import BatchLine, FinalEvent, JobStatus, describe_validation_error
 from shared.replies import text
+
+log = get_logger("batch")
 
 #: Largest input file, in bytes, and most lines in one batch.
 MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_BATCH_LINES = 10_000
-#: The only completion window (OpenAI's); a batch not done by then is reported ``expired``.
+#: The only completion window (OpenAI's); its length is ``Settings.batch_window_seconds``.
 COMPLETION_WINDOW = "24h"
-WINDOW_SECONDS = 24 * 3600
 #: Seconds a batch's creator holds its lease without renewing it (renewed as it queues).
 CREATOR_LEASE_SECONDS = 3.0
+#: Seconds between two looks for a live worker while a line's model has none.
+WORKER_WAIT_SECONDS = 1.0
 #: Statuses after which a batch never changes again.
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
+#: Statuses in which a batch still has lines to queue or jobs to wait for.
+OPEN = ("validating", "in_progress", "cancelling")
+
+#: Move a batch to status ARGV[1] (stamping field ARGV[2] with Redis's clock) only from one of
+#: the statuses ARGV[3..]: a cancel or the last line's accounting may have moved it meanwhile.
+_MOVE_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+for i = 3, #ARGV do
+  if status == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], redis.call('TIME')[1])
+    return 1
+  end
+end
+return 0
+"""
+#: Extend the lease KEYS[1] by ARGV[2] ms only while it is still ours (token ARGV[1]).
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+class _NoWorker(Exception):
+    """A line's model has no live worker now: the line waits for one."""
+
+
+class _LeaseLost(Exception):
+    """Another process took the batch's creator lease (this one stalled past it)."""
 
 _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
                "cancelling_at", "cancelled_at")
@@ -75,15 +116,20 @@ class BatchStore:
         self.conn = coordinator.connection
         self.keys = coordinator.keys
         self.ttl = coordinator.settings.result_ttl_seconds
+        self.window = coordinator.settings.batch_window_seconds
+        self._move = self.conn.register_script(_MOVE_LUA)
+        self._renew = self.conn.register_script(_RENEW_LUA)
 
     # -- files -------------------------------------------------------------------------------
     def upload(self, content: bytes, filename: str, purpose: str = "batch") -> dict[str, Any]:
-        """Store an input file; returns its OpenAI file object."""
+        """Store an input file; returns its OpenAI file object. A file that is not JSON
+        Lines at all is refused here (:func:`_check_jsonl`)."""
         if purpose != "batch":
             raise BatchError(f"purpose must be 'batch', not {purpose!r}", param="purpose")
         if len(content) > MAX_FILE_BYTES:
             raise BatchError(f"file of {len(content)} bytes exceeds the limit of "
                              f"{MAX_FILE_BYTES} bytes", status=413, param="file")
+        _check_jsonl(content)
         file_id = f"file-{uuid.uuid4().hex}"
         info: dict[str, Any] = {"id": file_id, "object": "file", "bytes": len(content),
                 "created_at": int(time.time()), "filename": filename[:256], "purpose": purpose,
@@ -166,7 +212,9 @@ class BatchStore:
                completion_window: str = COMPLETION_WINDOW,
                metadata: dict[str, str] | None = None,
                model: str | None = None) -> dict[str, Any]:
-        """Create a batch and queue every line of its input file as a job.
+        """Create a batch of the lines of its input file, ``validating``: its lines are queued
+        by :meth:`advance` afterwards (the caller's, or any gateway's pump). Refused at once:
+        a bad field, an empty or oversized file, two lines with one ``custom_id``.
 
         ``model`` fills in lines whose body names none (``specfleet batch --model``)."""
         if endpoint not in requests.ENDPOINTS:
@@ -184,69 +232,160 @@ class BatchStore:
         if len(raw_lines) > MAX_BATCH_LINES:
             raise BatchError(f"input file has {len(raw_lines)} lines; a batch holds at most "
                              f"{MAX_BATCH_LINES}", param="input_file_id")
+        _check_unique(raw_lines)
         now = int(time.time())
+        expires_at = now + self.window
         batch_id = f"batch_{uuid.uuid4().hex}"
         meta = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
                 "completion_window": completion_window, "metadata": metadata,
-                "created_at": now, "expires_at": now + WINDOW_SECONDS, "model": model}
+                "created_at": now, "expires_at": expires_at, "model": model}
         key = self.keys.batch(batch_id)
         pipe = self.conn.pipeline(transaction=True)
-        pipe.hset(key, mapping={"meta": json.dumps(meta), "status": "in_progress",
-                                "in_progress_at": now, "total": len(raw_lines), "queued": 0,
+        pipe.hset(key, mapping={"meta": json.dumps(meta), "status": "validating",
+                                "total": len(raw_lines), "queued": 0,
                                 "completed": 0, "failed": 0, "invalid": 0,
                                 "generated_tokens": 0})
         pipe.expire(key, self.ttl)
         pipe.zadd(self.keys.batches(), {batch_id: now})
+        pipe.zadd(self.keys.open_batches(), {batch_id: expires_at})
         pipe.execute()
-        self._queue_lines(batch_id, meta, raw_lines)
+        log.info("batch.created", batch_id=batch_id, lines=len(raw_lines), endpoint=endpoint)
         return self.get(batch_id)
 
     def _input_lines(self, input_file_id: str) -> list[bytes]:
         return [line for line in self.content(input_file_id).split(b"\n") if line.strip()]
 
-    def _queue_lines(self, batch_id: str, meta: dict[str, Any],
-                     raw_lines: list[bytes] | None = None) -> None:
-        """Queue the batch's lines from the first one not queued yet, holding the creator
-        lease (a process that dies while queueing stops refreshing it, and the next reader
-        of the batch carries on where it stopped); nothing when another process holds it."""
+    def needing_care(self) -> list[str]:
+        """Open batches that someone must carry on: lines left to queue, or a window past
+        (:meth:`advance` them); batches that have ended leave the set here."""
+        entries: list[tuple[Any, float]] = self.conn.zrange(  # type: ignore[assignment]
+            self.keys.open_batches(), 0, -1, withscores=True)
+        if not entries:
+            return []
+        pipe = self.conn.pipeline(transaction=False)
+        for raw_id, _ in entries:
+            pipe.hmget(self.keys.batch(text(raw_id)), "status", "queued", "total")
+        now, due, ended = time.time(), [], []
+        for (raw_id, expires_at), (status, queued, total) in zip(entries, pipe.execute(),
+                                                                 strict=True):
+            batch_id = text(raw_id)
+            if status is None or text(status) not in OPEN:
+                ended.append(batch_id)
+            elif now > expires_at or int(queued or 0) < int(total or 0):
+                due.append(batch_id)
+        if ended:
+            self.conn.zrem(self.keys.open_batches(), *ended)
+        return due
+
+    def advance(self, batch_id: str) -> bool:
+        """Carry a batch on from where it stands, holding its creator lease: queue its lines
+        from the first one not queued yet (it becomes ``in_progress`` at the first), a line
+        whose model has no live worker waiting for one; once the window has passed,
+        :meth:`_expire` it. True once every line is queued or the batch has ended; False
+        when another process holds the lease (or took it from this one). A Redis error
+        passes through: calling again resumes where this call stopped."""
         lease, token = self.keys.batch_creator(batch_id), uuid.uuid4().hex
         lease_ms = int(CREATOR_LEASE_SECONDS * 1000)
         if not self.conn.set(lease, token, nx=True, px=lease_ms):
-            return
-        try:
-            lines = raw_lines if raw_lines is not None else self._input_lines(
-                meta["input_file_id"])
-            key = self.keys.batch(batch_id)
-            queued, status = self.conn.hmget(key, "queued", "status")
-            start = int(queued or 0)
-            renewed = time.monotonic()
-            for number in range(start + 1, len(lines) + 1):
-                if time.monotonic() - renewed > CREATOR_LEASE_SECONDS / 3:
-                    self.conn.pexpire(lease, lease_ms)
-                    renewed = time.monotonic()
-                # only the first line of a takeover can have been half done by the dead one
-                self._queue_line(batch_id, meta, number, lines[number - 1],
-                                 resumed=raw_lines is None and number == start + 1,
-                                 cancelled=text(status) == "cancelling")
-                pipe = self.conn.pipeline(transaction=False)
-                pipe.hset(key, "queued", number)
-                pipe.hget(key, "status")
-                _, status = pipe.execute()
-        finally:
-            if text(self.conn.get(lease)) == token:
-                self.conn.delete(lease)
+            return False
 
-    def _queue_line(self, batch_id: str, meta: dict[str, Any], number: int, raw: bytes,
-                    resumed: bool, cancelled: bool) -> None:
+        def renew() -> None:
+            if not self._renew(keys=[lease], args=[token, lease_ms]):
+                raise _LeaseLost(batch_id)
+
+        key = self.keys.batch(batch_id)
+        try:
+            raw_meta, queued, total, status = self.conn.hmget(key, "meta", "queued", "total",
+                                                             "status")
+            if raw_meta is None or text(status) not in OPEN:
+                return True
+            meta = json.loads(raw_meta)
+            start, total_lines = int(queued or 0), int(total or 0)
+            if start < total_lines:
+                self._move(keys=[key], args=["in_progress", "in_progress_at", "validating"])
+            lines = self._lines_or_none(meta["input_file_id"], total_lines)
+            waiting_since: float | None = None
+            number = start + 1
+            while True:
+                renew()
+                status = self.conn.hget(key, "status")
+                if time.time() > meta["expires_at"] and text(status) != "cancelling":
+                    self._expire(batch_id, meta, lines, renew)
+                    return True
+                if number > total_lines:
+                    return True
+                try:
+                    # only the first line of a takeover can have been half done by a dead one
+                    self._queue_line(batch_id, meta, number, lines[number - 1],
+                                     resumed=number == start + 1,
+                                     cancelled=text(status) == "cancelling")
+                except _NoWorker as exc:
+                    if waiting_since is None:
+                        waiting_since = time.monotonic()
+                        log.warning("batch.waiting_for_worker", batch_id=batch_id, line=number,
+                                    reason=str(exc), expires_at=meta["expires_at"])
+                    time.sleep(WORKER_WAIT_SECONDS)
+                    continue
+                if waiting_since is not None:
+                    log.info("batch.worker_found", batch_id=batch_id, line=number,
+                             waited_seconds=round(time.monotonic() - waiting_since, 2))
+                    waiting_since = None
+                self.conn.hset(key, "queued", number)
+                number += 1
+        except _LeaseLost:
+            log.warning("batch.lease_lost", batch_id=batch_id)
+            return False
+        finally:
+            with contextlib.suppress(RedisError):  # unreachable: the lease lapses by itself
+                if text(self.conn.get(lease)) == token:
+                    self.conn.delete(lease)
+
+    def _lines_or_none(self, input_file_id: str, total: int) -> list[bytes | None]:
+        """The input file's lines, or None for each when the file was deleted meanwhile."""
+        try:
+            return list(self._input_lines(input_file_id))
+        except BatchError:
+            return [None] * total
+
+    def _expire(self, batch_id: str, meta: dict[str, Any], lines: Sequence[bytes | None],
+                renew: Callable[[], None]) -> None:
+        """The window has passed: the batch is ``expired``; the lines not queued yet and the
+        jobs not finished are withdrawn (their lines ``batch_expired``), finished lines stay."""
+        key = self.keys.batch(batch_id)
+        if not self._move(keys=[key], args=["expired", "expired_at", "validating",
+                                            "in_progress"]):
+            return  # it ended (or is being cancelled) meanwhile
+        queued = int(self.conn.hget(key, "queued") or 0)
+        for number in range(queued + 1, len(lines) + 1):
+            renew()
+            self._queue_line(batch_id, meta, number, lines[number - 1], resumed=True,
+                             cancelled=True)
+            self.conn.hset(key, "queued", number)
+        done = {int(n) for n in self.conn.hkeys(self.keys.batch_results(batch_id))}
+        withdrawn = 0
+        for number, record in self._records(batch_id).items():
+            if record["job_id"] is not None and number not in done:
+                renew()
+                with contextlib.suppress(LookupError, ValueError):  # ended meanwhile
+                    self.coordinator.cancel(record["job_id"])
+                    withdrawn += 1
+        self.conn.zrem(self.keys.open_batches(), batch_id)
+        log.warning("batch.expired", batch_id=batch_id, not_queued=len(lines) - queued,
+                    withdrawn=withdrawn)
+
+    def _queue_line(self, batch_id: str, meta: dict[str, Any], number: int,
+                    raw: bytes | None, resumed: bool, cancelled: bool) -> None:
         """Turn one input line into a job, or account it as failed with its reason (or as
-        cancelled, once the batch is being cancelled).
+        cancelled, once the batch is being cancelled or has expired); ``_NoWorker`` when
+        the line's model has no live worker now (nothing is recorded as failed: it waits).
 
         Job ids follow from the batch and the line, so a takeover (``resumed``) finds what
         the dead creator had already done for the line and does not do it twice."""
         job_id = f"{batch_id.removeprefix('batch_')}-{number}"
         jobs, results = self.keys.batch_jobs(batch_id), self.keys.batch_results(batch_id)
-        custom_id, parsed, error = _parse_line(meta["endpoint"], number, raw,
-                                                meta.get("model"), self.aliases)
+        custom_id, parsed, error = (None, None, f"line {number}: the input file was deleted "
+                                    "before the line was queued") if raw is None else \
+            _parse_line(meta["endpoint"], number, raw, meta.get("model"), self.aliases)
         request = parsed.choices[0].request if parsed is not None else None
         record = {"custom_id": custom_id, "job_id": None,
                   "model": parsed.model if parsed is not None else None,
@@ -275,6 +414,8 @@ class BatchStore:
                 self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
                 return
             except SubmitError as exc:
+                if exc.reason == "no_worker":
+                    raise _NoWorker(str(exc)) from None
                 error = f"line {number}: {exc}"
         self.conn.hincrby(self.keys.batch(batch_id), "invalid", 1)
         writer.final(status=JobStatus.FAILED, error=error)
@@ -287,9 +428,6 @@ class BatchStore:
             raise BatchError(f"no such batch: {batch_id}", status=404, param="batch_id")
         meta = json.loads(raw["meta"])
         status = raw["status"]
-        if (status in ("in_progress", "cancelling")
-                and int(raw.get("queued", raw["total"])) < int(raw["total"])):
-            self._queue_lines(batch_id, meta)  # unless its creator is alive and at it
         if status not in TERMINAL and time.time() > meta["expires_at"]:
             status = "expired"
         counts = {name: int(raw.get(name, 0)) for name in ("total", "completed", "failed")}
@@ -345,7 +483,8 @@ class BatchStore:
             ok = final.status is JobStatus.FINISHED
             if which != "all" and ok != (which == "output"):
                 continue
-            yield _output_line(batch["endpoint"], number, record, final)
+            yield _output_line(batch["endpoint"], number, record, final,
+                               expired=batch["status"] == "expired")
 
 
 def _valid_metadata(metadata: object) -> bool:
@@ -353,6 +492,42 @@ def _valid_metadata(metadata: object) -> bool:
     return isinstance(metadata, dict) and len(metadata) <= 16 and all(
         isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
         for k, v in metadata.items())
+
+
+def _check_jsonl(content: bytes) -> None:
+    """Refuse a file that is not JSON Lines at all (an image, a spreadsheet, a JSON array):
+    one holding a NUL byte (no JSON text does), or lines none of which is a JSON object. A
+    file of objects with some broken lines is taken: each bad line fails on its own."""
+    nul = content.find(b"\x00")
+    if nul >= 0:
+        raise BatchError(f"the file is not JSONL (one JSON object per line): byte {nul} is "
+                         "NUL, so it is binary data", param="file")
+    lines = [line for line in content.split(b"\n") if line.strip()]
+    for line in lines:
+        with contextlib.suppress(ValueError):  # JSON errors and bad UTF-8 alike
+            if isinstance(json.loads(line), dict):
+                return
+    if lines:  # an empty file is refused at create, for having no lines
+            raise BatchError("the file is not JSONL (one JSON object per line): no line is a "
+                         "JSON object", param="file")
+
+
+def _check_unique(raw_lines: Sequence[bytes]) -> None:
+    """Refuse two lines with one ``custom_id`` (OpenAI's rule: results are matched to
+    requests by it); lines that are not JSON objects are left to fail on their own."""
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(raw_lines, 1):
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        custom_id = line.get("custom_id") if isinstance(line, dict) else None
+        if not isinstance(custom_id, str):
+            continue
+        if custom_id in seen:
+            raise BatchError(f"custom_id {custom_id!r} is on lines {seen[custom_id]} and "
+                             f"{number}: each line needs its own", param="input_file_id")
+        seen[custom_id] = number
 
 
 def _result_file(file_id: str) -> tuple[str | None, str]:
@@ -394,9 +569,10 @@ def _parse_line(endpoint: str, number: int, raw: bytes, model: str | None,
     return line.custom_id, parsed, None
 
 
-def _output_line(endpoint: str, number: int, record: dict[str, Any],
-                 final: FinalEvent) -> dict[str, Any]:
-    """One line of an output or error file, in OpenAI's shape (plus the input ``line``)."""
+def _output_line(endpoint: str, number: int, record: dict[str, Any], final: FinalEvent,
+                 expired: bool = False) -> dict[str, Any]:
+    """One line of an output or error file, in OpenAI's shape (plus the input ``line``); a
+    line withdrawn when its batch ``expired`` is ``batch_expired``, as OpenAI reports it."""
     job_id = record.get("job_id")
     line: dict[str, Any] = {"id": f"batch_req_{final.job_id}",
                             "custom_id": record.get("custom_id"), "line": number}
@@ -408,6 +584,10 @@ def _output_line(endpoint: str, number: int, record: dict[str, Any],
                 "error": None}
     if job_id is None:
         code, status = "invalid_request", 400
+    elif final.status is JobStatus.CANCELLED and expired:
+        code, status = "batch_expired", 408
+        final = final.model_copy(update={"error": final.error or (
+            f"line {number}: not run before the batch's completion window ended")})
     elif final.status is JobStatus.CANCELLED:
         code, status = "cancelled", 499
     else:

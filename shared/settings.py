@@ -45,6 +45,12 @@ class Settings(BaseSettings):
         default=300.0, gt=0,
         description="how long workers and stream readers wait out an unreachable Redis",
     )
+    batch_window_seconds: int = Field(
+        default=86400, gt=0,
+        description="how long a batch's lines may wait for workers and run (OpenAI's "
+                    "completion_window '24h'); past it the batch is expired. Shorter only "
+                    "for drills and tests",
+    )
     chat_template: str | None = Field(
         default=None, description="worker: a named chat template (chatml, gemma, llama3) "
         "to render chats with instead of the model's own",

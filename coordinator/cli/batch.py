@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from typer.core import TyperGroup
 
-from coordinator.batch import TERMINAL, BatchError, BatchStore
+from coordinator.batch import CREATOR_LEASE_SECONDS, TERMINAL, BatchError, BatchStore
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator
 from coordinator.openai_api.requests import ENDPOINTS, NATIVE
@@ -67,6 +68,13 @@ def _submit(store: BatchStore, path: Path, endpoint: str, model: str | None) -> 
         fail(f"{exc.filename}: {exc.strerror}")
     uploaded = store.upload(content, path.name)
     return store.create(uploaded["id"], endpoint, model=model)
+
+
+def _advance(store: BatchStore, batch_id: str, outage_seconds: float) -> None:
+    """Queue the batch's lines from this process (any gateway's batch pump would too),
+    riding out Redis blips; while another process holds the batch, wait for it to finish."""
+    while not ride_out(partial(store.advance, batch_id), outage_seconds, "batch.advance"):
+        time.sleep(CREATOR_LEASE_SECONDS / 3)
 
 
 def _wait(store: BatchStore, batch_id: str, timeout: float | None,
@@ -150,8 +158,9 @@ def run(input_path: InputFile, model: Annotated[str, typer.Option(
     with ExitStack() as stack:
         out_file, err_file = _open_outputs(stack, out, errors)
         with _store() as (store, settings):
-            batch = _wait(store, _submit(store, input_path, endpoint, model)["id"], timeout,
-                          settings.redis_outage_seconds)
+            batch_id = _submit(store, input_path, endpoint, model)["id"]
+            _advance(store, batch_id, settings.redis_outage_seconds)
+            batch = _wait(store, batch_id, timeout, settings.redis_outage_seconds)
             _write_results(store, batch["id"], out_file, err_file)
             messages = [line["error"]["message"]
                         for line in store.result_lines(batch["id"], "errors")]
@@ -173,6 +182,7 @@ def submit(input_path: InputFile, endpoint: Endpoint = NATIVE,
     with _store() as (store, settings):
         batch = _submit(store, input_path, endpoint, model)
         print(batch["id"], flush=True)
+        _advance(store, batch["id"], settings.redis_outage_seconds)
         if wait:
             batch = _wait(store, batch["id"], timeout, settings.redis_outage_seconds)
             print(json.dumps(batch))

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-import uvicorn
 
 from coordinator.cli.app import app, environment_settings, fail
+from coordinator.gateway import server
 from coordinator.gateway.app import create_app
 from coordinator.gateway.auth import GatewaySettings
 from coordinator.redis_local import answers
@@ -48,5 +48,6 @@ def serve(
     get_logger("gateway").info("gateway.listening", host=host, port=port,
                                api_keys=len(gateway.keys()), prefix=settings.prefix,
                                cors_origins=gateway.origins(), aliases=gateway.aliases())
-    uvicorn.run(create_app(settings, gateway), host=host, port=port, log_level="warning",
-                access_log=False, timeout_graceful_shutdown=5)
+    server.run(create_app(settings, gateway), host, port,
+               header_seconds=gateway.header_timeout_seconds,
+               drain_seconds=gateway.drain_seconds)

@@ -1,12 +1,19 @@
-"""The gateway's ASGI application: routes, errors, API keys, request size limits, CORS.
+"""The gateway's ASGI application: routes, errors, API keys, request size and time limits,
+admission, CORS.
 
 Stateless: everything it knows is in Redis (jobs, streams, batches, files), so any number of
-gateways can serve one fleet, and a restarted one picks up where the last left off.
+gateways can serve one fleet, and a restarted one picks up where the last left off. Its Redis
+connections are bounded whatever the load: one for the stream hub's read of every open stream
+(``hub.py``), a small async pool, and one per thread of the synchronous pool (submits,
+cancels, batches); requests past ``max_concurrent_requests`` are answered 503 with
+``Retry-After`` before they cost anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -19,22 +26,63 @@ from coordinator.batch import MAX_FILE_BYTES, BatchStore
 from coordinator.client import Coordinator
 from coordinator.gateway import batches, errors, routes
 from coordinator.gateway.auth import ApiKeys, GatewaySettings
-from coordinator.gateway.errors import APIError
+from coordinator.gateway.errors import RETRY_OVERLOADED, APIError
+from coordinator.gateway.hub import StreamHub
 from coordinator.gateway.streaming import connect_async
+from shared.logs import get_logger
 from shared.redis_client import connect
 from shared.settings import Settings
 
 #: Threads for synchronous Redis work (submits, cancels, batch operations).
 SYNC_THREADS = 64
+#: The routes that start generations: what ``max_concurrent_requests`` counts.
+GENERATING = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+RESUME = "/v1/specfleet/streams/"
+
+log = get_logger("gateway")
 
 
-class BodyLimit:
-    """413 for a body over the limit (uploads to ``/v1/files`` have the file limit), checked
-    on ``Content-Length`` first and on the bytes actually received for chunked bodies."""
+class Admission:
+    """503 with ``Retry-After`` for a generation request (or stream resumption) past
+    ``limit`` in flight, answered before it submits anything: a client that cannot be served
+    hears so, instead of a 200 whose stream never comes."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
         self.limit = limit
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path in GENERATING or path.startswith(RESUME)):
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            log.warning("gateway.overloaded", path=path, in_flight=self.active,
+                        limit=self.limit)
+            await APIError(503, f"the gateway has {self.active} requests in flight (its limit,"
+                           " SPECFLEET_MAX_CONCURRENT_REQUESTS); try again shortly",
+                           "service_unavailable", code="overloaded",
+                           retry_after=RETRY_OVERLOADED).response()(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
+class BodyLimit:
+    """413 for a body over the limit (uploads to ``/v1/files`` have the file limit), checked
+    on ``Content-Length`` first and on the bytes actually received for chunked bodies; 408
+    for a body not received within ``seconds`` of its headers (a client trickling its body
+    would hold a connection and a request for ever). Once the body is in, later reads (the
+    wait for a disconnect) have no deadline."""
+
+    def __init__(self, app: ASGIApp, limit: int, seconds: float) -> None:
+        self.app = app
+        self.limit = limit
+        self.seconds = seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -46,11 +94,22 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _too_large(limit)(scope, receive, send)
             return
-        received = 0
+        received, complete = 0, False
+        deadline = asyncio.get_running_loop().time() + self.seconds
 
         async def counting() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(
+                    receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except TimeoutError:
+                log.warning("gateway.body_timeout", path=scope["path"], received=received,
+                            seconds=self.seconds)
+                raise APIError(408, f"the request body did not arrive within {self.seconds:g}"
+                               " s", code="body_timeout") from None
+            complete = message["type"] != "http.request" or not message.get("more_body")
             received += len(message.get("body", b""))
             if received > limit:
                 raise APIError(413, f"request body exceeds {limit} bytes", code="too_large")
@@ -77,11 +136,21 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
         app.state.coordinator = coordinator
         app.state.batches = BatchStore(coordinator, gateway.aliases())
         app.state.redis = connect_async(settings.redis_url)
+        app.state.hub = StreamHub(connect_async(settings.redis_url, max_connections=1),
+                                  app.state.redis,
+                                  settings.keys.gateway_wake(uuid.uuid4().hex[:12]),
+                                  settings.redis_outage_seconds)
+        app.state.hub.start()
+        pump = asyncio.create_task(batches.pump(app.state.batches), name="batch-pump")
         app.state.aliases = gateway.aliases()
         app.state.keepalive_seconds = gateway.sse_keepalive_seconds
         try:
             yield
         finally:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+            await app.state.hub.close()
             await app.state.redis.aclose()
             coordinator.connection.close()
 
@@ -91,7 +160,9 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
     app.include_router(routes.public)
     app.include_router(routes.router, dependencies=auth)
     app.include_router(batches.router, dependencies=auth)
-    app.add_middleware(BodyLimit, limit=gateway.max_request_bytes)
+    app.add_middleware(BodyLimit, limit=gateway.max_request_bytes,
+                       seconds=gateway.body_timeout_seconds)
+    app.add_middleware(Admission, limit=gateway.max_concurrent_requests)
     if gateway.origins():  # outermost: a preflight is answered before keys are asked for
         app.add_middleware(CORSMiddleware, allow_origins=gateway.origins(),
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],

@@ -1,5 +1,5 @@
 """Optional Bearer API keys (``SPECFLEET_API_KEYS``, comma-separated) and the gateway's own
-settings (limits, keep-alives, CORS origins, model aliases).
+settings (limits, timeouts, keep-alives, CORS origins, model aliases).
 
 Keys are held as secrets (never in a repr, a log line or an error) and compared in constant
 time. With no keys configured the gateway is open, as llama-server and vLLM are by default.
@@ -29,6 +29,22 @@ class GatewaySettings(BaseSettings):
         default=15.0, gt=0, le=3600,
         description="a quiet stream gets a keep-alive comment this often (proxies' idle "
                     "timeouts)")
+    max_concurrent_requests: int = Field(
+        default=4096, gt=0,
+        description="generation requests (streamed or not) in flight at once; one past it "
+                    "is answered 503 with Retry-After")
+    header_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=3600,
+        description="a connection that has not sent a request's headers this long after it "
+                    "opened (or after its previous response) is closed")
+    body_timeout_seconds: float = Field(
+        default=60.0, gt=0, le=3600,
+        description="a request whose body has not arrived this long after its headers is "
+                    "answered 408")
+    drain_seconds: float = Field(
+        default=30.0, ge=0, le=3600,
+        description="on SIGTERM, how long open requests and streams may run on before the "
+                    "gateway exits")
     cors_origins: str = Field(
         default="", description="comma-separated origins browsers may call from ('*': any); "
                                 "empty: no CORS headers")

@@ -1,12 +1,16 @@
 """``/v1/files`` and ``/v1/batches`` (OpenAI's Batch API) over ``coordinator.batch.BatchStore``.
 
 The routes only translate HTTP to the store (in a thread: it is synchronous Redis) and back;
-the batch itself lives in Redis and advances without this process.
+the batch itself lives in Redis. A create answers at once (``validating``); every gateway's
+:func:`pump` then carries open batches on (:meth:`BatchStore.advance`: lines queued, waiting
+for workers, expiry), whichever gateway created them: the creator lease in Redis lets one
+process at a time at a batch, and lapses within seconds when that one dies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,8 +20,40 @@ from starlette.datastructures import UploadFile
 from coordinator.batch import MAX_FILE_BYTES, BatchError, BatchStore
 from coordinator.gateway.errors import APIError
 from coordinator.gateway.routes import json_body
+from shared.logs import get_logger
 
 router = APIRouter()
+log = get_logger("gateway")
+
+#: Seconds between two looks at the open batches (a new one waits at most this long).
+PUMP_SECONDS = 0.5
+
+
+async def pump(store: BatchStore) -> None:
+    """Advance every open batch that needs a hand, each in a thread of its own, for the
+    gateway's life; a Redis error only delays the next look."""
+    running: dict[str, asyncio.Future[bool]] = {}
+    while True:
+        try:
+            due = await asyncio.to_thread(store.needing_care)
+        except Exception as exc:  # noqa: BLE001  Redis away: look again later
+            log.warning("batch.pump_failed", error_type=type(exc).__name__, error=str(exc))
+            due = []
+        for batch_id in due:
+            if batch_id not in running:
+                task = asyncio.ensure_future(asyncio.to_thread(store.advance, batch_id))
+                running[batch_id] = task
+                task.add_done_callback(functools.partial(_advanced, running, batch_id))
+        await asyncio.sleep(PUMP_SECONDS)
+
+
+def _advanced(running: dict[str, asyncio.Future[bool]], batch_id: str,
+              task: asyncio.Future[bool]) -> None:
+    running.pop(batch_id, None)
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        log.warning("batch.advance_failed", batch_id=batch_id,
+                    error_type=type(exc).__name__, error=str(exc))
 
 
 def _store(request: Request) -> BatchStore:

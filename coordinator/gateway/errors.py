@@ -1,9 +1,11 @@
 """Errors in OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``).
 
 Every refusal maps to one status here: 400 a request we cannot run (naming the field), 401 a
-missing or wrong API key, 404 an unknown model or object, 413 a body over the size limit, 503
-no live worker; anything unexpected is a 500 whose message names only its type (the log has
-the rest), so internals and secrets never reach a client.
+missing or wrong API key, 404 an unknown model or object, 408 a body that did not arrive in
+time, 413 a body over the size limit, 503 with ``Retry-After`` a request the gateway cannot
+serve now (no live worker, too many requests in flight, Redis unreachable); anything unexpected
+is a 500 whose message names only its type (the log has the rest), so internals and secrets
+never reach a client.
 """
 
 from __future__ import annotations
@@ -14,14 +16,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
+from coordinator.gateway.hub import GatewayClosing
 from coordinator.openai_api.fields import RequestError
 from coordinator.validation import SubmitError
+from shared import redis_faults
 from shared.logs import get_logger
+from shared.outage import RedisOutage
 from shared.protocol import describe_validation_error
 
 log = get_logger("gateway")
+
+#: Seconds a client is asked to wait (``Retry-After``) before it tries again: after a 503 for
+#: too many requests in flight, for no live worker, and for Redis not answering.
+RETRY_OVERLOADED = 1
+RETRY_NO_WORKER = 5
+RETRY_REDIS = 5
 
 #: SubmitError.reason -> (status, OpenAI error type, code)
 _SUBMIT_STATUS = {
@@ -36,16 +48,19 @@ class APIError(Exception):
     """An error answered in OpenAI's shape with ``status``."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.retry_after = retry_after
 
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=error_body(
+        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return JSONResponse(status_code=self.status, headers=headers, content=error_body(
             self.message, self.type, self.param, self.code))
 
 
@@ -56,7 +71,19 @@ def error_body(message: str, type_: str, param: str | None = None,
 
 def from_submit(exc: SubmitError) -> APIError:
     status, type_, code = _SUBMIT_STATUS.get(exc.reason, _SUBMIT_STATUS["invalid"])
-    return APIError(status, str(exc), type_, param=exc.param, code=code)
+    return APIError(status, str(exc), type_, param=exc.param, code=code,
+                    retry_after=RETRY_NO_WORKER if exc.reason == "no_worker" else None)
+
+
+def from_redis(exc: Exception) -> APIError:
+    """503 with ``Retry-After`` while Redis refuses for a passing reason (down, loading, out
+    of memory, no free connection ...); else the 500 of anything unexpected."""
+    if isinstance(exc, RedisOutage) or redis_faults.classify(exc) is not None:
+        log.warning("gateway.redis_unavailable", error_type=type(exc).__name__, error=str(exc))
+        return APIError(503, "Redis is not answering; try again shortly", "service_unavailable",
+                        code="redis_unavailable", retry_after=RETRY_REDIS)
+    log.error("gateway.error", error_type=type(exc).__name__, error=str(exc))
+    return APIError(500, f"internal error ({type(exc).__name__})", "server_error")
 
 
 def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
@@ -91,6 +118,17 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ValidationError)
     async def _pydantic(_: Request, exc: ValidationError) -> JSONResponse:
         return from_validation(exc).response()
+
+    @app.exception_handler(GatewayClosing)
+    async def _closing(_: Request, exc: GatewayClosing) -> JSONResponse:
+        return APIError(503, "the gateway is shutting down; try again (another gateway)",
+                        "service_unavailable", code="gateway_shutdown",
+                        retry_after=RETRY_OVERLOADED).response()
+
+    @app.exception_handler(RedisError)
+    @app.exception_handler(RedisOutage)
+    async def _redis(_: Request, exc: Exception) -> JSONResponse:
+        return from_redis(exc).response()
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

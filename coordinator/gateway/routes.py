@@ -197,7 +197,7 @@ def _check(endings: Sequence[Ending]) -> None:
 async def _finish(request: Request, job_ids: Sequence[str]) -> list[Ending] | JSONResponse:
     """Every job's ending, or a 499 (with the jobs cancelled) when the client hung up."""
     coordinator = _coordinator(request)
-    endings = await endings_or_disconnect(request.app.state.redis, coordinator.keys, job_ids,
+    endings = await endings_or_disconnect(request.app.state.hub, coordinator.keys, job_ids,
                                           request.receive)
     if endings is None:
         for job_id in job_ids:
@@ -212,7 +212,7 @@ async def _refused_early(request: Request, job_ids: Sequence[str]) -> None:
     idle worker refuses within milliseconds; a queued job's stream starts after
     :data:`REFUSAL_WAIT_SECONDS` at most, so clients with short header timeouts still get
     their headers)."""
-    ending = await refusal(request.app.state.redis, _coordinator(request).keys, job_ids[0],
+    ending = await refusal(request.app.state.hub, _coordinator(request).keys, job_ids[0],
                            min(REFUSAL_WAIT_SECONDS, request.app.state.keepalive_seconds))
     if ending is not None:
         _check([ending])
@@ -223,7 +223,7 @@ async def _generate(request: Request, parsed: Parsed) -> Any:
     if parsed.stream:
         await _refused_early(request, job_ids)
         return _sse(request, completion_sse(
-            request.app.state.redis, _coordinator(request).keys, parsed, job_ids,
+            request.app.state.hub, _coordinator(request).keys, parsed, job_ids,
             int(time.time())), job_ids)
     endings = await _finish(request, job_ids)
     if isinstance(endings, JSONResponse):
@@ -240,7 +240,7 @@ async def responses(request: Request) -> Any:
     if parsed.stream:
         await _refused_early(request, [job_id])
         sequence = EventSequence(job_id, parsed, body, created)
-        return _sse(request, responses_sse(request.app.state.redis, _coordinator(request).keys,
+        return _sse(request, responses_sse(request.app.state.hub, _coordinator(request).keys,
                                            sequence), [job_id])
     endings = await _finish(request, [job_id])
     if isinstance(endings, JSONResponse):
@@ -258,7 +258,8 @@ def _sse(request: Request, events: AsyncIterator[dict[str, str]],
         for job_id in job_ids:
             await _cancel(coordinator, job_id, "disconnected")
 
-    return EventSourceResponse(with_keepalive(events, request.app.state.keepalive_seconds),
+    return EventSourceResponse(with_keepalive(events, request.app.state.keepalive_seconds,
+                                              request.app.state.hub),
                                sep="\n", ping=0, client_close_handler_callable=on_close)
 
 
@@ -291,7 +292,7 @@ async def resume_stream(request: Request, completion_id: str,
                        param="Last-Event-ID")
     parsed = Parsed(CHAT if kind == "chatcmpl" else COMPLETIONS,
                     (job.meta or {}).get("model", ""), [Choice({})], True, include_usage)
-    return _sse(request, completion_sse(request.app.state.redis, coordinator.keys, parsed,
+    return _sse(request, completion_sse(request.app.state.hub, coordinator.keys, parsed,
                                         [job_id], int(time.time()), shown=int(last)), [job_id])
 
 

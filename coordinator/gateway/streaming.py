@@ -9,17 +9,24 @@ reconnects to ``GET /v1/specfleet/streams/{completion id}`` with ``Last-Event-ID
 exactly the rest, because the stream is replayed from Redis and the text already seen is
 skipped.
 
-Keep-alives are a bare comment line (``: ping`` and one newline), never followed by the blank
-line that ends an event: SSE decoders that keep the last ``id`` (the OpenAI SDKs', and so
-langchain's and litellm's) dispatch an empty event at every blank line, and parsing its empty
-data as JSON killed their streams behind busy slots.
+Keep-alives are a bare comment line (``: ping`` and one newline; ``: waiting for redis``
+while the stream hub waits out an outage), never followed by the blank line that ends an
+event: SSE decoders that keep the last ``id`` (the OpenAI SDKs', and so langchain's and
+litellm's) dispatch an empty event at every blank line, and parsing its empty data as JSON
+killed their streams behind busy slots.
+
+Every read goes through the gateway's :class:`coordinator.gateway.hub.StreamHub` (one
+connection for all streams), and a stream that cannot go on (Redis gone past
+``redis_outage_seconds``, or anything unexpected) ends with an OpenAI-shaped error event, never
+with a body that just stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +38,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.types import Receive
 
 from coordinator.events import StreamCursor, TextDeltas
+from coordinator.gateway.hub import GatewayClosing, StreamHub
 from coordinator.openai_api import replies
 from coordinator.openai_api.requests import CHAT, Parsed
 from coordinator.openai_api.responses import EventSequence
+from shared import redis_faults
 from shared.keys import Keys
+from shared.logs import get_logger
+from shared.outage import RedisOutage
 from shared.protocol import (
     AnyEvent,
     ErrorEvent,
@@ -47,16 +58,22 @@ from shared.protocol import (
 from shared.redis_client import COMMAND_RETRIES, HEALTH_CHECK_SECONDS, SOCKET_TIMEOUT
 from shared.sentinel import async_sentinel_client, is_sentinel_url
 
-#: How long one XREAD blocks; also how often a waiting reader notices it should stop.
-BLOCK_MS = 500
 #: A keep-alive: a comment line that no decoder turns into an event (see the module doc).
 KEEPALIVE = b": ping\n"
+#: The keep-alive while Redis is unreachable: the client sees that the stream waits.
+WAITING = b": waiting for redis\n"
+#: Connections the gateway's async client may hold (the hub's reader has its own): health
+#: checks and the hub's wake-ups; a command past the bound waits for one to be free.
+ASYNC_CONNECTIONS = 32
+
+log = get_logger("gateway")
 
 
-def connect_async(url: str) -> aioredis.Redis:
+def connect_async(url: str, max_connections: int = ASYNC_CONNECTIONS) -> aioredis.Redis:
     """An async client with the same retry and health-check policy as every other client
-    (``shared.redis_client``), also for a ``redis+sentinel://`` URL."""
-    options: dict[str, Any] = dict(
+    (``shared.redis_client``), also for a ``redis+sentinel://`` URL, holding at most
+    ``max_connections``."""
+    options: dict[str, Any] = dict(max_connections=max_connections,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), COMMAND_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
         socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
@@ -66,14 +83,15 @@ def connect_async(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, **options)
 
 
-async def job_events(redis: aioredis.Redis, keys: Keys,
-                     cursor: StreamCursor) -> AsyncIterator[AnyEvent]:
-    """Every event of ``cursor``'s job from its position on, until the job's final event."""
-    stream = keys.events(cursor.job_id)
-    while not cursor.done:
-        reply = await redis.xread({stream: cursor.last_id}, block=BLOCK_MS, count=256)
-        for event in cursor.feed_reply(reply):
-            yield event
+async def job_events(hub: StreamHub, keys: Keys,
+                     cursor: StreamCursor) -> AsyncGenerator[AnyEvent, None]:
+    """Every event of ``cursor``'s job from its position on, until the job's final event
+    (``RedisOutage`` once Redis has been away past the hub's deadline). A reader that stops
+    early closes it (``aclosing``), which ends its subscription."""
+    async with hub.follow(keys.events(cursor.job_id), cursor.last_id) as subscription:
+        while not cursor.done:
+            for event in cursor.feed(await subscription.next()):
+                yield event
 
 
 @dataclass(frozen=True)
@@ -85,19 +103,20 @@ class Ending:
     error_type: str | None = None
 
 
-async def job_ending(redis: aioredis.Redis, keys: Keys, job_id: str) -> Ending:
+async def job_ending(hub: StreamHub, keys: Keys, job_id: str) -> Ending:
     """The job's final event (of its newest attempt) and its error's type."""
     final, error_type = None, None
-    async for event in job_events(redis, keys, StreamCursor(job_id)):
-        if isinstance(event, ErrorEvent):
-            error_type = event.error_type
-        elif isinstance(event, FinalEvent):
-            final = event
+    async with aclosing(job_events(hub, keys, StreamCursor(job_id))) as events:
+        async for event in events:
+            if isinstance(event, ErrorEvent):
+                error_type = event.error_type
+            elif isinstance(event, FinalEvent):
+                final = event
     assert final is not None  # the cursor is done only at a final event
     return Ending(final, error_type)
 
 
-async def refusal(redis: aioredis.Redis, keys: Keys, job_id: str,
+async def refusal(hub: StreamHub, keys: Keys, job_id: str,
                   seconds: float) -> Ending | None:
     """The ending of a job refused when a worker took it (a prompt too long for its context,
     which only the worker can count), if that happens within ``seconds``; None once the job
@@ -105,14 +124,15 @@ async def refusal(redis: aioredis.Redis, keys: Keys, job_id: str,
     request is answered with its status instead of a 200 whose stream ends in an error."""
     async def watch() -> Ending | None:
         error_type = None
-        async for event in job_events(redis, keys, StreamCursor(job_id)):
-            if isinstance(event, ErrorEvent):
-                error_type = event.error_type
-            elif isinstance(event, FinalEvent):
-                return Ending(event, error_type)
-            elif isinstance(event, TokenEvent) or (isinstance(event, ProgressEvent)
-                                                   and event.stage == "generating"):
-                return None
+        async with aclosing(job_events(hub, keys, StreamCursor(job_id))) as events:
+            async for event in events:
+                if isinstance(event, ErrorEvent):
+                    error_type = event.error_type
+                elif isinstance(event, FinalEvent):
+                    return Ending(event, error_type)
+                elif isinstance(event, TokenEvent) or (isinstance(event, ProgressEvent)
+                                                       and event.stage == "generating"):
+                    return None
         return None
 
     try:
@@ -127,11 +147,11 @@ async def until_disconnected(receive: Receive) -> None:
         pass
 
 
-async def endings_or_disconnect(redis: aioredis.Redis, keys: Keys, job_ids: Sequence[str],
+async def endings_or_disconnect(hub: StreamHub, keys: Keys, job_ids: Sequence[str],
                                 receive: Receive) -> list[Ending] | None:
     """Every job's ending, in order, or None when the client hung up first."""
     async def all_endings() -> list[Ending]:
-        return list(await asyncio.gather(*(job_ending(redis, keys, j) for j in job_ids)))
+        return list(await asyncio.gather(*(job_ending(hub, keys, j) for j in job_ids)))
 
     waiting = asyncio.create_task(all_endings())
     hangup = asyncio.create_task(until_disconnected(receive))
@@ -155,33 +175,36 @@ class Piece:
     ending: Ending | None = None
 
 
-async def choice_pieces(redis: aioredis.Redis, keys: Keys, job_id: str, index: int,
-                        shown: int = 0) -> AsyncIterator[Piece]:
+async def choice_pieces(hub: StreamHub, keys: Keys, job_id: str, index: int,
+                        shown: int = 0) -> AsyncGenerator[Piece, None]:
     """The pieces of one job from character ``shown`` on, the last one its ending."""
     cursor = StreamCursor(job_id)
     deltas = TextDeltas(cursor, shown)
     offset = shown  # completions' text_offset: the characters of the tokens before
     error_type = None
-    async for ev in job_events(redis, keys, cursor):
-        if isinstance(ev, ErrorEvent):
-            error_type = ev.error_type
-        delta = deltas.feed(ev)
-        if delta or deltas.logprobs:  # a token may hold part of a character: no text yet
-            yield Piece(index, delta, deltas.logprobs or None, offset, deltas.shown)
-            offset += sum(len(lp.text) for lp in deltas.logprobs)
-        if isinstance(ev, FinalEvent) and cursor.done:
-            yield Piece(index, "", None, offset, deltas.shown, Ending(ev, error_type))
+    async with aclosing(job_events(hub, keys, cursor)) as events:
+        async for ev in events:
+            if isinstance(ev, ErrorEvent):
+                error_type = ev.error_type
+            delta = deltas.feed(ev)
+            if delta or deltas.logprobs:  # a token may hold part of a character: no text yet
+                yield Piece(index, delta, deltas.logprobs or None, offset, deltas.shown)
+                offset += sum(len(lp.text) for lp in deltas.logprobs)
+            if isinstance(ev, FinalEvent) and cursor.done:
+                yield Piece(index, "", None, offset, deltas.shown, Ending(ev, error_type))
 
 
-async def merged(streams: Sequence[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+async def merged(streams: Sequence[AsyncGenerator[Piece, None]]
+                 ) -> AsyncGenerator[Piece, None]:
     """The pieces of several jobs as they come (each job's in its own order)."""
     if len(streams) == 1:
-        async for piece in streams[0]:
-            yield piece
+        async with aclosing(streams[0]) as only:
+            async for piece in only:
+                yield piece
         return
     queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[Piece]) -> None:
+    async def pump(stream: AsyncGenerator[Piece, None]) -> None:
         try:
             async for piece in stream:
                 await queue.put(piece)
@@ -205,9 +228,10 @@ async def merged(streams: Sequence[AsyncIterator[Piece]]) -> AsyncIterator[Piece
             task.cancel()
 
 
-async def with_keepalive(events: AsyncIterator[dict[str, str]],
-                         seconds: float) -> AsyncIterator[dict[str, str] | bytes]:
-    """``events``, with a :data:`KEEPALIVE` line whenever none came for ``seconds``."""
+async def with_keepalive(events: AsyncIterator[dict[str, str]], seconds: float,
+                         hub: StreamHub) -> AsyncIterator[dict[str, str] | bytes]:
+    """``events``, with a :data:`KEEPALIVE` line whenever none came for ``seconds``
+    (:data:`WAITING` while ``hub`` waits out a Redis outage)."""
     iterator = events.__aiter__()
     pending: asyncio.Future[dict[str, str]] | None = None
     try:
@@ -216,7 +240,7 @@ async def with_keepalive(events: AsyncIterator[dict[str, str]],
                 pending = asyncio.ensure_future(iterator.__anext__())
             done, _ = await asyncio.wait({pending}, timeout=seconds)
             if not done:
-                yield KEEPALIVE
+                yield KEEPALIVE if hub.outage_since is None else WAITING
                 continue
             pending = None
             try:
@@ -230,6 +254,29 @@ async def with_keepalive(events: AsyncIterator[dict[str, str]],
         await iterator.aclose()  # type: ignore[attr-defined]
 
 
+def interrupted(exc: Exception, job_ids: Sequence[str]) -> dict[str, Any]:
+    """The error body of a stream the gateway cannot go on with (in a stream, after which it
+    ends): the gateway shutting down past its drain (``gateway_shutdown``), Redis away past
+    the outage deadline (``redis_unavailable``); in both the jobs go on, and a one-choice
+    stream can be resumed from its last ``id``. Or anything unexpected (``stream_failed``)."""
+    if isinstance(exc, GatewayClosing):
+        log.info("gateway.stream_interrupted", job_ids=list(job_ids), reason="shutdown")
+        message, code = ("the gateway is shutting down; the job goes on: resume the stream "
+                         "from another gateway (GET /v1/specfleet/streams/{id} with "
+                         "Last-Event-ID)"), "gateway_shutdown"
+    elif isinstance(exc, RedisOutage) or redis_faults.classify(exc) is not None:
+        log.warning("gateway.stream_interrupted", job_ids=list(job_ids), reason="redis",
+                    error=str(exc))
+        message, code = (f"the gateway lost Redis and gave up waiting: {exc}",
+                         "redis_unavailable")
+    else:
+        log.error("gateway.stream_interrupted", job_ids=list(job_ids),
+                  error_type=type(exc).__name__, error=str(exc))
+        message, code = f"the stream failed ({type(exc).__name__})", "stream_failed"
+    return {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": code}}
+
+
 def failure(ending: Ending) -> dict[str, Any]:
     """The error body of a failed job (in a stream, after which it ends)."""
     final = ending.final
@@ -238,11 +285,12 @@ def failure(ending: Ending) -> dict[str, Any]:
                       "param": None, "code": code}}
 
 
-async def completion_sse(redis: aioredis.Redis, keys: Keys, parsed: Parsed,
+async def completion_sse(hub: StreamHub, keys: Keys, parsed: Parsed,
                          job_ids: Sequence[str], created: int,
                          shown: int = 0) -> AsyncIterator[dict[str, str]]:
     """SSE events (``id``/``data``) of a request's jobs in OpenAI's chunk shape, ending
-    ``[DONE]``; ids (characters sent) only when there is one choice."""
+    ``[DONE]`` (after an error event when a job failed or the stream could not go on); ids
+    (characters sent) only when there is one choice."""
     endpoint = parsed.endpoint
     completion = replies.completion_id(endpoint, job_ids[0])
     single = len(job_ids) == 1
@@ -262,36 +310,47 @@ async def completion_sse(redis: aioredis.Redis, keys: Keys, parsed: Parsed,
                 yield event(chunk(index, text=choice.echo), 0)
     finals: dict[int, FinalEvent] = {}
     sent = shown
-    streams = [choice_pieces(redis, keys, job_id, i, shown) for i, job_id in enumerate(job_ids)]
-    async for piece in merged(streams):
-        sent = piece.shown
-        if piece.ending is None:
-            yield event(chunk(piece.index, text=piece.text, logprobs=piece.logprobs,
-                              offset=piece.offset), piece.shown)
-            continue
-        if piece.ending.final.status is JobStatus.FAILED:
-            yield event(failure(piece.ending), piece.shown)
-            break
-        finals[piece.index] = piece.ending.final
-        yield event(chunk(piece.index, final=piece.ending.final), piece.shown)
-    else:
-        if parsed.include_usage:
-            ordered = [finals[i] for i in range(len(job_ids))]
-            yield event(replies.usage_chunk(parsed, completion, created, ordered), sent)
+    streams = [choice_pieces(hub, keys, job_id, i, shown) for i, job_id in enumerate(job_ids)]
+    try:
+        async with aclosing(merged(streams)) as pieces:
+            async for piece in pieces:
+                sent = piece.shown
+                if piece.ending is None:
+                    yield event(chunk(piece.index, text=piece.text, logprobs=piece.logprobs,
+                                      offset=piece.offset), piece.shown)
+                    continue
+                if piece.ending.final.status is JobStatus.FAILED:
+                    yield event(failure(piece.ending), piece.shown)
+                    break
+                finals[piece.index] = piece.ending.final
+                yield event(chunk(piece.index, final=piece.ending.final), piece.shown)
+            else:
+                if parsed.include_usage:
+                    ordered = [finals[i] for i in range(len(job_ids))]
+                    yield event(replies.usage_chunk(parsed, completion, created, ordered), sent)
+    except Exception as exc:  # noqa: BLE001  the client hears why its stream ends
+        yield event(interrupted(exc, job_ids), sent)
     yield {"data": "[DONE]"}
 
 
-async def responses_sse(redis: aioredis.Redis, keys: Keys, sequence: EventSequence,
+async def responses_sse(hub: StreamHub, keys: Keys, sequence: EventSequence,
                         ) -> AsyncIterator[dict[str, str]]:
-    """The Responses API's typed events of one job (``event:`` names the type)."""
+    """The Responses API's typed events of one job (``event:`` names the type); a stream
+    that cannot go on ends with an ``error`` event."""
     def event(body: dict[str, Any]) -> dict[str, str]:
         return {"event": body["type"], "data": json.dumps(body, separators=(",", ":"))}
 
     for body in sequence.opening():
         yield event(body)
-    async for piece in choice_pieces(redis, keys, sequence.job_id, 0):
-        if piece.ending is None:
-            yield event(sequence.delta(piece.text))
-        else:
-            for body in sequence.closing(piece.ending.final):
-                yield event(body)
+    try:
+        async with aclosing(choice_pieces(hub, keys, sequence.job_id, 0)) as pieces:
+            async for piece in pieces:
+                if piece.ending is None:
+                    yield event(sequence.delta(piece.text))
+                else:
+                    for body in sequence.closing(piece.ending.final):
+                        yield event(body)
+    except Exception as exc:  # noqa: BLE001  the client hears why its stream ends
+        error = interrupted(exc, [sequence.job_id])["error"]
+        yield event({"type": "error", "sequence_number": sequence.number,
+                     "code": error["code"], "message": error["message"], "param": None})

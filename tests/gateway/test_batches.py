@@ -63,7 +63,7 @@ def test_batch_round_trip_with_five_bad_lines_of_fifty(deployment: Deployment) -
     batch = client.batches.create(input_file_id=_upload(client, lines),
                                   endpoint="/v1/completions", completion_window="24h",
                                   metadata={"run": "test"})
-    assert batch.status == "in_progress" and batch.metadata == {"run": "test"}
+    assert batch.status == "validating" and batch.metadata == {"run": "test"}
     batch = _wait(client, batch.id)
     assert batch.status == "completed"
     counts = batch.request_counts

@@ -47,6 +47,9 @@ def test_cancelling_a_queued_batch_accounts_every_line(coordinator: Coordinator)
     store = BatchStore(coordinator)
     upload = store.upload(_lines(_request(1), _request(2), b"\xff oops"), "in.jsonl")
     batch = store.create(upload["id"], NATIVE)
+    assert batch["status"] == "validating"
+    assert store.advance(batch["id"])
+    batch = store.get(batch["id"])
     assert batch["status"] == "in_progress"
     assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 1}
     batch = store.cancel(batch["id"])
@@ -73,6 +76,7 @@ def test_a_repeated_or_stale_final_event_counts_once(coordinator: Coordinator) -
     _idle_worker(coordinator)
     store = BatchStore(coordinator)
     batch = store.create(store.upload(_lines(_request(1)), "in.jsonl")["id"], NATIVE)
+    assert store.advance(batch["id"])
     job_id = json.loads(coordinator.connection.hget(coordinator.keys.batch_jobs(batch["id"]),
                                                     "1"))["job_id"]
 
@@ -98,6 +102,7 @@ def test_a_killed_workers_line_is_accounted_once(fleet: Fleet, coordinator: Coor
     store = BatchStore(coordinator)
     upload = store.upload(_lines(*[_request(n, 24) for n in range(1, 5)]), "in.jsonl")
     batch = store.create(upload["id"], NATIVE)
+    assert store.advance(batch["id"])
     job_id = json.loads(coordinator.connection.hget(coordinator.keys.batch_jobs(batch["id"]),
                                                     "1"))["job_id"]
     fleet.kill_runner(coordinator.handle(job_id).stream(timeout=60))
