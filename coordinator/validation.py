@@ -5,6 +5,11 @@ prompt has at least one token and at most (UTF-8 bytes + 2) tokens (every token 
 least one byte; +2 for BOS/EOS specials). A text prompt is rejected here only when even one
 token cannot fit; when only the upper bound overflows, the worker counts exactly after
 tokenizing and fails the job with a ``context`` error before generating anything.
+
+A request's ``constraint`` is compiled here without a vocabulary (llguidance,
+``shared.constraint.check_constraint``): a schema or grammar that cannot compile is refused
+naming the problem, so every path that queues (the client, the CLI, batches, the gateway)
+refuses it before a worker could.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from shared.capacity import CapacityError, within_capacity
+from shared.constraint import ConstraintError, check_constraint
 from shared.protocol import GenerationRequest, WorkerInfo, describe_validation_error
 
 
@@ -33,15 +39,21 @@ class SubmitError(ValueError):
 
 
 def parse_request(request: GenerationRequest | dict[str, Any]) -> GenerationRequest:
-    """The request as a validated model, or a ``SubmitError`` naming every bad field."""
-    if isinstance(request, GenerationRequest):
-        return request
-    if not isinstance(request, dict):
-        raise SubmitError(f"a request must be a JSON object, not {type(request).__name__}")
-    try:
-        return GenerationRequest.model_validate(request)
-    except ValidationError as exc:
-        raise SubmitError(f"invalid request: {describe_validation_error(exc)}") from None
+    """The request as a validated model with a constraint that compiles, or a
+    ``SubmitError`` naming every bad field."""
+    if not isinstance(request, GenerationRequest):
+        if not isinstance(request, dict):
+            raise SubmitError(f"a request must be a JSON object, not {type(request).__name__}")
+        try:
+            request = GenerationRequest.model_validate(request)
+        except ValidationError as exc:
+            raise SubmitError(f"invalid request: {describe_validation_error(exc)}") from None
+    if request.constraint is not None:
+        try:
+            check_constraint(request.constraint)
+        except ConstraintError as exc:
+            raise SubmitError(f"constraint: {exc}", param="constraint") from None
+    return request
 
 
 def prompt_token_bounds(request: GenerationRequest) -> tuple[int, int]:

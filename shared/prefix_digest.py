@@ -41,7 +41,7 @@ def canonical_text(request: GenerationRequest) -> str:
     if request.prompt_tokens is not None:
         return "tokens\n" + _ids(request.prompt_tokens)
     if request.messages is not None:
-        return "chat\n" + "".join(_turn(m.role, m.content) for m in request.messages)
+        return "chat\n" + "".join(_turn(m.role, m.text()) for m in request.messages)
     kind = "special" if request.parse_special else "text"
     return f"{kind}\n{request.prompt or ''}"
 

@@ -7,6 +7,7 @@ message that names it (pydantic's ``loc``), before anything is queued.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from pydantic import (
 from pydantic_core import CoreSchema
 
 from shared.constraint import Constraint
+from shared.tool_calls import render_calls
 
 #: Import path of the job function every generation job names on its rq queue; workers run
 #: nothing else. Part of the wire contract: coordinator and workers both read it from here.
@@ -216,11 +218,84 @@ class WorkerCapacity(_Strict):
         default=None, description="recurrent snapshots D per sequence; None: not recurrent")
 
 
-class ChatMessage(_Strict):
-    """One chat turn; the worker renders the turns with its model's chat template."""
+#: Most tools one request may offer, and most calls one assistant turn may carry (OpenAI's).
+MAX_TOOLS = 128
+#: What a function's name may be (OpenAI's rule): it is written into grammars and prompts.
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+class FunctionDefinition(_Strict):
+    """A function the model may call: its name, what it does, and the JSON Schema of its
+    arguments (``parameters``; none: any JSON object)."""
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    parameters: dict[str, Any] | None = None
+    #: OpenAI's strict mode; the arguments are always constrained to ``parameters`` here.
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    """One tool of a request (OpenAI's shape: only functions exist)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolCallFunction(_Strict):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    #: The arguments as JSON text (OpenAI's shape), an object.
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            value = json.loads(v)
+        except ValueError as exc:
+            raise ValueError(f"must be JSON text ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object")
+        return v
+
+
+class ToolCall(_Strict):
+    """A call an assistant turn made, sent back in a conversation's history."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Strict):
+    """One chat turn; the worker renders the turns with its model's chat template.
+
+    An assistant turn may carry the ``tool_calls`` it made (its ``content`` then may be
+    None); a ``tool`` turn answers one of them (``tool_call_id``)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    tool_calls: list[ToolCall] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _tool_fields_match_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("'tool_calls' belong to an assistant turn")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a 'tool' turn, and only one, names the call it answers "
+                             "('tool_call_id')")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("'content' may be null only on an assistant turn with "
+                             "'tool_calls'")
+        return self
+
+    def text(self) -> str:
+        """The turn as the model wrote it: its content, then its calls in
+        :mod:`shared.tool_calls`' layout (what a model under the calls grammar writes)."""
+        calls = render_calls([(c.function.name, c.function.arguments)
+                              for c in self.tool_calls or []])
+        return "\n".join(part for part in (self.content, calls) if part)
 
 
 class GenerationRequest(_Strict):
@@ -256,6 +331,11 @@ class GenerationRequest(_Strict):
     speculative: SpecSettings = Field(default_factory=SpecSettings)
     priority: Priority = Priority.NORMAL
     custom_id: str | None = Field(default=None, max_length=256)
+    tools: list[ToolDefinition] | None = Field(
+        default=None, min_length=1, max_length=MAX_TOOLS,
+        description="chat: functions the model may call, rendered into the prompt (the chat "
+                    "template's own way, or docs/http.md's generic format); the call itself "
+                    "is shaped by 'constraint'")
     constraint: Constraint | None = Field(
         default=None, description="what the output may say: JSON, a JSON Schema, a grammar "
                                   "(Lark, GBNF) or a regex (shared/constraint.py); the "
@@ -293,6 +373,12 @@ class GenerationRequest(_Strict):
             raise ValueError("'prompt' must not be empty")
         if self.prompt_tokens is not None and not self.prompt_tokens:
             raise ValueError("'prompt_tokens' must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("'tools' need 'messages' (a chat)")
+        if self.tools is not None:
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) != len(names):
+                raise ValueError("'tools' must name each function once")
         if self.top_logprobs and not self.logprobs:
             raise ValueError(
                 f"'top_logprobs' ({self.top_logprobs}) needs 'logprobs': true")

@@ -1,21 +1,55 @@
-"""``specfleet submit``: queue one request on the fleet, optionally stream it, print the result."""
+"""``specfleet submit``: queue one request on the fleet, optionally stream it, print the result.
+
+``--json-schema FILE`` (a JSON Schema) or ``--grammar FILE`` (Lark, or GBNF or a regex with
+``--grammar-syntax``) constrains the output; either is compiled before anything is queued,
+and one that does not compile exits 2 naming its option and the problem.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import ValidationError
 from redis import RedisError
 
 from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator, JobResult
 from coordinator.validation import SubmitError
+from shared.constraint import Constraint, ConstraintError, ConstraintKind, check_constraint
 from shared.logs import configure_logging
 from shared.outage import RedisOutage
-from shared.protocol import JobStatus, Priority, SamplingParams
+from shared.protocol import JobStatus, Priority, SamplingParams, describe_validation_error
+
+GrammarSyntax = Literal["lark", "gbnf", "regex"]
+
+
+def read_constraint(json_schema: Path | None, grammar: Path | None,
+                    grammar_syntax: GrammarSyntax) -> Constraint | None:
+    """The constraint the options ask for, compiled, or an exit naming the option at fault."""
+    if json_schema is not None and grammar is not None:
+        fail("--json-schema and --grammar both constrain the output: give one")
+    option, path = ("--json-schema", json_schema) if json_schema is not None else (
+        "--grammar", grammar)
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+        fields: dict[str, Any] = (
+            {"kind": ConstraintKind.JSON_SCHEMA, "json_schema": json.loads(text)}
+            if json_schema is not None else
+            {"kind": ConstraintKind(grammar_syntax), "grammar": text})
+        constraint = Constraint(**fields)
+        check_constraint(constraint)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ConstraintError) as exc:
+        fail(f"{option} {path}: {exc}")
+    except ValidationError as exc:
+        fail(f"{option} {path}: {describe_validation_error(exc, subject=None)}")
+    return constraint
 
 
 def print_result(result: JobResult, as_json: bool, streamed: bool,
@@ -52,6 +86,15 @@ def submit(
     stream: Annotated[bool, typer.Option(help="print text as it is generated")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one final JSON object")] = False,
     timeout: Annotated[float | None, typer.Option(help="seconds to wait for the result")] = None,
+    json_schema: Annotated[Path | None, typer.Option(
+        help="constrain the output to JSON valid under the JSON Schema in FILE",
+        metavar="FILE")] = None,
+    grammar: Annotated[Path | None, typer.Option(
+        help="constrain the output to the grammar in FILE (--grammar-syntax)",
+        metavar="FILE")] = None,
+    grammar_syntax: Annotated[GrammarSyntax, typer.Option(
+        help="the syntax of --grammar: lark (llguidance's), gbnf (llama.cpp's) or regex")
+    ] = "lark",
     *,
     sampling: dict[str, Any],
 ) -> None:
@@ -64,6 +107,9 @@ def submit(
                                 rollback_depth=rollback_depth, sampling=sampling,
                                 logprobs=logprobs, model=model, stop=stop or (),
                                 priority=priority)
+    constraint = read_constraint(json_schema, grammar, grammar_syntax)
+    if constraint is not None:
+        request = request.model_copy(update={"constraint": constraint})
     try:
         handle = Coordinator(settings).submit(request)
         if stream:

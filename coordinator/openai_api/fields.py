@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared.protocol import describe_validation_error
 
@@ -22,12 +22,15 @@ from shared.protocol import describe_validation_error
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
                        "safety_identifier", "parallel_tool_calls"})
 
-_TOOLS = "tool and function calling is not supported"
-#: Fields that would change the answer, and why they cannot be honoured.
+_TOOLS = "tools are served on /v1/chat/completions"
+_FUNCTIONS = "the deprecated functions API is not supported: send tools and tool_choice"
+#: Fields that would change the answer, and why they cannot be honoured (where the endpoint
+#: does not read them: ``screen``'s ``honoured``).
 REFUSED: dict[str, str] = {
-    "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
-    "response_format": "structured outputs (response_format) are not supported",
-    "text": "structured outputs (text.format) are not supported",
+    "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
+    "response_format": "the Responses API takes text.format, not response_format",
+    "text": "text.format is the Responses API's: send response_format",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning settings are not supported",
     "reasoning": "reasoning settings are not supported",
@@ -48,6 +51,13 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "text": ({"format": {"type": "text"}}, {}),
     "modalities": (["text"],), "truncation": ("disabled",), "include": ([],),
 }
+
+
+class Strict(BaseModel):
+    """Types are strict (``true`` is not a number, ``"10"`` is not an int), as on our own
+    wire, and an unknown field is refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class RequestError(ValueError):

@@ -3,7 +3,9 @@
 A response has one choice per job of its request (``Parsed.choices``), ``usage`` counting
 each prompt once and every choice's tokens, ``usage.prompt_tokens_details.cached_tokens``
 from the worker's prefix cache, and our ``specfleet`` extension: the job, its worker, the
-seed it sampled with and its telemetry (``choices`` too when there are several).
+seed it sampled with and its telemetry (``choices`` too when there are several). A choice
+read as tool calls (``Choice.tool_calls``) answers ``message.tool_calls`` and
+``finish_reason: "tool_calls"``, streamed as OpenAI streams them (:class:`ChoiceStream`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from coordinator.client import JobResult
-from coordinator.openai_api.requests import CHAT, NATIVE, Parsed
+from coordinator.openai_api.requests import CHAT, NATIVE, Choice, Parsed
+from coordinator.openai_api.tool_calls import CallReader, Pieces
 from shared.protocol import FinalEvent, FinishReason, TokenLogprob
 from shared.version import package_version
 
@@ -20,13 +23,15 @@ from shared.version import package_version
 SYSTEM_FINGERPRINT = f"specfleet-{package_version()}"
 
 
-def finish_reason(final: FinalEvent) -> str | None:
-    """OpenAI's finish reason: an end-of-generation token or a stop string is ``stop``,
-    the budget or the context is ``length``; a cancelled job stopped early: ``stop``, with our
-    own reason in the ``specfleet`` field."""
+def finish_reason(final: FinalEvent, called: bool = False) -> str | None:
+    """OpenAI's finish reason: an end-of-generation token or a stop string is ``stop``
+    (``tool_calls`` when the choice made calls), the budget or the context is ``length``; a
+    cancelled job stopped early: ``stop``, with our own reason in the ``specfleet`` field."""
     if final.finish_reason in (FinishReason.LENGTH, FinishReason.CONTEXT):
         return "length"
-    return "stop" if final.finish_reason is not None else None
+    if final.finish_reason is None:
+        return None
+    return "tool_calls" if called else "stop"
 
 
 def token_counts(parsed: Parsed, finals: Sequence[FinalEvent]) -> tuple[int, int, int]:
@@ -120,6 +125,12 @@ def response_body(parsed: Parsed, finals: Sequence[FinalEvent]) -> dict[str, Any
                                                             len(choice.echo))}
         if endpoint == CHAT:
             body["message"] = {"role": "assistant", "content": final.text, "refusal": None}
+            if choice.tool_calls:
+                reader = read_calls(final)
+                if reader.called:
+                    body["message"].update(content=reader.content or None, tool_calls=[
+                        call.openai() for call in reader.calls])
+                    body["finish_reason"] = finish_reason(final, called=True)
         else:
             body["text"] = choice.echo + final.text
         choices.append(body)
@@ -152,6 +163,73 @@ def chunk(endpoint: str, completion: str, model: str, created: int, index: int =
     if final is not None:
         body["specfleet"] = extension(final)
     return body
+
+
+def read_calls(final: FinalEvent) -> CallReader:
+    """A tool-calling job's whole text read (as its stream reads it, delta by delta)."""
+    reader = CallReader(final.job_id)
+    reader.feed(final.text)
+    reader.finish()
+    return reader
+
+
+class ChoiceStream:
+    """The chunks of one streamed choice: its opening, one chunk per piece of text (None
+    when a piece adds nothing to send yet) and its closing chunk.
+
+    A choice read as tool calls hands its text to a :class:`CallReader` and sends what it
+    reads: ``delta.content`` for a message, ``delta.tool_calls`` for calls (index, id, type
+    and name first, then argument fragments). Resuming such a stream after character
+    ``shown`` reads the job from its first character (:attr:`read_from`), since the reader
+    needs the calls already sent, and sends only the pieces after it."""
+
+    def __init__(self, parsed: Parsed, index: int, completion: str, created: int,
+                 job_id: str, shown: int = 0) -> None:
+        self.endpoint, self.model, self.index = parsed.endpoint, parsed.model, index
+        self.completion, self.created, self.shown = completion, created, shown
+        choice = parsed.choices[index] if index < len(parsed.choices) else Choice({})
+        self.echo = choice.echo
+        self.reader = CallReader(job_id) if choice.tool_calls else None
+        self.read_from = 0 if self.reader is not None else shown
+
+    def _chunk(self, **fields: Any) -> dict[str, Any]:
+        return chunk(self.endpoint, self.completion, self.model, self.created, self.index,
+                     **fields)
+
+    def opening(self) -> dict[str, Any] | None:
+        """The chat role chunk, or completions' echo (none when resuming)."""
+        if self.shown:
+            return None
+        if self.endpoint == CHAT:
+            return self._chunk(role=True, text="")
+        return self._chunk(text=self.echo) if self.echo else None
+
+    def text(self, text: str, logprobs: list[TokenLogprob] | None, offset: int,
+             shown: int) -> dict[str, Any] | None:
+        """The chunk of a piece of text (``shown``: characters of the text up to its end)."""
+        if self.reader is None:
+            return self._chunk(text=text, logprobs=logprobs, offset=offset)
+        pieces = self.reader.feed(text)
+        if shown <= self.shown or not (pieces.content or pieces.calls or logprobs):
+            return None
+        return self._pieces(pieces, logprobs=logprobs, offset=offset)
+
+    def closing(self, final: FinalEvent) -> dict[str, Any]:
+        """The chunk with the finish reason (and what a tool-calling choice held back)."""
+        if self.reader is None:
+            return self._chunk(final=final)
+        return self._pieces(self.reader.finish(), final=final)
+
+    def _pieces(self, pieces: Pieces, **fields: Any) -> dict[str, Any]:
+        assert self.reader is not None
+        body = self._chunk(text=pieces.content or None, **fields)
+        choice = body["choices"][0]
+        if pieces.calls:
+            choice["delta"]["tool_calls"] = [delta.openai() for delta in pieces.calls]
+        final = fields.get("final")
+        if final is not None:
+            choice["finish_reason"] = finish_reason(final, self.reader.called)
+        return body
 
 
 def usage_chunk(parsed: Parsed, completion: str, created: int,

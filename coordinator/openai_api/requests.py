@@ -19,17 +19,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from coordinator.openai_api.fields import RequestError, from_validation, screen
+from coordinator.openai_api.fields import Strict as _Strict
+from coordinator.openai_api.structured import (
+    GrammarSyntax,
+    ResponseFormat,
+    ToolChoice,
+    Tools,
+    grammar_constraint,
+    request_constraint,
+)
 from shared.protocol import (
     MAX_SEED,
     MAX_TOKENS_CAP,
+    MAX_TOOLS,
     MAX_TOP_LOGPROBS,
     GenerationRequest,
     Priority,
     SamplingParams,
     SpecSettings,
+    ToolCall,
+    ToolDefinition,
     draw_seed,
 )
 
@@ -73,13 +85,6 @@ def choice_seed(seed: int, index: int) -> int:
     return (int.from_bytes(digest, "big") >> 11) % (MAX_SEED + 1)
 
 
-class _Strict(BaseModel):
-    """Types are strict (``true`` is not a number, ``"10"`` is not an int), as on our own
-    wire, and an unknown field is refused by name."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
 class Extension(_Strict):
     """The ``specfleet`` request field: what OpenAI has no name for."""
 
@@ -88,6 +93,9 @@ class Extension(_Strict):
     parse_special: bool = False
     #: False: prefill this request from its first token and leave nothing cached.
     prefix_cache: bool = True
+    #: A grammar the output must follow (Lark unless ``grammar_syntax`` says otherwise).
+    grammar: str | None = None
+    grammar_syntax: GrammarSyntax | None = None
 
 
 class StreamOptions(_Strict):
@@ -122,13 +130,23 @@ class Sampled(_Strict):
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         return {"temperature": float(temperature), **given}
 
-    def base_request(self, model: str, max_tokens: int) -> dict[str, Any]:
+    def base_request(self, model: str, max_tokens: int,
+                     response_format: ResponseFormat | None = None,
+                     tools: Tools | None = None,
+                     format_param: str = "response_format") -> dict[str, Any]:
         """Our request fields that do not depend on the prompt's form, for ``model`` (the
-        served name an alias stands for)."""
+        served name an alias stands for), with the constraint of ``response_format``,
+        ``specfleet.grammar`` and ``tools`` (compiled: ``RequestError`` if it cannot)."""
         body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
                                 "sampling": self.sampling(),
                                 "priority": str(self.specfleet.priority),
                                 "prefix_cache": self.specfleet.prefix_cache}
+        grammar = grammar_constraint(self.specfleet.grammar, self.specfleet.grammar_syntax)
+        constraint = request_constraint(response_format, grammar, tools, format_param)
+        if constraint is not None:
+            body["constraint"] = constraint.model_dump(mode="json", exclude_none=True)
+        if tools is not None and tools.tools:
+            body["tools"] = [t.model_dump(mode="json", exclude_none=True) for t in tools.tools]
         if self.specfleet.speculative is not None:
             # Only what the request set: an unset field means "the worker's capacity".
             body["speculative"] = self.specfleet.speculative.model_dump(mode="json",
@@ -144,6 +162,7 @@ class _Common(Sampled):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -166,9 +185,13 @@ class _Common(Sampled):
         """None: no logprobs; k: each token's logprob and its k most likely alternatives."""
         raise NotImplementedError
 
+    def tool_fields(self) -> Tools | None:
+        """What the request says about tools (chat's; none on completions)."""
+        return None
+
     def common_request(self, model: str) -> dict[str, Any]:
         """Our request fields that do not depend on the prompt's form."""
-        body = self.base_request(model, self.budget())
+        body = self.base_request(model, self.budget(), self.response_format, self.tool_fields())
         body["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if self.logit_bias:
             body["sampling"]["logit_bias"] = dict(self.logit_bias)
@@ -245,13 +268,30 @@ class ContentPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    """One turn of ``messages``: an assistant turn may carry the ``tool_calls`` it made
+    (``content`` then null), a ``tool`` turn answers one (``tool_call_id``). ``refusal`` is
+    accepted at null: the SDKs send a reply's message back with it."""
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: None = None
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def ours(self) -> dict[str, Any]:
+        """This turn as our ``ChatMessage`` (checked there: which role carries what)."""
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                "content": self.text()}
+        if self.tool_calls is not None:
+            turn["tool_calls"] = [c.model_dump(mode="json") for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
 
 
 def our_messages(messages: list[tuple[str, str]]) -> list[dict[str, str]]:
@@ -263,6 +303,9 @@ def our_messages(messages: list[tuple[str, str]]) -> list[dict[str, str]]:
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -280,8 +323,12 @@ class ChatRequest(_Common):
     def budget(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_MAX_TOKENS
 
+    def tool_fields(self) -> Tools:
+        return Tools(tools=self.tools, tool_choice=self.tool_choice,
+                     parallel_tool_calls=self.parallel_tool_calls)
+
     def jobs(self, model: str) -> list[tuple[dict[str, Any], str]]:
-        messages = our_messages([(m.role, m.text()) for m in self.messages])
+        messages = [m.ours() for m in self.messages]
         return [({**self.common_request(model), "messages": messages}, "")]
 
 
@@ -297,6 +344,8 @@ class Choice:
     request: dict[str, Any]
     prompt_index: int = 0
     echo: str = ""
+    #: The output is read as tool calls or a message (``tool_calls.CallReader``).
+    tool_calls: bool = False
 
 
 @dataclass(frozen=True)
@@ -309,6 +358,14 @@ class Parsed:
     choices: list[Choice]
     stream: bool = False
     include_usage: bool = False
+
+
+def reads_tool_calls(request: Mapping[str, Any]) -> bool:
+    """Whether a job's output is read as tool calls: it offers tools under the grammar of
+    calls (``tool_choice`` none offers them unconstrained, and its output is a message).
+    Asked of the job itself, so a resumed stream or a batch's output reads it the same."""
+    constraint = request.get("constraint") or {}
+    return bool(request.get("tools")) and constraint.get("kind") == "lark"
 
 
 def resolve(model: object, aliases: Mapping[str, str]) -> str | None:
@@ -355,7 +412,7 @@ def parse_body(endpoint: str, body: dict[str, Any],
             job = json.loads(json.dumps(request))  # each job its own copy
             if base is not None:
                 job["sampling"]["seed"] = choice_seed(base, index)
-            choices.append(Choice(job, p, echo))
+            choices.append(Choice(job, p, echo, reads_tool_calls(job)))
     if parsed.stream_options is not None and not parsed.stream:
         raise RequestError("stream_options needs stream: true", param="stream_options")
     return Parsed(endpoint, parsed.model, choices, parsed.stream,

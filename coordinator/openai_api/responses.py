@@ -4,8 +4,8 @@ call first: read into one chat job, answered as a ``response`` object or its typ
 ``input`` is a string (one user turn) or a list of messages; ``instructions`` is a system turn
 put first; ``max_output_tokens`` the budget; sampling and ``specfleet`` as on chat. A
 response is not stored (``store`` has no effect, ``previous_response_id`` is refused): the
-conversation so far travels in ``input``. Tools and ``text.format`` are refused by name until
-structured outputs exist.
+conversation so far travels in ``input``. ``text.format`` constrains the output as chat's
+``response_format`` does (``structured``); tools are refused by name (chat serves them).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from coordinator.openai_api.requests import (
     our_messages,
     resolve,
 )
+from coordinator.openai_api.structured import TextFormat
 from shared.protocol import MAX_TOKENS_CAP, FinalEvent, FinishReason, JobStatus
 
 RESPONSES = "/v1/responses"
@@ -52,10 +53,19 @@ class InputMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(Sampled):
     input: str | list[InputMessage]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    text: TextConfig | None = None
+
+    def text_format(self) -> TextFormat:
+        return (self.text.format if self.text is not None and self.text.format is not None
+                else TextFormat(type="text"))
 
     def turns(self) -> list[tuple[str, str]]:
         turns = [("system", self.instructions)] if self.instructions else []
@@ -75,7 +85,9 @@ def parse_responses(body: dict[str, Any], aliases: dict[str, str]) -> tuple[Pars
         raise RequestError("input: must hold at least one message", param="input")
     served = resolve(request.model, aliases) or request.model
     check_model_name(request.model, served)
-    job = {**request.base_request(served, request.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS),
+    job = {**request.base_request(served, request.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
+                                  request.text_format().response_format(),
+                                  format_param="text.format"),
            "messages": our_messages(request.turns())}
     return Parsed(RESPONSES, request.model, [Choice(job)], request.stream), request
 
@@ -122,7 +134,8 @@ def response_object(job_id: str, parsed: Parsed, request: ResponsesRequest, crea
         "output": [], "parallel_tool_calls": False, "previous_response_id": None,
         "temperature": parsed.choices[0].request["sampling"]["temperature"],
         "top_p": request.top_p if request.top_p is not None else 1.0,
-        "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+        "tool_choice": "none", "tools": [],
+        "text": {"format": request.text_format().model_dump(by_alias=True, exclude_none=True)},
         "truncation": "disabled", "metadata": {}, "store": False, "usage": None}
     if final is None:
         return body

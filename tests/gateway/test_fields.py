@@ -28,12 +28,13 @@ def _refused(endpoint: str, body: dict[str, Any]) -> RequestError:
 
 
 @pytest.mark.parametrize(("endpoint", "extra", "param", "why"), [
-    (CHAT, {"functions": [{"name": "f"}]}, "functions", "function calling"),
-    (CHAT, {"tools": [{"type": "function"}]}, "tools", "function calling"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions", "send tools and tool_choice"),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
+    (COMPLETIONS, {"tools": [{"type": "function"}]}, "tools", "/v1/chat/completions"),
     (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction", "predicted"),
     (CHAT, {"reasoning_effort": "low"}, "reasoning_effort", "reasoning"),
     (CHAT, {"modalities": ["text", "audio"]}, "modalities", "only text"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format", "structured"),
+    (CHAT, {"response_format": {"type": "sound"}}, "response_format.type", "'sound'"),
     (CHAT, {"foo_bar": 1}, "foo_bar", "unknown field"),
     (CHAT, {"guided_json": {}}, "guided_json", "unknown field"),
     (CHAT, {"echo": True}, "echo", "unknown field"),  # not a chat field in OpenAI's API

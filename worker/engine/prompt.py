@@ -10,21 +10,32 @@ message's content, the template's own text between the placeholders is tokenized
 special-token parsing (its turn markers become their control tokens) and each content is
 tokenized *without* it, so ``<start_of_turn>`` typed by a user is plain text. A plain text
 ``prompt`` parses special tokens only when it asks to (``parse_special``).
+
+Tools (``request.tools``), the calls an assistant turn made and ``tool`` turns are rendered
+the template's own way when it speaks tools (:func:`speaks_tools`: it writes a probe tool
+and a probe call), else in the generic format (:func:`generic_tool_turns`): the tools and how
+to call them in a system turn, calls in :mod:`shared.tool_calls`' layout, results in a user
+turn between ``<tool_response>`` tags, all of it as message content (no specials parsed). What
+a template writes itself from the tools and calls is text of the template, so a request whose
+tools or calls hold special-token text is refused rather than let it forge a turn.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import re
 import secrets
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import llama_cpp
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from shared.protocol import ChatMessage, GenerationRequest
+from shared.protocol import ChatMessage, GenerationRequest, ToolDefinition
+from shared.tool_calls import render_call
 from worker.llm.model import Model
 
 #: Templates a worker can be started with by name (``SPECFLEET_CHAT_TEMPLATE``) when its GGUF
@@ -119,18 +130,27 @@ def build_prompt(model: Model, request: GenerationRequest,
         return list(request.prompt_tokens)
     if request.messages is not None:
         template = choose_template(model, named_template)
-        return render_chat(model, template.text, request.messages)
+        return render_chat(model, template.text, request.messages, request.tools)
     return model.tokenize(request.prompt or "", parse_special=request.parse_special)
 
 
-def render_chat(model: Model, template: str, messages: list[ChatMessage]) -> list[int]:
-    """Render ``messages`` with ``template``; only the template's own text parses specials."""
+def render_chat(model: Model, template: str, messages: list[ChatMessage],
+                tools: list[ToolDefinition] | None = None) -> list[int]:
+    """Render ``messages`` (and ``tools``) with ``template``; only the template's own text
+    parses specials."""
+    native = speaks_tools(template)
+    if not native and (tools or _uses_tools(messages)):
+        messages, tools = generic_tool_turns(messages, tools), None
     nonce = secrets.token_hex(8)
-    placeholders = [{"role": m.role, "content": f"\x00{nonce}:{i}\x00"}
+    placeholders = [_placeholder(m, f"\x00{nonce}:{i}\x00" if m.content is not None else "")
                     for i, m in enumerate(messages)]
+    if native:
+        _check_plain(model, tools, messages)
+    extra = {"tools": [t.model_dump(mode="json", exclude_none=True) for t in tools]} if (
+        native and tools) else {}
     try:
         text = _compiled(template).render(
-            messages=placeholders, add_generation_prompt=True,
+            messages=placeholders, add_generation_prompt=True, **extra,
             bos_token=_token_text(model, llama_cpp.llama_vocab_bos(model.vocab)),
             eos_token=_token_text(model, llama_cpp.llama_vocab_eos(model.vocab)))
     except TemplateError as exc:
@@ -139,7 +159,7 @@ def render_chat(model: Model, template: str, messages: list[ChatMessage]) -> lis
     # re.split with one group alternates: template text, message index, template text, ...
     for i, part in enumerate(re.split(f"\x00{nonce}:(\\d+)\x00", text)):
         if i % 2:
-            tokens += model.tokenize(messages[int(part)].content, add_special=False)
+            tokens += model.tokenize(messages[int(part)].content or "", add_special=False)
         elif part:
             tokens += model.tokenize(part, add_special=False, parse_special=True)
     bos = llama_cpp.llama_vocab_bos(model.vocab)
@@ -147,6 +167,104 @@ def render_chat(model: Model, template: str, messages: list[ChatMessage]) -> lis
             and (not tokens or tokens[0] != bos)):
         tokens.insert(0, bos)
     return tokens
+
+
+def _placeholder(message: ChatMessage, content: str) -> dict[str, Any]:
+    """What the template reads of one turn: its content as a placeholder, and its calls
+    (arguments as the object they encode: templates write them with ``tojson``) or the call
+    it answers."""
+    turn: dict[str, Any] = {"role": message.role, "content": content}
+    if message.tool_calls is not None:
+        turn["tool_calls"] = [
+            {"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+            for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def _uses_tools(messages: list[ChatMessage]) -> bool:
+    return any(m.role == "tool" or m.tool_calls for m in messages)
+
+
+#: The probe :func:`speaks_tools` renders: a name no template writes unless given it.
+_PROBE = "sf_probe_fn_7c1e"
+_PROBE_RESULT = "sf_probe_result_7c1e"
+
+
+@lru_cache(maxsize=8)
+def speaks_tools(template: str) -> bool:
+    """Whether ``template`` renders tools, an assistant's calls and a tool's result itself
+    (llama.cpp's template capabilities are probed the same way: render, then look)."""
+    tool = {"type": "function", "function": {"name": _PROBE, "description": "probe",
+                                             "parameters": {"type": "object"}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": _PROBE + "_call",
+                                                             "arguments": {}}}
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": _PROBE_RESULT, "tool_call_id": "call_1"}]
+    try:
+        text = _compiled(template).render(messages=messages, tools=[tool],
+                                          add_generation_prompt=True, bos_token="",
+                                          eos_token="")
+    except (TemplateError, PromptError, TypeError, ValueError):
+        return False
+    return all(probe in text for probe in (_PROBE + "\"", _PROBE + "_call", _PROBE_RESULT))
+
+
+#: How the generic format tells a model about its tools (a system turn's text).
+GENERIC_TOOLS_INTRO = (
+    "You can call functions. Each is given below as JSON: its name, what it does and the JSON "
+    "Schema of its arguments.")
+GENERIC_TOOLS_HOWTO = (
+    "To call functions, answer with nothing but one block per call:\n"
+    + render_call("FUNCTION_NAME", "{ARGUMENTS}") + "\n"
+    "Each result comes back in a user turn between <tool_response> and </tool_response>.")
+
+
+def generic_tool_turns(messages: list[ChatMessage],
+                       tools: list[ToolDefinition] | None) -> list[ChatMessage]:
+    """``messages`` with tools, calls and results written as plain turns (docs/http.md,
+    "Tool calls"): the tools and how to call them appended to the system turn (one is put
+    first if there is none), an assistant's calls in :mod:`shared.tool_calls`' layout after
+    its content, and each run of ``tool`` turns one user turn of ``<tool_response>``
+    blocks."""
+    turns: list[ChatMessage] = []
+    for previous, m in zip([None, *messages], messages, strict=False):
+        if m.role == "tool":
+            block = f"<tool_response>\n{m.content or ''}\n</tool_response>"
+            if previous is not None and previous.role == "tool":
+                turns[-1] = ChatMessage(role="user", content=f"{turns[-1].content}\n{block}")
+            else:
+                turns.append(ChatMessage(role="user", content=block))
+        elif m.tool_calls:
+            turns.append(ChatMessage(role="assistant", content=m.text()))
+        else:
+            turns.append(m)
+    if tools:
+        listing = "\n".join(json.dumps(t.function.model_dump(mode="json", exclude_none=True,
+                                                              exclude={"strict"}))
+                            for t in tools)
+        text = f"{GENERIC_TOOLS_INTRO}\n{listing}\n{GENERIC_TOOLS_HOWTO}"
+        if turns and turns[0].role == "system":
+            turns[0] = ChatMessage(role="system", content=f"{turns[0].content}\n\n{text}")
+        else:
+            turns.insert(0, ChatMessage(role="system", content=text))
+    return turns
+
+
+def _check_plain(model: Model, tools: list[ToolDefinition] | None,
+                 messages: list[ChatMessage]) -> None:
+    """A ``PromptError`` if the tools or calls a template writes itself hold text the
+    vocabulary reads as special tokens (it would be parsed with the template's text)."""
+    written = json.dumps([[t.model_dump(mode="json") for t in tools or []],
+                          [[c.model_dump(mode="json") for c in m.tool_calls or []]
+                           + [m.tool_call_id] for m in messages]], ensure_ascii=False)
+    if (model.tokenize(written, add_special=False, parse_special=True)
+            != model.tokenize(written, add_special=False)):
+        raise PromptError("tools, tool calls or tool_call_id hold special-token text, which "
+                          "this model's chat template would write as its own")
 
 
 def _raise(message: str) -> None:
