@@ -389,7 +389,8 @@ class BatchStore:
         request = parsed.choices[0].request if parsed is not None else None
         record = {"custom_id": custom_id, "job_id": None,
                   "model": parsed.model if parsed is not None else None,
-                  "echo": parsed.choices[0].echo if parsed is not None else ""}
+                  "echo": parsed.choices[0].echo if parsed is not None else "",
+                  "tool_calls": parsed is not None and parsed.choices[0].tool_calls}
         if resumed and (self.conn.hexists(results, str(number))
                         or Job.exists(job_id, connection=self.conn)):
             if error is None and not self.conn.hexists(results, str(number)):
@@ -578,7 +579,8 @@ def _output_line(endpoint: str, number: int, record: dict[str, Any], final: Fina
                             "custom_id": record.get("custom_id"), "line": number}
     if final.status is JobStatus.FINISHED:
         parsed = requests.Parsed(endpoint, record.get("model") or "",
-                                 [requests.Choice({}, echo=record.get("echo", ""))])
+                                 [requests.Choice({}, echo=record.get("echo", ""),
+                                                  tool_calls=record.get("tool_calls", False))])
         body = replies.response_body(parsed, [final])
         return {**line, "response": {"status_code": 200, "request_id": job_id, "body": body},
                 "error": None}

@@ -290,8 +290,11 @@ async def resume_stream(request: Request, completion_id: str,
     if not last.isdigit():
         raise APIError(400, "Last-Event-ID must be the id of an event of this stream",
                        param="Last-Event-ID")
+    queued = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
     parsed = Parsed(CHAT if kind == "chatcmpl" else COMPLETIONS,
-                    (job.meta or {}).get("model", ""), [Choice({})], True, include_usage)
+                    (job.meta or {}).get("model", ""),
+                    [Choice({}, tool_calls=requests.reads_tool_calls(queued))], True,
+                    include_usage)
     return _sse(request, completion_sse(request.app.state.hub, coordinator.keys, parsed,
                                         [job_id], int(time.time()), shown=int(last)), [job_id])
 

@@ -40,7 +40,7 @@ from starlette.types import Receive
 from coordinator.events import StreamCursor, TextDeltas
 from coordinator.gateway.hub import GatewayClosing, StreamHub
 from coordinator.openai_api import replies
-from coordinator.openai_api.requests import CHAT, Parsed
+from coordinator.openai_api.requests import Parsed
 from coordinator.openai_api.responses import EventSequence
 from shared import redis_faults
 from shared.keys import Keys
@@ -299,31 +299,31 @@ async def completion_sse(hub: StreamHub, keys: Keys, parsed: Parsed,
         data = {"data": json.dumps(body, separators=(",", ":"))}
         return {"id": str(sent), **data} if single else data
 
-    def chunk(index: int, **fields: Any) -> dict[str, Any]:
-        return replies.chunk(endpoint, completion, parsed.model, created, index, **fields)
-
-    if shown == 0:
-        for index, choice in enumerate(parsed.choices):
-            if endpoint == CHAT:
-                yield event(chunk(index, role=True, text=""), 0)
-            elif choice.echo:
-                yield event(chunk(index, text=choice.echo), 0)
+    # each choice's chunks (text, or tool calls read from it) are shaped by openai_api
+    choices = [replies.ChoiceStream(parsed, i, completion, created, job_id, shown)
+               for i, job_id in enumerate(job_ids)]
+    for choice in choices:
+        if (opening := choice.opening()) is not None:
+            yield event(opening, 0)
     finals: dict[int, FinalEvent] = {}
     sent = shown
-    streams = [choice_pieces(hub, keys, job_id, i, shown) for i, job_id in enumerate(job_ids)]
+    streams = [choice_pieces(hub, keys, job_id, i, choices[i].read_from)
+               for i, job_id in enumerate(job_ids)]
     try:
         async with aclosing(merged(streams)) as pieces:
             async for piece in pieces:
                 sent = piece.shown
                 if piece.ending is None:
-                    yield event(chunk(piece.index, text=piece.text, logprobs=piece.logprobs,
-                                      offset=piece.offset), piece.shown)
+                    body = choices[piece.index].text(piece.text, piece.logprobs, piece.offset,
+                                                     piece.shown)
+                    if body is not None:
+                        yield event(body, piece.shown)
                     continue
                 if piece.ending.final.status is JobStatus.FAILED:
                     yield event(failure(piece.ending), piece.shown)
                     break
                 finals[piece.index] = piece.ending.final
-                yield event(chunk(piece.index, final=piece.ending.final), piece.shown)
+                yield event(choices[piece.index].closing(piece.ending.final), piece.shown)
             else:
                 if parsed.include_usage:
                     ordered = [finals[i] for i in range(len(job_ids))]
