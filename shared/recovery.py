@@ -19,7 +19,10 @@ worker declared lost is also written to the fleet's event stream (``Keys.fleet_e
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
+from typing import TypeVar
 
 from redis import Redis
 from rq.exceptions import NoSuchJobError
@@ -31,12 +34,15 @@ from shared import doorbell
 from shared.event_stream import EventWriter
 from shared.keys import STREAM_FIELD, Keys
 from shared.logs import get_logger
+from shared.outage import ride_out
 from shared.protocol import Priority
 from shared.registry import FleetRegistry
 from shared.replies import text
 from shared.settings import Settings
 
 log = get_logger("recovery")
+
+T = TypeVar("T")
 
 #: Entries the fleet's event stream keeps (about: trimmed approximately).
 FLEET_EVENTS_MAXLEN = 10_000
@@ -142,16 +148,23 @@ class RecoveryMonitor:
         queues (after a crash, at the start of its successor under the same name, or once
         claimed by a sweep: ``swept``). A worker that left anything, or was swept, is
         reported lost: in the log and on the fleet's event stream."""
-        requeued = hand_back(self._conn, self._keys, name)
-        held = self._registry.take_jobs(name)
+        # Once claimed, nobody else will recover this name: each step rides out a Redis that
+        # refuses for a while (out of memory, say), so no job is left behind in between.
+        requeued = self._ride(lambda: hand_back(self._conn, self._keys, name),
+                              "recovery.hand_back")
+        held = self._ride(lambda: self._registry.take_jobs(name), "recovery.take")
         for job_id in held:
-            job = _fetch(self._conn, job_id)
+            job = self._ride(partial(_fetch, self._conn, job_id), "recovery.requeue")
             model = model or ((job.meta or {}).get("model") if job else None)
-            if job is not None and self._requeue(job, lost_worker=name):
+            if job is not None and self._ride(partial(self._requeue, job, lost_worker=name),
+                                              "recovery.requeue"):
                 requeued.append(job.id)
         if swept or held or requeued:
             self._report_lost(name, model, held, requeued)
         return requeued
+
+    def _ride(self, operation: Callable[[], T], what: str) -> T:
+        return ride_out(operation, self._settings.redis_outage_seconds, what)
 
     def _report_lost(self, name: str, model: str | None, held: list[str],
                      requeued: list[str]) -> None:
@@ -163,8 +176,10 @@ class RecoveryMonitor:
                   "level": "warning"}
         log.warning("worker.lost", worker=name, model=model, jobs=held, requeued=requeued,
                     by=self._sweeper)
-        self._conn.xadd(self._keys.fleet_events(), {STREAM_FIELD: json.dumps(record)},
-                        maxlen=FLEET_EVENTS_MAXLEN, approximate=True)
+        self._ride(lambda: self._conn.xadd(self._keys.fleet_events(),
+                                           {STREAM_FIELD: json.dumps(record)},
+                                           maxlen=FLEET_EVENTS_MAXLEN, approximate=True),
+                   "recovery.report")
 
     def requeue(self, job_id: str, lost_worker: str) -> bool:
         """Requeue one unfinished job and say so on its stream."""
