@@ -208,9 +208,16 @@ class StreamRecord:
     replayed: int = 0  # events received again on a resume and dropped (by seq or id)
     rewritten: int = 0  # token events appended twice by a retried write (same index)
     gap: int = 0  # tokens/characters a read skipped (an index or id beyond what was shown)
+    chunks: int = 0  # events that brought new text (SSE) or tokens (client)
     gave_up: bool = False
+    #: When each cut happened (``time.monotonic()``), to find the fault behind it.
+    cut_at: list[float] = field(default_factory=list)
     #: What was shown, to compare with the job's result at the end (not in the summary).
     seen: list[int] | str = field(default_factory=list, repr=False)
+
+    def cut(self, why: str) -> None:
+        self.cuts.append(why)
+        self.cut_at.append(time.monotonic())
 
 
 class Ledger:
@@ -579,17 +586,17 @@ class ClientStream(StreamClient):
                         break
                 else:  # follow() ends only after the final event of the newest attempt
                     if not finals:
-                        record.cuts.append("silent")
+                        record.cut("silent")
                     else:
                         record.status = str(max(finals, key=lambda f: f.attempt).status)
                     record.shown = len(shown)
                     return
             except TimeoutError:
-                record.cuts.append("stall")
+                record.cut("stall")
                 record.gave_up = True
                 return
             except Exception as exc:  # the client raised: the user sees an error
-                record.cuts.append("error")
+                record.cut("error")
                 _note(record, _reason(exc))
                 if time.monotonic() > deadline:
                     record.gave_up = True
@@ -620,6 +627,7 @@ class ClientStream(StreamClient):
             record.gap += event.index - len(got)
             tail = event.tokens
         got.extend(tail)
+        record.chunks += bool(tail)
         if len(got) > len(shown):
             shown.extend(got[len(shown):])
         if shown:
@@ -767,22 +775,23 @@ class _SseState:
             self.record.gap += start - len(self.text)
             self.text += "\0" * (start - len(self.text))  # a hole, never equal to the result
         self.text += piece[len(self.text) - start:]
+        self.record.chunks += 1
 
     def done(self) -> bool:
         """``[DONE]``: the end, unless an error event before it was the gateway giving up
         on a job that goes on (then resumed)."""
         if self.error is None or self.error in _JOB_ERRORS:
             return True
-        self.record.cuts.append("error")
+        self.record.cut("error")
         self.error = None
         return False
 
     def cut(self, exc: BaseException | None) -> bool:
         """The body ended (or broke) before ``[DONE]``."""
         if isinstance(exc, httpx.ReadTimeout):
-            self.record.cuts.append("stall")
+            self.record.cut("stall")
         else:
-            self.record.cuts.append("error" if self.error else "silent")
+            self.record.cut("error" if self.error else "silent")
         if exc is not None:
             _note(self.record, _reason(exc))
         self.error = None
@@ -881,11 +890,10 @@ class Accounting:
         self.r = soak.redis.client(30)
         self.keys = soak.keys
 
-    def finals(self, job_id: str) -> list[FinalEvent]:
+    def events(self, job_id: str) -> list[AnyEvent]:
         entries: list[tuple[bytes, dict[bytes, bytes]]] = self.r.xrange(  # type: ignore[assignment]
             self.keys.events(job_id))
-        events = [parse_event(fields[STREAM_FIELD.encode()]) for _, fields in entries]
-        return [e for e in events if isinstance(e, FinalEvent)]
+        return [parse_event(fields[STREAM_FIELD.encode()]) for _, fields in entries]
 
     def waiting(self) -> set[str]:
         """Job ids still in a queue or a worker's in-flight list."""
@@ -930,8 +938,10 @@ class Accounting:
         twice: list[dict[str, Any]] = []
         duplicate_finals = 0
         results: dict[str, FinalEvent] = {}
+        token_events: dict[str, int] = {}  # of each job's newest attempt
         for job_id, source in jobs.items():
-            finals = self.finals(job_id)
+            events = self.events(job_id)
+            finals = [e for e in events if isinstance(e, FinalEvent)]
             if not finals:
                 if source != "unacknowledged":
                     lost.append({"job_id": job_id, "source": source,
@@ -939,6 +949,8 @@ class Accounting:
                 continue
             newest = max(finals, key=lambda f: (f.attempt, f.seq))
             results[job_id] = newest
+            token_events[job_id] = sum(1 for e in events if isinstance(e, TokenEvent)
+                                       and e.attempt == newest.attempt)
             outcome[f"{source} {newest.status}"] += 1
             if newest.status is JobStatus.FAILED:
                 failures[f"{source}: {(newest.error or '')[:100]}"] += 1
@@ -947,7 +959,7 @@ class Accounting:
                 twice.append({"job_id": job_id, "source": source,
                               "attempts": sorted(finished)})
             duplicate_finals += len(finals) - len({f.attempt for f in finals})
-        streams = self.streams(results)
+        streams = self.streams(results, token_events)
         exits = [e for e in ledger.exits]
         summary: dict[str, Any] = {
             "setup": {"minutes": self.soak.args.minutes, "seed": self.soak.args.seed,
@@ -986,45 +998,64 @@ class Accounting:
             ("unexpected_exits", len(exits))) if bad]
         return summary
 
-    def streams(self, results: dict[str, FinalEvent]) -> dict[str, Any]:
+    def streams(self, results: dict[str, FinalEvent],
+                token_events: dict[str, int]) -> dict[str, Any]:
+        """Per kind of client: cuts, hang-ups, resumes, and what was shown against the job's
+        result (a job that did not finish, or a stream given up on, is not compared); a
+        stream whose text all came in one event although its job streamed several token
+        events did not stream (its reader stopped trusting token events: ``stream.gap``)."""
         out: dict[str, Any] = {kind: Counter() for kind in ("client", "sse")}
-        dup = missing = silent = stalled = 0
+        cuts_by_fault: Counter[str] = Counter()
         examples: list[dict[str, Any]] = []
         for rec in self.soak.ledger.streams:
             c = out[rec.kind]
             c["streams"] += 1
-            c["cut_silently"] += rec.cuts.count("silent")
-            c["cut_with_error"] += rec.cuts.count("error")
-            c["stalled"] += rec.cuts.count("stall")
+            for why in ("silent", "error", "stall"):
+                c[{"silent": "cut_silently", "error": "cut_with_error",
+                   "stall": "stalled"}[why]] += rec.cuts.count(why)
+            for why, at in zip(rec.cuts, rec.cut_at, strict=True):
+                cuts_by_fault[f"{why} during {self.fault_at(at - self.soak.t0)}"] += 1
             c["disconnects"] += rec.disconnects
             c["resumes"] += rec.resumes
             c["replayed_dropped"] += rec.replayed
             c["rewritten_chunks"] += rec.rewritten
             c["gave_up"] += rec.gave_up
-            silent += rec.cuts.count("silent")
-            stalled += rec.cuts.count("stall")
+            example = {k: v for k, v in asdict(rec).items() if k not in ("seen", "cut_at")}
+            example["cut_at_s"] = [round(t - self.soak.t0, 1) for t in rec.cut_at]
             final = results.get(rec.job_id or "")
             if final is None or final.status is not JobStatus.FINISHED or rec.gave_up:
                 c[f"not compared ({final.status if final else 'no final'})"] += 1
-                continue
-            expected: list[int] | str = final.tokens if rec.kind == "client" else final.text
-            seen = rec.seen
-            p = 0
-            while p < min(len(seen), len(expected)) and seen[p] == expected[p]:
-                p += 1
-            d, m = len(seen) - p, len(expected) - p
-            c["compared"] += 1
-            if d or m:
-                dup, missing = dup + d, missing + m
+            else:
+                expected: list[int] | str = (final.tokens if rec.kind == "client"
+                                             else final.text)
+                p = 0
+                while p < min(len(rec.seen), len(expected)) and rec.seen[p] == expected[p]:
+                    p += 1
+                d, m = len(rec.seen) - p, len(expected) - p
+                c["compared"] += 1
                 c["duplicated"] += d
                 c["missing"] += m
-                examples.append({**{k: v for k, v in asdict(rec).items() if k != "seen"},
-                                 "duplicated": d, "missing": m, "first_difference": p})
-            if rec.cuts or rec.errors:
-                examples.append({**{k: v for k, v in asdict(rec).items() if k != "seen"}})
-        return {"client": dict(out["client"]), "sse": dict(out["sse"]),
-                "cut_silently": silent, "stalled": stalled, "duplicated": dup,
-                "missing": missing, "examples": examples[:80]}
+                if d or m:
+                    example.update(duplicated=d, missing=m, first_difference=p)
+                if rec.chunks <= 1 < token_events.get(rec.job_id or "", 0):
+                    c["text_only_at_end"] += 1
+                    example["text_only_at_end"] = True
+            if rec.cuts or rec.errors or "duplicated" in example or "text_only_at_end" in example:
+                examples.append(example)
+        kinds = ("client", "sse")
+        return {**{k: dict(out[k]) for k in kinds},
+                **{name: sum(out[k][name] for k in kinds)
+                   for name in ("cut_silently", "stalled", "duplicated", "missing",
+                                "text_only_at_end")},
+                "cuts_by_fault": dict(cuts_by_fault), "examples": examples[:100]}
+
+    def fault_at(self, t: float) -> str:
+        """The fault in progress at ``t`` seconds into the soak (or ended up to 5 s before:
+        its effects linger a moment), else "no fault"."""
+        for fault in self.soak.ledger.faults:
+            if fault["at_s"] <= t <= fault["at_s"] + fault["seconds"] + 5:
+                return str(fault["kind"])
+        return "no fault"
 
     def log_events(self) -> dict[str, dict[str, int]]:
         """The watched events (and any at error level) in each process's log."""
@@ -1053,6 +1084,9 @@ class Accounting:
 def table(s: dict[str, Any]) -> str:
     j, st, f = s["jobs"], s["streams"], s["faults"]["by_kind"]
     setup = s["setup"]
+    sigterm_rc = [x for x in s["faults"]["list"] if x["kind"] in ("worker_sigterm",
+                                                                   "gateway_restart")
+                  and x.get("rc") not in (0, None)]
     rows = [
         ("jobs submitted", j["submitted"], ", ".join(f"{k} {v}" for k, v in
                                                      sorted(j["by_source"].items()))),
@@ -1071,8 +1105,12 @@ def table(s: dict[str, Any]) -> str:
          f"client {st['client'].get('cut_with_error', 0)}, "
          f"sse {st['sse'].get('cut_with_error', 0)} (then resumed)"),
         ("streams stalled", st["stalled"], f"no byte for {STALL_SECONDS:.0f} s"),
+        ("cuts and errors by fault", sum(st["cuts_by_fault"].values()),
+         ", ".join(f"{k} {v}" for k, v in sorted(st["cuts_by_fault"].items()))),
         ("tokens duplicated", st["duplicated"], "client: tokens, sse: characters"),
         ("tokens missing", st["missing"], "client: tokens, sse: characters"),
+        ("streams not streamed", st["text_only_at_end"],
+         "all the text in one event (a reader that saw a stream.gap)"),
         ("client hang-ups / resumes", sum(st[k].get("disconnects", 0) for k in ("client", "sse")),
          f"resumes {sum(st[k].get('resumes', 0) for k in ('client', 'sse'))}"),
         ("submits refused", sum(s["refused"].values()),
@@ -1081,6 +1119,8 @@ def table(s: dict[str, Any]) -> str:
          f"in Redis {s['batches']['in_redis']}, lines never queued "
          f"{s['batches']['lines_never_queued']}"),
         ("faults injected", sum(f.values()), ", ".join(f"{k} {v}" for k, v in sorted(f.items()))),
+        ("SIGTERM exits non-zero", len(sigterm_rc),
+         ", ".join(f"{f['target']} rc={f['rc']}" for f in sigterm_rc[:6])),
         ("unexpected process exits", len(s["unexpected_exits"]),
          ", ".join(f"{e['process']} rc={e['rc']}" for e in s["unexpected_exits"][:6])),
     ]
