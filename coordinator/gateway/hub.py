@@ -197,7 +197,7 @@ class StreamHub:
                          down_seconds=round(down, 2))
                 redis_faults.ended(self._fault, "stream.read", down)
                 self.outage_since, self._fault = None, None
-            self._deliver(reply)
+            self._deliver(reply, streams)
 
     def _positions(self) -> dict[Any, Any]:
         """Each followed stream from its furthest-behind subscriber, plus the wake stream."""
@@ -209,7 +209,10 @@ class StreamHub:
         streams[self._wake_key] = self._wake_id
         return streams
 
-    def _deliver(self, reply: object) -> None:
+    def _deliver(self, reply: object, streams: dict[Any, Any]) -> None:
+        """Hand each subscriber the entries of its stream past its position; one that
+        joined behind the position the read started from (while it was blocked) is left
+        for the next read, which starts from it: these entries do not follow on from its."""
         if not isinstance(reply, list):
             return
         for raw_key, entries in reply:
@@ -218,8 +221,10 @@ class StreamHub:
                 last = entries[-1][0]
                 self._wake_id = last.decode() if isinstance(last, bytes) else last
                 continue
+            read_from = stream_id(streams[key])
             for sub in list(self._subs.get(key, ())):
-                sub.offer(entries)
+                if sub.position >= read_from:
+                    sub.offer(entries)
 
     def _outage(self, fault: redis_faults.Fault, exc: BaseException) -> None:
         """Note the outage; fail the subscribers that have waited it out past the deadline."""

@@ -113,11 +113,13 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         first = not self.should_exit
         super().handle_exit(sig, frame)
-        if first and self._loop is not None:
-            log.info("gateway.draining", signal=signal.Signals(sig).name,
-                     drain_seconds=self.drain_seconds)
-            self._loop.call_soon_threadsafe(self._loop.call_later, self.drain_seconds,
-                                            self.at_deadline)
+        if first and self._loop is not None:  # no logging in a signal handler: in the loop
+            self._loop.call_soon_threadsafe(self._draining, sig)
+
+    def _draining(self, sig: int) -> None:
+        log.info("gateway.draining", signal=signal.Signals(sig).name,
+                 drain_seconds=self.drain_seconds)
+        asyncio.get_running_loop().call_later(self.drain_seconds, self.at_deadline)
 
 
 def run(app: FastAPI, host: str, port: int, header_seconds: float,
