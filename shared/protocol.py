@@ -474,6 +474,15 @@ class Telemetry(_Strict):
         "prefix_checkpoint_restores", "Prefix checkpoints restored to reuse a prefix")] = 0
     prefix_checkpoint_saves: Annotated[int, Summed(
         "prefix_checkpoint_saves", "Prefix checkpoints saved while prefilling")] = 0
+    #: Structured output (a request's ``constraint``): docs/structured.md.
+    constrained_tokens: Annotated[int, Summed(
+        "constrained_tokens", "Tokens generated under a constraint (JSON, grammar, regex)")] = 0
+    forced_tokens: Annotated[int, Summed(
+        "forced_tokens", "Tokens the grammar forced, verified as drafts (jump-forward)")] = 0
+    mask_cut_drafts: Annotated[int, Summed(
+        "mask_cut_drafts", "Drafted tokens cut before verification: the grammar forbids them")] = 0
+    mask_seconds: Annotated[float, Summed(
+        "mask_seconds", "Seconds computing grammar masks and checking drafts")] = 0.0
     replay_events: Annotated[int, Summed(
         "replay_events", "Compact-rollback checkpoint restores followed by a replay")] = 0
     replay_tokens: Annotated[int, Summed("replay_tokens", "Tokens re-decoded by replays")] = 0

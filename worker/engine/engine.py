@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from time import perf_counter
 
 from shared.capacity import within_capacity
+from shared.constraint import Constraint
 from shared.logs import get_logger
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings, Telemetry
 from worker.engine.config import (
@@ -26,6 +27,7 @@ from worker.engine.config import (
     model_spec,
     target_spec,
 )
+from worker.engine.constraint.matcher import compile_constraint
 from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
 from worker.engine.logprobs import make_logprobs
@@ -155,24 +157,28 @@ class SpeculativeEngine:
         free = [s for s in range(self.config.slots) if s not in self._slots]
         if not free:
             raise NoFreeSlotError(f"all {self.config.slots} slots are busy")
+        draft_max = min(spec.draft_max, self.draft_max) if method is not SpecMethod.NONE else 0
+        counters = SpecCounters(spec_method=method, draft_max=draft_max,
+                                prompt_tokens=len(request.prompt_tokens))
+        # Compiled against this vocabulary before anything is placed: a ConstraintError.
+        constraint = compile_constraint(request.constraint, self.model, counters)
         drafts_mtp = self.mtp is not None and uses_mtp(method)
         placement = self.prefix.place(request.prompt_tokens, free, drafts_mtp,
                                       request.prefix_cache)
         reused = self.prefix.apply(placement, self.target, self.mtp, drafts_mtp)
         seq = placement.seq
-        draft_max = min(spec.draft_max, self.draft_max) if method is not SpecMethod.NONE else 0
         sampler = make_sampler(request.sampling, len(request.prompt_tokens))
-        mtp = self.mtp.proposer(seq, sampler) if self.mtp is not None else None
+        mtp = self.mtp.proposer(seq, sampler, constraint) if self.mtp is not None else None
         slot = Slot(
             seq=seq, request=request, method=method, spec=spec, draft_max=draft_max,
             proposer=request.proposer or make_proposer(method, spec, mtp, self.suffix),
             policy=make_policy(draft_max, spec.adaptive, self.shape),
             sampler=sampler, logprobs=make_logprobs(self.model, request.logprobs),
             stream=TextStream(self.model, request.stop),
-            counters=SpecCounters(spec_method=method, draft_max=draft_max,
-                                  prompt_tokens=len(request.prompt_tokens)),
+            counters=counters,
             rollback_before=self.rollback.telemetry(seq),
             history=list(request.prompt_tokens),
+            constraint=constraint,
             prefilled=placement.keep,
         )
         self._count_reuse(slot, placement, reused)
@@ -202,7 +208,8 @@ class SpeculativeEngine:
                  logprobs: int | None = None, stop: Sequence[str] = (),
                  on_tokens: Callable[[list[int], str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 proposer: Proposer | None = None) -> GenerationResult:
+                 proposer: Proposer | None = None,
+                 constraint: Constraint | None = None) -> GenerationResult:
         """Generate up to ``max_tokens`` after ``prompt_tokens``: one slot, stepped to the end.
 
         ``spec`` narrows the engine's capacity for this request (None: the config's
@@ -211,13 +218,14 @@ class SpeculativeEngine:
         token's log probability and that many alternatives (see :class:`SlotRequest`).
         ``on_tokens`` receives each step's newly committed tokens
         and their text; ``should_stop`` is polled once per decode step to cancel.
-        ``proposer`` replaces the drafter ``spec`` selects (tests drive rollback with an oracle).
+        ``proposer`` replaces the drafter ``spec`` selects (tests drive rollback with an oracle);
+        ``constraint`` masks the output to a grammar (:class:`SlotRequest`).
         Other slots admitted meanwhile are stepped along with it (their updates are dropped:
         callers that share an engine drive :meth:`step` themselves).
         """
         slot = self.admit(SlotRequest(prompt_tokens, max_tokens, spec,
                                       sampling or SamplingParams(), stop, proposer,
-                                      logprobs=logprobs))
+                                      logprobs=logprobs, constraint=constraint))
         notify = on_tokens or _ignore
         cancelled = should_stop or _never
         while True:
@@ -268,10 +276,11 @@ class SpeculativeEngine:
             widths = plan_widths(chances, self.step_costs.seconds)
             # A sampled draft keeps its width: which positions are drafts decides its tokens,
             # and they must not depend on the neighbours' (point masses do not care).
-            drafts = [d.cut(w) if d.dists is None else d
-                      for d, w in zip(drafts, widths, strict=True)]
+            # Forced tokens stay: the grammar allows nothing else there.
+            drafts = [d.cut(max(w, s.forced)) if d.dists is None else d
+                      for s, d, w in zip(decoding, drafts, widths, strict=True)]
         jobs = [VerifyJob(s.seq, s.history[-1], d, len(s.history) - 1, s.sampler, s.proposer,
-                          s.history, s.logprobs)
+                          s.history, s.logprobs, s.constraint)
                 for s, d in zip(decoding, drafts, strict=True)]
         if not jobs and not chunks:
             return updates
@@ -283,7 +292,9 @@ class SpeculativeEngine:
             c.draft_seconds += times.observe
             c.decode_seconds += times.target
             c.record_verify(len(draft.tokens), outcome.n_accepted)
-            slot.policy.update(len(draft.tokens), outcome.n_accepted)
+            # The width policy learns from the proposer's tokens, not the grammar's.
+            forced = min(slot.forced, outcome.n_accepted)
+            slot.policy.update(len(draft.tokens) - forced, outcome.n_accepted - forced)
             committed = slot.commit(outcome, self.model, self.config.n_ctx)
             if slot.finish is not None:
                 updates.append(self._finish(slot, slot.finish, committed))
@@ -353,7 +364,8 @@ class SpeculativeEngine:
         if batched and self.mtp is not None:
             t0 = perf_counter()
             requests = [DraftRequest(slots[i].seq, slots[i].history, widths[i],
-                                     slots[i].spec.p_min, slots[i].sampler) for i in batched]
+                                     slots[i].spec.p_min, slots[i].sampler, slots[i].constraint)
+                        for i in batched]
             for i, chained in zip(batched, self.mtp.draft(requests), strict=True):
                 drafts[i] = chained
             seconds = perf_counter() - t0
@@ -365,17 +377,24 @@ class SpeculativeEngine:
                 t0 = perf_counter()
                 draft = slot.proposer.propose(slot.history, width, slot.spec.p_min)
                 slot.counters.draft_seconds += perf_counter() - t0
+            # The grammar cuts what it forbids and puts its forced run in front; the verify
+            # shape and draft_min then cut what the proposer added, never the forced run.
+            draft, slot.forced = slot.constraint.guide(draft, self._room(slot))
             n = len(draft.tokens)
-            out.append(draft.cut(self.shape[n] if n >= slot.spec.draft_min else 0))
+            out.append(draft.cut(max(self.shape[n] if n >= slot.spec.draft_min else 0,
+                                     slot.forced)))
         return out
 
     def _width(self, slot: Slot) -> int:
-        """The policy's width, capped so the step can exceed neither ``max_tokens`` nor the
-        slot's context."""
+        """The policy's width within :meth:`_room`, on the verify shape."""
+        return self.shape[min(slot.policy.width(), self._room(slot))]
+
+    def _room(self, slot: Slot) -> int:
+        """The most drafts this step may verify: the slot's width, capped so the step can
+        exceed neither ``max_tokens`` nor the slot's context."""
         pos0 = len(slot.history) - 1
-        return self.shape[min(slot.policy.width(), slot.draft_max,
-                              slot.request.max_tokens - len(slot.generated) - 1,
-                              self.config.n_ctx - pos0 - 1)]
+        return min(slot.draft_max, slot.request.max_tokens - len(slot.generated) - 1,
+                   self.config.n_ctx - pos0 - 1)
 
     def _finish(self, slot: Slot, reason: FinishReason, committed: Sequence[int] = (),
                 verified: bool = True) -> SlotUpdate:

@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from shared.protocol import SamplingParams, draw_seed
+from worker.engine.constraint.base import SlotConstraint
 from worker.engine.distribution import Distribution
 from worker.engine.proposers.base import Draft
 from worker.llm import Context
@@ -184,9 +185,10 @@ class Sampler(Protocol):
         ...
 
     def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
-               draft: Draft) -> tuple[int, int]:
+               draft: Draft, mask: SlotConstraint) -> tuple[int, int]:
         """Check ``draft`` against the target's rows ``row0..`` (``history`` ends with the
-        token at ``pos0`` that opened them): drafts accepted, and the next token."""
+        token at ``pos0`` that opened them), each row masked by ``mask`` after the drafts
+        before it: drafts accepted, and the next token."""
         ...
 
 
@@ -214,22 +216,29 @@ class GreedySampler(_RequestSampler):
         return token, None
 
     def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
-               draft: Draft) -> tuple[int, int]:
+               draft: Draft, mask: SlotConstraint) -> tuple[int, int]:
+        """Rows are read in order up to the first that disagrees; each one's choice is its
+        argmax among what ``mask`` allows after the drafts before it (row i has seen drafts
+        1..i), so a draft the raw argmax passed over can still be the masked one."""
         tokens = draft.tokens
         if self.penalised:
-            choices = [int(np.argmax(penalised_logits(ctx.logits(row0 + i), self.params,
-                                                      [*history, *tokens[:i]], self.n_prompt)))
-                       for i in range(len(tokens) + 1)]  # row i has seen drafts 1..i
+            rows = [penalised_logits(ctx.logits(row0 + i), self.params,
+                                     [*history, *tokens[:i]], self.n_prompt)
+                    for i in range(len(tokens) + 1)]
+            choices = [int(np.argmax(r)) for r in rows]
         else:
-            rows = ctx.logits_rows(row0, len(tokens) + 1)
+            block = ctx.logits_rows(row0, len(tokens) + 1)
             if self.params.logit_bias:
-                rows = rows.astype(np.float32, copy=True)
-                _add_bias(rows, self.params)
-            choices = rows.argmax(axis=1).tolist()
+                block = block.astype(np.float32, copy=True)
+                _add_bias(block, self.params)
+            rows = list(block)
+            choices = block.argmax(axis=1).tolist()
         n = 0
-        while n < len(tokens) and choices[n] == tokens[n]:
+        while True:
+            choice = mask.choose(tokens[:n], rows[n], int(choices[n]))
+            if n == len(tokens) or choice != tokens[n]:
+                return n, choice
             n += 1
-        return n, int(choices[n])
 
 
 class RandomSampler(_RequestSampler):
@@ -249,12 +258,14 @@ class RandomSampler(_RequestSampler):
         return token, q
 
     def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
-               draft: Draft) -> tuple[int, int]:
+               draft: Draft, mask: SlotConstraint) -> tuple[int, int]:
+        """Row i's target is the distribution of its logits masked after drafts 1..i: the
+        masked target, which a grammar-following draft (masked too) is tested against."""
         tokens = draft.tokens
         penalised = self.penalised
         for i in range(len(tokens) + 1):
             seen = [*history, *tokens[:i]] if penalised else history  # row i saw drafts 1..i
-            p = self.distribution(ctx.logits(row0 + i), seen)
+            p = self.distribution(mask.masked(tokens[:i], ctx.logits(row0 + i)), seen)
             u = keyed_uniform(self.seed, pos0 + 1 + i, Stream.TARGET)
             if i == len(tokens):
                 return i, p.pick(u)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from time import perf_counter
 
+from shared.constraint import Constraint
 from shared.protocol import (
     FinishReason,
     SamplingParams,
@@ -21,6 +22,7 @@ from shared.protocol import (
     Telemetry,
     TokenLogprob,
 )
+from worker.engine.constraint.base import UNCONSTRAINED, SlotConstraint
 from worker.engine.draft_length_policy import DraftLengthPolicy
 from worker.engine.logprobs import LogprobReporter
 from worker.engine.proposers.base import Proposer, VerifyOutcome
@@ -40,7 +42,8 @@ class SlotRequest:
     target distribution (greedy by default; a seed of None is drawn and reported in the
     result); ``logprobs`` None returns none, ``k`` returns each token's log probability and
     its ``k`` most likely alternatives; ``proposer`` replaces the drafter ``spec`` selects
-    (tests drive rollback with an oracle). ``log_fields`` go on the
+    (tests drive rollback with an oracle); ``constraint`` masks the target distribution to
+    a grammar (``worker/engine/constraint/``). ``log_fields`` go on the
     engine's own log events of this slot (a worker running several jobs at once passes the
     job id, so ``generation.finished`` names the job it belongs to).
     """
@@ -56,6 +59,7 @@ class SlotRequest:
     #: Reuse a cached prefix and leave this request's tokens cached (False: prefill from the
     #: first token, leave nothing behind).
     prefix_cache: bool = True
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -94,6 +98,10 @@ class Slot:
     counters: SpecCounters
     rollback_before: RollbackStats
     history: list[int]
+    #: The grammar the output follows (:data:`UNCONSTRAINED`: none).
+    constraint: SlotConstraint = UNCONSTRAINED
+    #: Forced tokens at the front of this step's draft (jump-forward).
+    forced: int = 0
     generated: list[int] = field(default_factory=list)
     generated_logprobs: list[TokenLogprob] = field(default_factory=list)
     phase: Phase = Phase.PREFILL
@@ -128,7 +136,8 @@ class Slot:
 
     def commit(self, outcome: VerifyOutcome, model: Model, n_ctx: int) -> list[int]:
         """Take the verify's accepted drafts and bonus token up to the first ending (end of
-        generation, stop string, ``max_tokens``, end of the context); returns what was kept
+        generation, stop string, ``max_tokens``, end of the context, a grammar with nothing
+        more to say); returns what was kept
         (their logprobs, when asked for, are the last ones of ``generated_logprobs``)."""
         committed: list[int] = []
         for token in [*outcome.accepted, outcome.bonus]:
@@ -145,6 +154,11 @@ class Slot:
                 self.finish = FinishReason.CONTEXT
             if self.finish is not None:
                 break
+        # A grammar with nothing more to say ends the generation; an end token right where
+        # it completed (a verify's row after the last draft) is that same ending.
+        if self.constraint.commit(outcome.n_accepted, committed) and self.finish in (
+                None, FinishReason.EOS):
+            self.finish = FinishReason.STOP
         if self.finish is not None:
             self.kv_at_finish = [*self.history, *outcome.accepted]
         self.generated += committed

@@ -97,6 +97,13 @@ class SpecCounters:
     decode_seconds: float = count()
     #: Wall time of the decode loop (after prefill): drafting, verifying and bookkeeping.
     wall_seconds: float = count()
+    #: Under a constraint (``worker/engine/constraint/``): tokens committed, forced tokens
+    #: (jump-forward drafts) accepted, drafted tokens cut because the grammar forbids them,
+    #: and seconds spent on masks, draft checks and the matcher's bookkeeping.
+    constrained_tokens: int = count()
+    forced_tokens: int = count()
+    mask_cut_drafts: int = count()
+    mask_seconds: float = count()
     rollback: RollbackStats = field(default_factory=RollbackStats,
                                     metadata={_MERGE: operator.add})
 

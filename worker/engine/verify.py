@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 
+from worker.engine.constraint.base import SlotConstraint
 from worker.engine.logprobs import LogprobReporter
 from worker.engine.proposers.base import Draft, Proposer, VerifyOutcome
 from worker.engine.rollback import Rollback
@@ -28,7 +29,7 @@ from worker.llm import Batch, Context
 @dataclass(frozen=True)
 class VerifyJob:
     """One slot's verify: ``draft`` after ``last`` at ``pos0`` of sequence ``seq``
-    (``history`` ends with ``last``)."""
+    (``history`` ends with ``last``), its rows masked by ``constraint``."""
 
     seq: int
     last: int
@@ -38,6 +39,7 @@ class VerifyJob:
     proposer: Proposer
     history: list[int]
     logprobs: LogprobReporter
+    constraint: SlotConstraint
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class Verifier:
 
     def _accept(self, job: VerifyJob, row0: int) -> VerifyOutcome:
         n_accepted, token = job.sampler.verify(self.target, row0, job.pos0, job.history,
-                                               job.draft)
+                                               job.draft, job.constraint)
         drafts = job.draft.tokens
         logprobs = job.logprobs.report(self.target, row0, [*drafts[:n_accepted], token])
         return VerifyOutcome(job.pos0, job.last, drafts, n_accepted, token, row0, logprobs)

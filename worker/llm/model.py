@@ -134,14 +134,26 @@ class Model:
             raise LlamaError("tokenization failed")
         return list(buf[:n])
 
-    def token_bytes(self, token: int) -> bytes:
-        """Raw bytes of one token's piece (may be part of a multi-byte UTF-8 character)."""
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        """Raw bytes of one token's piece (may be part of a multi-byte UTF-8 character);
+        ``special`` renders control tokens' text too (a grammar's view of the vocabulary)."""
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[: max(n, 0)]
+
+    def is_control(self, token: int) -> bool:
+        """A control token (turn markers, BOS/EOS): text can never spell it."""
+        attr = llama_cpp.llama_vocab_get_attr(self.vocab, token)
+        return bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL)
+
+    @property
+    def eos(self) -> int | None:
+        """The end-of-sequence token (None: the vocabulary has none)."""
+        token = int(llama_cpp.llama_vocab_eos(self.vocab))
+        return token if 0 <= token < self.n_vocab else None
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")

@@ -156,7 +156,7 @@ class JobRun:
         req = self.req
         return SlotRequest(self.prompt, req.max_tokens, req.speculative,
                            sampling=req.sampling, stop=req.stop, logprobs=req.logprobs_k,
-                           prefix_cache=req.prefix_cache,
+                           prefix_cache=req.prefix_cache, constraint=req.constraint,
                            log_fields={"job_id": self.job_id, "attempt": self.writer.attempt})
 
     def tokens(self, tokens: list[int], text: str,

@@ -88,7 +88,7 @@ CHAT_TEMPLATE = (
 
 
 def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = DEFAULT_STRENGTHS,
-                      chat: bool = False) -> Path:
+                      chat: bool = False, byte_vocab: bool = False) -> Path:
     """Write a 2-layer F32 ``llama`` model (about 430 KB); same seed, same bytes.
 
     ``chat`` adds a chat template and makes its two turn markers control tokens; the weights
@@ -96,7 +96,7 @@ def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = DEFAULT_
     """
     recipe = Recipe(seed, strengths=strengths)
     d = recipe.dims
-    writer = _writer(path, "llama", d, n_blocks=DENSE_LAYERS, chat=chat)
+    writer = _writer(path, "llama", d, n_blocks=DENSE_LAYERS, chat=chat, byte_vocab=byte_vocab)
     writer.add_rope_dimension_count(d.head_dim)  # must equal the head size ("invalid n_rot")
     _add_tensors(writer, _skeleton(recipe))
     for il in range(DENSE_LAYERS):
@@ -106,7 +106,8 @@ def write_dense_llama(path: Path, seed: int = 0, strengths: Strengths = DEFAULT_
 
 
 def write_qwen35_hybrid(
-    path: Path, seed: int = 0, mtp: bool = True, strengths: Strengths = DEFAULT_STRENGTHS
+    path: Path, seed: int = 0, mtp: bool = True, strengths: Strengths = DEFAULT_STRENGTHS,
+    byte_vocab: bool = False,
 ) -> Path:
     """Write a 4-layer F32 ``qwen35`` hybrid, plus one NextN (MTP) layer when ``mtp``.
 
@@ -114,7 +115,7 @@ def write_qwen35_hybrid(
     """
     recipe = Recipe(seed, strengths=strengths)
     d = recipe.dims
-    writer = _writer(path, "qwen35", d, n_blocks=HYBRID_LAYERS + int(mtp))
+    writer = _writer(path, "qwen35", d, n_blocks=HYBRID_LAYERS + int(mtp), byte_vocab=byte_vocab)
     writer.add_key_length(d.head_dim)
     writer.add_value_length(d.head_dim)
     writer.add_rope_dimension_count(HYBRID_ROPE_DIMS)
@@ -174,7 +175,20 @@ def write_gemma3_swa(path: Path, seed: int = 0, window: int = SWA_WINDOW,
 
 
 # -- GGUF plumbing ---------------------------------------------------------------------------
-def _writer(path: Path, arch: str, d: Dims, n_blocks: int, chat: bool = False) -> gguf.GGUFWriter:
+def byte_pieces() -> list[str]:
+    """GPT-2's byte-level alphabet: one printable character per byte, so a BPE vocabulary of
+    these 256 pieces (no merges) spells every byte string one token per byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+#: The byte-level variant's end-of-sequence token: id 255, whose byte (0xFF) no UTF-8 text has.
+BYTE_EOS = 255
+
+
+def _writer(path: Path, arch: str, d: Dims, n_blocks: int, chat: bool = False,
+            byte_vocab: bool = False) -> gguf.GGUFWriter:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"specfleet tiny {arch}")
     writer.add_context_length(CONTEXT_LENGTH)
@@ -187,6 +201,20 @@ def _writer(path: Path, arch: str, d: Dims, n_blocks: int, chat: bool = False) -
     writer.add_rope_freq_base(ROPE_BASE)
     writer.add_vocab_size(d.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if byte_vocab:  # a real byte-level BPE tokenizer: text (JSON, grammars) round-trips
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        tokens = byte_pieces()
+        # llama.cpp needs a merges list; this one pairs byte 0xFE with itself, which UTF-8
+        # text never holds, so every text stays one token per byte.
+        writer.add_token_merges([f"{tokens[0xFE]} {tokens[0xFE]}"])
+        tokens[BYTE_EOS] = "<|eos|>"
+        writer.add_token_types([gguf.TokenType.CONTROL if i == BYTE_EOS else
+                                gguf.TokenType.NORMAL for i in range(d.n_vocab)])
+        writer.add_eos_token_id(BYTE_EOS)
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * d.n_vocab)
+        return writer
     # llama.cpp's built-in dummy tokenizer: no merges, no special tokens needed.
     writer.add_tokenizer_model("test")
     tokens = [f"tok_{i}" for i in range(d.n_vocab)]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shared.logs import get_logger
+from worker.engine.constraint.base import UNCONSTRAINED, SlotConstraint
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.llm import Batch, Context, ContextSpec, LlamaError, Model
 
@@ -50,13 +51,16 @@ def require_mtp_head(model: Model) -> None:
 class DraftRequest:
     """One slot's share of a batched draft: ``history`` ends with the next verify's token;
     ``sampler`` is the slot's (greedy: the head's argmax; sampled: a draw from the head's
-    distribution under the request's sampling, kept for rejection sampling)."""
+    distribution under the request's sampling, kept for rejection sampling); ``constraint``
+    masks the head's logits after the tokens drafted so far, so its drafts follow the
+    grammar and its sampled distributions are the masked ones."""
 
     seq: int
     history: Sequence[int]
     width: int
     p_min: float
     sampler: Sampler
+    constraint: SlotConstraint = UNCONSTRAINED
 
 
 @dataclass
@@ -96,9 +100,11 @@ class MtpDrafter:
         self._batch = Batch(spec.n_batch, model.n_embd)
         self._seqs = [_SeqState(model.n_embd) for _ in range(spec.n_seq_max)]
 
-    def proposer(self, seq: int, sampler: Sampler) -> MtpProposer:
-        """The drafter of slot ``seq`` (one generation's, drafting with its ``sampler``)."""
-        return MtpProposer(self, seq, sampler)
+    def proposer(self, seq: int, sampler: Sampler,
+                 constraint: SlotConstraint = UNCONSTRAINED) -> MtpProposer:
+        """The drafter of slot ``seq`` (one generation's, drafting with its ``sampler`` under
+        its ``constraint``)."""
+        return MtpProposer(self, seq, sampler, constraint)
 
     def reset(self, seq: int) -> None:
         """A new generation in ``seq``: forget the previous one's draft KV and hand-over."""
@@ -180,8 +186,8 @@ class MtpDrafter:
             for i, at in row.items():
                 r = requests[i]
                 seen = [*r.history, *tokens[i]] if r.sampler.penalised else r.history
-                picked = r.sampler.draft(self._draft.logits(at), len(r.history) + step, seen,
-                                         r.p_min)
+                logits = r.constraint.masked(tokens[i], self._draft.logits(at))
+                picked = r.sampler.draft(logits, len(r.history) + step, seen, r.p_min)
                 if picked is None:
                     continue
                 token, dist = picked
@@ -231,17 +237,19 @@ class MtpDrafter:
 class MtpProposer:
     """One slot's MTP drafter: the :class:`Proposer` face of :class:`MtpDrafter` for ``seq``."""
 
-    def __init__(self, drafter: MtpDrafter, seq: int, sampler: Sampler) -> None:
+    def __init__(self, drafter: MtpDrafter, seq: int, sampler: Sampler,
+                 constraint: SlotConstraint = UNCONSTRAINED) -> None:
         self.drafter = drafter
         self.seq = seq
         self.sampler = sampler
+        self.constraint = constraint
 
     def start(self, prompt: Sequence[int]) -> None:
         """Nothing to do: the engine fed the prompt to the draft context as it prefilled."""
 
     def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
         return self.drafter.draft([DraftRequest(self.seq, history, width, p_min,
-                                                self.sampler)])[0]
+                                                self.sampler, self.constraint)])[0]
 
     def observe(self, outcome: VerifyOutcome) -> None:
         self.drafter.observe(self.seq, outcome)
