@@ -18,8 +18,9 @@ shuffled deck, so every kind recurs evenly): worker ``kill -9`` (restarted under
 name), ``SIGSTOP`` past the worker TTL then ``SIGCONT``, worker ``SIGTERM`` (drains, then
 restarted), Redis restart (down 1-8 s, same port and data directory), Redis OOM
 (``maxmemory`` just below ``used_memory`` under ``noeviction`` for 8-12 s), ``DEBUG SLEEP``
-1-5 s, gateway restart (``SIGTERM``, same port) and a client hanging up mid-stream. One
-fault at a time; the next waits until the fleet is whole again.
+1-5 s, gateway restart (``SIGTERM``, same port) and a client hanging up mid-stream; and,
+only when ``--faults`` names it, a fleet restart (every worker ``SIGTERM``ed, 2-6 s with
+none). One fault at a time; the next waits until the fleet is whole again.
 
 Redis runs as production should (``docker/redis/redis.conf``): AOF on (``appendfsync
 everysec``), no RDB, ``noeviction``; a restart is a clean ``SIGTERM`` (Redis fsyncs its AOF),
@@ -92,6 +93,9 @@ JOB_SECONDS = 900.0
 RESUME_SECONDS = 180.0
 FAULT_KINDS = ("worker_kill9", "worker_sigstop", "worker_sigterm", "redis_restart",
                "redis_oom", "redis_sleep", "gateway_restart", "client_disconnect")
+#: Kinds only ``--faults`` names: every worker stopped at once (SIGTERM, 2-6 s with none
+#: registered): batch lines must wait for a worker, submits are refused meanwhile.
+EXTRA_FAULT_KINDS = ("fleet_restart",)
 #: Log events counted in the summary (any event logged at error level is counted too).
 WATCHED_EVENTS = ("worker.lost", "worker.declared_lost", "worker.takeover", "redis.unavailable",
                   "redis.recovered", "worker.redis_gave_up", "job.failed", "job.refused",
@@ -376,7 +380,7 @@ class Soak:
     # -- faults -----------------------------------------------------------------------------
     def inject(self) -> None:
         rng = random.Random(self.args.seed)
-        kinds = [k for k in FAULT_KINDS if k in self.args.faults]
+        kinds = [k for k in FAULT_KINDS + EXTRA_FAULT_KINDS if k in self.args.faults]
         deck: list[str] = []
         while not self.faults_off.is_set():
             gap = rng.uniform(0.5, 1.5) * self.args.fault_every
@@ -421,6 +425,23 @@ class Soak:
 
     def _fault_gateway_restart(self, rng: random.Random) -> dict[str, Any]:
         return self._restart(self.gateways[rng.choice(GATEWAYS)], signal.SIGTERM, 60)
+
+    def _fault_fleet_restart(self, rng: random.Random) -> dict[str, Any]:
+        empty = rng.uniform(2, 6)
+        with contextlib.ExitStack() as stack:
+            for name in WORKERS:
+                stack.enter_context(self.faulting(name))
+            for proc in self.workers.values():
+                proc.signal(signal.SIGTERM)
+            rcs = {name: proc.wait(120) for name, proc in self.workers.items()}
+            for proc in self.workers.values():
+                if proc.alive():
+                    proc.popen.kill()  # type: ignore[union-attr]
+                    proc.wait(30)
+            time.sleep(empty)
+            for proc in self.workers.values():
+                proc.start()
+        return {"rc": rcs, "empty_seconds": round(empty, 1)}
 
     def _fault_worker_sigstop(self, rng: random.Random) -> dict[str, Any]:
         proc = self.workers[rng.choice(WORKERS)]
@@ -1154,7 +1175,8 @@ def main() -> int:
     parser.add_argument("--fault-every", type=float, default=15.0,
                         help="mean seconds between faults (uniform 0.5x-1.5x)")
     parser.add_argument("--faults", default=",".join(FAULT_KINDS),
-                        help="comma-separated fault kinds to inject")
+                        help="comma-separated fault kinds to inject (default: all but "
+                             f"{', '.join(EXTRA_FAULT_KINDS)})")
     parser.add_argument("--drain-seconds", type=float, default=300.0,
                         help="longest wait for the last streams and batch after the faults")
     parser.add_argument("--out", type=Path, help="write the JSON summary here")
@@ -1162,10 +1184,10 @@ def main() -> int:
                         help="logs, models and Redis data here (default: a temporary "
                              "directory, kept when the soak fails)")
     args = parser.parse_args()
-    unknown = set(args.faults.split(",")) - set(FAULT_KINDS)
+    unknown = set(args.faults.split(",")) - set(FAULT_KINDS + EXTRA_FAULT_KINDS)
     if unknown:
         parser.error(f"--faults: unknown kinds {', '.join(sorted(unknown))}; "
-                     f"known: {', '.join(FAULT_KINDS)}")
+                     f"known: {', '.join(FAULT_KINDS + EXTRA_FAULT_KINDS)}")
     args.faults = args.faults.split(",")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="specfleet-soak-"))
     signal.signal(signal.SIGTERM, _interrupted)  # stopped: its processes are stopped too
