@@ -24,6 +24,7 @@ from coordinator.cli.app import app, environment_settings, fail_redis
 from coordinator.client import Coordinator
 from coordinator.metrics import FleetSnapshot, fleet_snapshot
 from shared.logs import configure_logging
+from shared.outage import RedisOutage, ride_out
 
 
 def render(snapshot: FleetSnapshot) -> Group:
@@ -60,16 +61,20 @@ def top(
     """Watch the fleet: workers, their speed and speculation, queues and waiting times."""
     settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
+    coordinator = Coordinator(settings)
+
+    def snap() -> FleetSnapshot:  # a Redis blip is waited out, the view carries on
+        return ride_out(lambda: fleet_snapshot(coordinator), settings.redis_outage_seconds,
+                        "top.snapshot")
     try:
-        coordinator = Coordinator(settings)
-        snapshot = fleet_snapshot(coordinator)
+        snapshot = snap()
         if as_json:
             while True:
                 print(json.dumps(snapshot.to_json()), flush=True)
                 if once:
                     return
                 time.sleep(interval)
-                snapshot = fleet_snapshot(coordinator)
+                snapshot = snap()
         if once:
             # Piped output has no terminal width: do not squeeze names into 80 columns.
             console = Console()
@@ -78,8 +83,8 @@ def top(
         with Live(render(snapshot), auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(render(fleet_snapshot(coordinator)), refresh=True)
-    except RedisError as exc:
+                live.update(render(snap()), refresh=True)
+    except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
     except KeyboardInterrupt:
         return

@@ -1,5 +1,6 @@
 """Redis refusing for a while, short of an outage: out of memory, busy with a script, stalled
-past the worker TTL, restarted under a submit or a batch being waited for. Busy workers ride
+past the worker TTL, loading its dataset after a restart, restarted under a submit or a batch
+being waited for. Busy workers ride
 each one out and lose, duplicate and re-run nothing; the CLIs ride them out too; and a worker
 that really dies is on the fleet's event stream, which every ``top`` and ``monitor`` reads.
 
@@ -26,7 +27,10 @@ import pytest
 from helpers import SPECFLEET, specfleet
 from monitor.scrape import total
 from redis import Redis
-from redis.exceptions import ResponseError
+from redis.backoff import NoBackoff
+from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.retry import Retry
 
 from coordinator.client import Coordinator, JobHandle, JobResult
 from shared.protocol import FinalEvent, JobStatus, TokenEvent
@@ -41,6 +45,8 @@ REQUEST = {"model": MODEL_NAME, "prompt_tokens": [4, 2, 4, 2], "max_tokens": 48,
            "speculative": {"method": "none"}}
 WORKER_ARGS = ("--ctx", "512", "--slots", "2", "--metrics-port", "0")
 STEP_DELAY = 0.03
+#: Keys a slow restart loads at 1 ms each (``key-load-delay``).
+FILLERS = 8000
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +204,62 @@ def test_redis_stalled_past_the_ttl_three_times_reruns_nothing(
     assert '"event": "recovery.deferred"' in logs  # the lapses were seen, and left alone
 
 
+def test_a_restart_that_loads_its_dataset_slowly_is_waited_out(
+        fleet: Fleet, server: RedisServer, reference: JobResult) -> None:
+    """Redis restarts under busy workers and answers LOADING while it reads its AOF (8,000
+    keys at 1 ms each: longer than redis-py's own retries): the workers wait, no job runs
+    twice."""
+    admin = server.client()
+    with admin.pipeline(transaction=False) as pipe:
+        for i in range(FILLERS):
+            pipe.set(f"{fleet.settings.prefix}:filler:{i}", "x" * 100)
+        pipe.execute()
+    admin.bgrewriteaof()  # the fillers into the RDB base the restart loads key by key
+    while int(admin.info("persistence")["aof_rewrite_in_progress"]):
+        time.sleep(0.05)
+    loading: list[BaseException] = []
+
+    def slow_restart() -> None:
+        server.stop()
+        plain = server.config
+        server.config = (*plain, "--key-load-delay", "1000",
+                         "--loading-process-events-interval-bytes", "1024")
+        started = threading.Event()
+        probe = threading.Thread(target=_probe_loading, args=(server, started, loading))
+        probe.start()
+        try:
+            server.start()
+        finally:
+            started.set()
+            server.config = plain
+            probe.join()
+
+    handles = _under_fault(fleet, slow_restart)
+    assert loading, "Redis never answered LOADING"
+    for h in handles:
+        result = h.result(timeout=10)
+        assert result.status is JobStatus.FINISHED and result.tokens == reference.tokens
+        assert result.attempts == 1
+    logs = _nobody_lost(fleet)
+    assert '"fault": "loading"' in logs
+    server.client().delete(*[f"{fleet.settings.prefix}:filler:{i}" for i in range(FILLERS)])
+
+
+def _probe_loading(server: RedisServer, started: threading.Event,
+                   seen: list[BaseException]) -> None:
+    """Until ``started``: what a client without retries hears (BusyLoadingError: LOADING)."""
+    probe = Redis(host="127.0.0.1", port=server.port, socket_timeout=2,
+                  retry=Retry(NoBackoff(), 0))
+    while not started.is_set():
+        try:
+            probe.get("probe")
+        except BusyLoadingError as exc:
+            seen.append(exc)
+        except RedisConnectionError:
+            pass
+        time.sleep(0.05)
+
+
 def _cli_env(settings: Settings) -> dict[str, str]:
     return {**os.environ, "REDIS_URL": settings.redis_url, "SPECFLEET_PREFIX": settings.prefix,
             "SPECFLEET_WORKER_TTL_SECONDS": str(settings.worker_ttl_seconds),
@@ -233,7 +295,7 @@ def test_batch_submit_wait_prints_the_id_first_and_rides_out_a_blip(
         fleet: Fleet, server: RedisServer, tmp_path: Path) -> None:
     source = tmp_path / "in.jsonl"
     source.write_text("".join(
-        json.dumps({"custom_id": f"r{i}", "body": {**REQUEST, "max_tokens": 64}}) + "\n"
+        json.dumps({"custom_id": f"r{i}", "body": {**REQUEST, "max_tokens": 128}}) + "\n"
         for i in range(6)))
     proc = subprocess.Popen([SPECFLEET, "batch", "submit", str(source), "--model", MODEL_NAME,
                              "--wait"], env=_cli_env(fleet.settings), stdout=subprocess.PIPE,
@@ -241,8 +303,15 @@ def test_batch_submit_wait_prints_the_id_first_and_rides_out_a_blip(
     assert proc.stdout is not None
     batch_id = proc.stdout.readline().strip()
     assert batch_id.startswith("batch_")
-    status = server.client().hget(fleet.settings.keys.batch(batch_id), "status")
+    admin = server.client()
+    status = admin.hget(fleet.settings.keys.batch(batch_id), "status")
     assert status is not None and status.decode() not in ("completed", "failed", "cancelled")
+    deadline = time.monotonic() + 60
+    while admin.hlen(fleet.settings.keys.batch_jobs(batch_id)) < 6:  # every line queued:
+        assert time.monotonic() < deadline, "the batch's lines were never queued"
+        time.sleep(0.05)  # the command is waiting for the batch now
+    assert admin.hget(fleet.settings.keys.batch(batch_id), "status") == b"in_progress"
+    time.sleep(1)  # past the queueing's last steps: the command polls the batch now
     server.stop()  # a blip while it waits
     time.sleep(5)
     assert proc.poll() is None, proc.communicate()
