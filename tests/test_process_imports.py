@@ -67,6 +67,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     workdir = tmp_path_factory.mktemp("imports")
     env = {k: v for k, v in os.environ.items() if k != "SPECFLEET_REDIS_URL"}
     env["REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
+    env["SPECFLEET_REDIS_OUTAGE_SECONDS"] = "1"  # a submit waits out an outage this long
     procs = {case: subprocess.Popen(
         [sys.executable, "-c", _PRELUDE, str(workdir / f"{case}.json"), *argv], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
