@@ -29,11 +29,16 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m coordinator.demo
 
+# The suite runs in PYTEST_WORKERS processes, a test file to each (most of a test's time is
+# spent waiting on worker processes, Redis backoffs and subprocess starts, not computing).
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+
 test: install
-	$(PY) -m coordinator.redis_local -- $(PY) -m pytest -q
+	$(PY) -m coordinator.redis_local -- $(PYTEST)
 
 test-fast: install
-	$(PY) -m coordinator.redis_local -- $(PY) -m pytest -q -m "not slow"
+	$(PY) -m coordinator.redis_local -- $(PYTEST) -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

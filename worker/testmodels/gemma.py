@@ -8,6 +8,7 @@ writes an F16 copy with every quantized tensor dequantized, cached between runs.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
@@ -43,7 +44,21 @@ def gemma_q4_path() -> Path:
         raise GemmaUnavailable(
             "Gemma 3 270M is not installed: run pip install 'specfleet[demo]'"
         ) from exc
-    return Path(package.assemble())
+    with _exclusive(default_cache_dir()):  # test processes in parallel assemble it once
+        return Path(package.assemble())
+
+
+@contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """Hold ``directory``'s lock file: parallel test workers (pytest-xdist) that need the same
+    cached model wait for the one writing it instead of each writing (and deleting) copies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def default_cache_dir() -> Path:
@@ -63,11 +78,12 @@ def gemma_f16_path(cache_dir: Path | None = None) -> Path:
     stat = source.stat()
     key = hashlib.sha256(f"{source}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = directory / f"{F16_NAME}-{key}.gguf"
-    if target.is_file():
-        return target
-    for stale in directory.glob(f"{F16_NAME}-*.gguf"):
-        stale.unlink(missing_ok=True)
-    return write_f16_copy(source, target)
+    with _exclusive(directory):
+        if target.is_file():
+            return target
+        for stale in directory.glob(f"{F16_NAME}-*.gguf"):
+            stale.unlink(missing_ok=True)
+        return write_f16_copy(source, target)
 
 
 def write_f16_copy(source: Path, target: Path) -> Path:
