@@ -87,7 +87,7 @@ class Constraint(BaseModel):
             if self.kind is ConstraintKind.JSON_OBJECT:
                 return LLMatcher.grammar_from_json_schema(
                     {"type": "object"}, defaults={"whitespace_flexible": False})
-            if self.kind is ConstraintKind.JSON_SCHEMA:
+            if self.json_schema is not None:  # kind json_schema (the validator pairs them)
                 return LLMatcher.grammar_from_json_schema(
                     self.json_schema, defaults={"whitespace_flexible": False})
             assert self.grammar is not None
@@ -95,8 +95,6 @@ class Constraint(BaseModel):
                 return LLMatcher.grammar_from_regex(self.grammar)
             lark = gbnf_to_lark(self.grammar) if self.kind is ConstraintKind.GBNF else self.grammar
             return LLMatcher.grammar_from_lark(lark)
-        except ConstraintError:
-            raise
         except Exception as exc:  # llguidance raises ValueError/RuntimeError/its own kinds
             raise ConstraintError(f"{self.kind.value} constraint: {exc}") from exc
 
