@@ -61,6 +61,7 @@ import uuid
 from collections import Counter
 from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
+from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any, cast
 
@@ -792,9 +793,9 @@ class _SseState:
         if end <= len(self.text):
             self.record.replayed += bool(piece)
             return
-        if start > len(self.text):
-            self.record.gap += start - len(self.text)
-            self.text += "\0" * (start - len(self.text))  # a hole, never equal to the result
+        if start > len(self.text):  # a hole: the piece goes on where the text ends, so the
+            self.record.gap += start - len(self.text)  # comparison counts what is missing
+            start = len(self.text)
         self.text += piece[len(self.text) - start:]
         self.record.chunks += 1
 
@@ -1049,15 +1050,16 @@ class Accounting:
             else:
                 expected: list[int] | str = (final.tokens if rec.kind == "client"
                                              else final.text)
-                p = 0
-                while p < min(len(rec.seen), len(expected)) and rec.seen[p] == expected[p]:
-                    p += 1
-                d, m = len(rec.seen) - p, len(expected) - p
+                # what the two have in common, in order: the rest of what was shown was
+                # duplicated (or wrong), the rest of the result missing
+                same = sum(b.size for b in SequenceMatcher(
+                    None, rec.seen, expected, autojunk=False).get_matching_blocks())
+                d, m = len(rec.seen) - same, len(expected) - same
                 c["compared"] += 1
                 c["duplicated"] += d
                 c["missing"] += m
                 if d or m:
-                    example.update(duplicated=d, missing=m, first_difference=p)
+                    example.update(duplicated=d, missing=m)
                 if rec.chunks <= 1 < token_events.get(rec.job_id or "", 0):
                     c["text_only_at_end"] += 1
                     example["text_only_at_end"] = True
