@@ -16,6 +16,7 @@ from typing import Any
 from redis import Redis
 
 from shared.keys import STREAM_FIELD, Keys
+from shared.logs import get_logger
 from shared.outage import ride_out
 from shared.protocol import (
     AnyEvent,
@@ -26,6 +27,8 @@ from shared.protocol import (
     TokenEvent,
 )
 from shared.settings import Settings
+
+log = get_logger("events")
 
 _EVENT_TYPES: dict[str, type[AnyEvent]] = {
     "token": TokenEvent,
@@ -87,7 +90,14 @@ local function account(payload)
   for _, key in ipairs(ref.keep) do redis.call('EXPIRE', key, ref.ttl) end
 end
 """
+#: A final or error event of an attempt recovery has taken away (KEYS[5] holds the newest
+#: such attempt, set in the requeue's own transaction) is dropped: 0 is returned, no number
+#: is spent. The check and the append are one script, so no stale final slips in between.
 _APPEND_LUA = _BATCH_LUA + """
+if ARGV[6] == 'final' or ARGV[6] == 'error' then
+  local gone = tonumber(redis.call('GET', KEYS[5]) or '0')
+  if tonumber(ARGV[7]) <= gone then return 0 end
+end
 local seq = redis.call('INCR', KEYS[2])
 local payload = ARGV[1] .. seq .. ARGV[2]
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', ARGV[3], payload)
@@ -136,17 +146,22 @@ class EventWriter:
 
         While Redis is unreachable the write is retried (the generation waits) for up to
         ``outage_seconds``. A retry after a reply was lost can append an event twice; readers
-        de-duplicate token events by ``(attempt, index)``.
+        de-duplicate token events by ``(attempt, index)``. A final or error event of an
+        attempt recovery took away is not written (returned with ``seq`` 0).
         """
         event = _EVENT_TYPES[event_type](job_id=self.job_id, attempt=self.attempt,
                                          seq=_SEQ_PLACEHOLDER, **fields)
         head, tail = event.model_dump_json().split(_SEQ_TEXT, 1)
         keys = [self._keys.events(self.job_id), self._keys.seq(self.job_id),
-                self._keys.channel(self.job_id), self._keys.job_batch(self.job_id)]
+                self._keys.channel(self.job_id), self._keys.job_batch(self.job_id),
+                self._keys.superseded(self.job_id)]
         args: list[str | int] = [head + '"seq":', tail, STREAM_FIELD, self._maxlen, self._ttl,
-                                 event_type]
+                                 event_type, self.attempt]
         seq = int(ride_out(lambda: self._append(keys=keys, args=args), self._outage,
                            "event.append"))
+        if seq == 0:
+            log.warning("event.superseded", job_id=self.job_id, attempt=self.attempt,
+                        type=event_type)
         return event.model_copy(update={"seq": seq})
 
     def progress(self, stage: str, **fields: Any) -> AnyEvent:

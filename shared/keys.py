@@ -94,6 +94,12 @@ class Keys:
         """Counter of started attempts of a job (crash recovery increments it)."""
         return f"{self.prefix}:job:{job_id}:attempts"
 
+    def superseded(self, job_id: str) -> str:
+        """The newest attempt of a job that recovery took away from a lost worker: a final or
+        error event of that attempt or an older one is dropped (a stalled worker that wakes
+        to finish it cannot end the job a second time)."""
+        return f"{self.prefix}:job:{job_id}:superseded"
+
     def seq(self, job_id: str) -> str:
         """Monotonic event sequence counter of a job, shared by all its attempts."""
         return f"{self.prefix}:job:{job_id}:seq"

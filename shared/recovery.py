@@ -95,13 +95,17 @@ def _fetch(connection: Redis, job_id: str) -> Job | None:
         return None
 
 
-def _requeue_front(connection: Redis, keys: Keys, job: Job, release: str | None = None) -> None:
+def _requeue_front(connection: Redis, keys: Keys, job: Job, release: str | None = None,
+                   supersede: tuple[int, int] | None = None) -> None:
     """Remove ``job`` from the started registry (its executions) and the failed registry,
     so rq's own cleanup can never later mark the re-run as abandoned, enqueue it at the
     front of its shared queue (a job routed to a worker's own queue goes back to the one it
     would have waited on, ``meta["shared_queue"]``: that worker is gone or leaving), leave
     the in-flight list ``release`` and ring its model's doorbell: one transaction, so the
-    job is never requeued without leaving the registries, nor left waiting without a ring."""
+    job is never requeued without leaving the registries, nor left waiting without a ring.
+    ``supersede`` is the attempt a lost worker was running and how long to remember it (the
+    job's streams' TTL): from this transaction on, that attempt's final event is refused
+    (``Keys.superseded``), so the job cannot finish twice."""
     origin = Queue(job.origin, connection=connection, serializer=JSONSerializer)
     meta = job.meta or {}
     queue = Queue(meta.get("shared_queue", job.origin), connection=connection,
@@ -115,6 +119,9 @@ def _requeue_front(connection: Redis, keys: Keys, job: Job, release: str | None 
         queue.enqueue_job(job, pipeline=pipe, at_front=True)
         if release is not None:
             pipe.lrem(release, 1, job.id)
+        if supersede is not None:
+            attempt, ttl = supersede
+            pipe.set(keys.superseded(job.id), attempt, ex=ttl)
         doorbell.ring_in(pipe, keys, meta.get("model", ""))
         pipe.execute()
 
@@ -192,8 +199,10 @@ class RecoveryMonitor:
                 or self._conn.lpos(Queue(job.origin, connection=self._conn).key, job.id)
                 is not None):
             return False
-        _requeue_front(self._conn, self._keys, job)
+        # The attempt the lost worker runs; only the next run counts another one.
         attempt = int(self._conn.get(self._keys.attempts(job.id)) or 1)
+        _requeue_front(self._conn, self._keys, job,
+                       supersede=(attempt, self._settings.stream_ttl_seconds))
         EventWriter.for_job(self._conn, self._settings, job.id, attempt).progress(
             "requeued", worker=lost_worker)
         log.warning("job.requeued", job_id=job.id, worker=lost_worker,

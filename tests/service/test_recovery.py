@@ -6,6 +6,8 @@ import signal
 import threading
 import time
 
+from redis import Redis
+from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
@@ -18,6 +20,7 @@ from shared.protocol import (
     TokenEvent,
     WorkerInfo,
 )
+from shared.event_stream import EventWriter
 from shared.recovery import RecoveryMonitor
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
@@ -67,8 +70,9 @@ def test_kill_9_mid_generation_ten_times_loses_nothing(fleet: Fleet,
         assert queue.failed_job_registry.get_job_ids(cleanup=False) == []
 
 
-def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings) -> None:
-    """Many monitors sweeping at once: the lost worker's job is queued exactly once."""
+def _ghost_holds_a_job(settings: Settings) -> tuple[Redis, Queue, Job, FleetRegistry]:
+    """A worker "ghost" took a job and died (listed, registration expired), with the fleet
+    in contact with Redis for a TTL, so a sweep may declare it lost."""
     conn = connect(settings.redis_url)
     keys = settings.keys
     queue = Queue(keys.queue(MODEL_NAME), connection=conn, serializer=JSONSerializer)
@@ -84,7 +88,12 @@ def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings)
         registry.heartbeat(live)
         time.sleep(settings.heartbeat_seconds)
     registry.deregister("live")
+    return conn, queue, job, registry
 
+
+def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings) -> None:
+    """Many monitors sweeping at once: the lost worker's job is queued exactly once."""
+    conn, queue, job, registry = _ghost_holds_a_job(settings)
     monitors = [RecoveryMonitor(conn, registry, settings) for _ in range(8)]
     results: list[list[str]] = []
     threads = [threading.Thread(target=lambda m=m: results.append(m.sweep())) for m in monitors]
@@ -96,6 +105,26 @@ def test_concurrent_monitors_requeue_a_lost_workers_job_once(settings: Settings)
     assert sorted(sum(results, [])) == [job.id]
     assert queue.get_job_ids() == [job.id]
     assert registry.registered_names() == []
+
+
+def test_a_requeued_attempt_cannot_end_the_job(settings: Settings) -> None:
+    """A stalled worker that wakes after recovery requeued its job and finishes the step it
+    was in: its final (and error) event is refused in the append script itself, so the job
+    ends once, by the attempt that re-ran it (the soak's "finished twice")."""
+    conn, _, job, registry = _ghost_holds_a_job(settings)
+    conn.set(settings.keys.attempts(job.id), 1)  # the ghost was running attempt 1
+    assert RecoveryMonitor(conn, registry, settings).sweep() == [job.id]
+
+    stale = EventWriter.for_job(conn, settings, job.id, 1)
+    assert stale.final(status=JobStatus.FINISHED, tokens=[1], text="x").seq == 0
+    assert stale.error("late", "error").seq == 0
+    assert stale.progress("still running").seq > 0  # anything else is still written
+    rerun = EventWriter.for_job(conn, settings, job.id, 2)
+    assert rerun.final(status=JobStatus.FINISHED, tokens=[1, 2], text="xy").seq > 0
+
+    finals = [e for e in Coordinator(settings).handle(job.id).stream(timeout=5)
+              if isinstance(e, FinalEvent)]
+    assert [(f.attempt, f.tokens) for f in finals] == [(2, [1, 2])]
 
 
 def test_a_stalled_worker_is_replaced_and_stands_down(fleet: Fleet,
