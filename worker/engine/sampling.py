@@ -219,7 +219,9 @@ class GreedySampler(_RequestSampler):
                draft: Draft, mask: SlotConstraint) -> tuple[int, int]:
         """Rows are read in order up to the first that disagrees; each one's choice is its
         argmax among what ``mask`` allows after the drafts before it (row i has seen drafts
-        1..i), so a draft the raw argmax passed over can still be the masked one."""
+        1..i), so a draft the raw argmax passed over can still be the masked one. A draft
+        equal to its row's raw argmax needs no mask: drafts reach the verify only where the
+        grammar allows them (the engine's guide cut the rest)."""
         tokens = draft.tokens
         if self.penalised:
             rows = [penalised_logits(ctx.logits(row0 + i), self.params,
@@ -235,6 +237,9 @@ class GreedySampler(_RequestSampler):
             choices = block.argmax(axis=1).tolist()
         n = 0
         while True:
+            if n < len(tokens) and choices[n] == tokens[n]:
+                n += 1
+                continue
             choice = mask.choose(tokens[:n], rows[n], int(choices[n]))
             if n == len(tokens) or choice != tokens[n]:
                 return n, choice

@@ -157,10 +157,9 @@ class GrammarConstraint:
         several, such as Gemma's ``<eos>`` and ``<end_of_turn>``)."""
         words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little")
-        ids = np.flatnonzero(bits[: self._vocab.n_vocab])
-        if self._eos < len(bits) and bits[self._eos] and len(self._eog):
-            ids = np.union1d(ids, self._eog)
-        return ids
+        if self._eos < len(bits) and bits[self._eos]:
+            bits[self._eog] = 1
+        return np.nonzero(bits[: self._vocab.n_vocab].view(np.bool_))[0]  # bool: ~8x faster
 
 
 def compile_constraint(constraint: Constraint | None, model: Model,
