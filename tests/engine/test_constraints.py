@@ -161,16 +161,19 @@ def test_grammar_constrained_equals_plain(engines: dict[str, SpeculativeEngine],
     assert spec.finish_reason is FinishReason.STOP
 
 
-def test_several_slots(byte_models: dict[str, Path]) -> None:
-    """Four slots stepped together (two schemas, a grammar, one unconstrained) each give
-    their own request's solo plain output: one slot's matcher never sees another's tokens."""
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_several_slots(byte_models: dict[str, Path], drafter: str) -> None:
+    """Four slots stepped together (two schemas, a grammar, one unconstrained; MTP drafts
+    them in one batched chain) each give their own request's solo plain output: one slot's
+    matcher never sees another's tokens."""
     prompts = ["order: ", "record: ", "list: ", "free text: "]
     constraints = [schema("order"), schema("record"), LARK, None]
-    with open_engine(byte_models["dense"], SpecMethod.NGRAM, slots=4) as engine:
+    model, method = DRAFTERS[drafter]
+    with open_engine(byte_models[model], method, slots=4) as engine:
         solo = [run(engine, prompt_of(engine, p), c, SpecMethod.NONE).tokens
                 for p, c in zip(prompts, constraints, strict=True)]
         arrivals = [Arrival(i, SlotRequest(prompt_of(engine, p), MAX_TOKENS if c else 60,
-                                           SpecSettings(method=SpecMethod.NGRAM),
+                                           SpecSettings(method=method),
                                            constraint=c, prefix_cache=False))
                     for i, (p, c) in enumerate(zip(prompts, constraints, strict=True))]
         together = run_schedule(engine, arrivals)
