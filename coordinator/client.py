@@ -304,7 +304,9 @@ class Coordinator:
         if not self._queue(job.origin).remove(job_id):
             return False  # running (it sees the flag within one step) or already done
         job.cancel()
-        attempt = int(self.connection.get(self.keys.attempts(job_id)) or 1)
+        # The final is the attempt that will now never run: one past those that started
+        # (a requeued job's last one is superseded, and its final would be refused).
+        attempt = int(self.connection.get(self.keys.attempts(job_id)) or 0) + 1
         EventWriter.for_job(self.connection, self.settings, job_id, attempt).final(
             status=JobStatus.CANCELLED, finish_reason="cancelled")
         with structlog.contextvars.bound_contextvars(job_id=job_id, attempt=attempt):

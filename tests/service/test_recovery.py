@@ -12,6 +12,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
+from shared.event_stream import EventWriter
 from shared.protocol import (
     JOB_FUNCTION,
     FinalEvent,
@@ -20,7 +21,6 @@ from shared.protocol import (
     TokenEvent,
     WorkerInfo,
 )
-from shared.event_stream import EventWriter
 from shared.recovery import RecoveryMonitor
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
@@ -125,6 +125,18 @@ def test_a_requeued_attempt_cannot_end_the_job(settings: Settings) -> None:
     finals = [e for e in Coordinator(settings).handle(job.id).stream(timeout=5)
               if isinstance(e, FinalEvent)]
     assert [(f.attempt, f.tokens) for f in finals] == [(2, [1, 2])]
+
+
+def test_a_requeued_job_cancelled_in_its_queue_still_ends(settings: Settings) -> None:
+    """The cancel's final is the attempt that will never run, not the superseded one (which
+    the append script refuses): a reader still sees the job end."""
+    conn, _, job, registry = _ghost_holds_a_job(settings)
+    conn.set(settings.keys.attempts(job.id), 1)
+    assert RecoveryMonitor(conn, registry, settings).sweep() == [job.id]
+    coordinator = Coordinator(settings)
+    assert coordinator.cancel(job.id)
+    final = coordinator.handle(job.id).result(timeout=5)
+    assert (final.status, final.attempts) == (JobStatus.CANCELLED, 2)
 
 
 def test_a_stalled_worker_is_replaced_and_stands_down(fleet: Fleet,
