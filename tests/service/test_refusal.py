@@ -75,3 +75,22 @@ def test_malformed_requests_sent_straight_to_a_worker_fail_cleanly(
     if final.status is SpecJobStatus.FAILED:
         assert final.error and "Traceback" not in final.error
     assert fleet.alive("w1")
+
+
+def test_constraint_the_workers_vocabulary_cannot_spell_fails_the_job(
+        fleet: Fleet, coordinator: Coordinator) -> None:
+    """A JSON Schema compiles at submit (no vocabulary needed), but the tiny model's hex-piece
+    vocabulary has no ``{``: the worker refuses it at admission with an error naming the
+    constraint, and goes on serving."""
+    if "w1" not in fleet.procs:
+        fleet.start("w1")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    handle = coordinator.submit({**VALID, "constraint": {"kind": "json_schema",
+                                                         "json_schema": schema}})
+    final = list(handle.stream(timeout=30))[-1]
+    assert isinstance(final, FinalEvent) and final.status is SpecJobStatus.FAILED
+    assert final.error and "json_schema constraint: this model's vocabulary cannot spell" in (
+        final.error) and "Traceback" not in final.error
+    after = list(coordinator.submit(VALID).stream(timeout=30))[-1]
+    assert isinstance(after, FinalEvent) and after.status is SpecJobStatus.FINISHED
+    assert fleet.alive("w1")
