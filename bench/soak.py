@@ -1124,9 +1124,11 @@ def table(s: dict[str, Any]) -> str:
         ("jobs ended", sum(j["outcomes"].values()),
          ", ".join(f"{k} {v}" for k, v in sorted(j["outcomes"].items()))),
         ("jobs lost (no final event)", j["lost"],
-         f"{sum(1 for x in j['lost_jobs'] if x['still_waiting'])} still queued/in flight"),
+         f"{sum(1 for x in j['lost_jobs'] if x['still_waiting'])} still queued/in flight "
+         + " ".join(x["job_id"] for x in j["lost_jobs"][:2])),
         ("jobs finished twice", j["finished_twice"],
-         f"final events appended twice (same attempt): {j['final_events_appended_twice']}"),
+         f"final events appended twice (same attempt): {j['final_events_appended_twice']} "
+         + " ".join(x["job_id"] for x in j["finished_twice_jobs"][:2])),
         ("streams", st["client"].get("streams", 0) + st["sse"].get("streams", 0),
          f"client {st['client'].get('streams', 0)}, sse {st['sse'].get('streams', 0)}"),
         ("streams cut without an error", st["cut_silently"],
