@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -119,6 +120,12 @@ class BatchStore:
         self.window = coordinator.settings.batch_window_seconds
         self._move = self.conn.register_script(_MOVE_LUA)
         self._renew = self.conn.register_script(_RENEW_LUA)
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Make every :meth:`advance` of this process let go at its next line or look for a
+        worker (the process is stopping: its lease lapses and another carries on)."""
+        self._stopping.set()
 
     # -- files -------------------------------------------------------------------------------
     def upload(self, content: bytes, filename: str, purpose: str = "batch") -> dict[str, Any]:
@@ -282,8 +289,9 @@ class BatchStore:
         from the first one not queued yet (it becomes ``in_progress`` at the first), a line
         whose model has no live worker waiting for one; once the window has passed,
         :meth:`_expire` it. True once every line is queued or the batch has ended; False
-        when another process holds the lease (or took it from this one). A Redis error
-        passes through: calling again resumes where this call stopped."""
+        when another process holds the lease (or took it from this one), or after
+        :meth:`stop`. A Redis error passes through: calling again resumes where this call
+        stopped."""
         lease, token = self.keys.batch_creator(batch_id), uuid.uuid4().hex
         lease_ms = int(CREATOR_LEASE_SECONDS * 1000)
         if not self.conn.set(lease, token, nx=True, px=lease_ms):
@@ -306,7 +314,7 @@ class BatchStore:
             lines = self._lines_or_none(meta["input_file_id"], total_lines)
             waiting_since: float | None = None
             number = start + 1
-            while True:
+            while not self._stopping.is_set():
                 renew()
                 status = self.conn.hget(key, "status")
                 if time.time() > meta["expires_at"] and text(status) != "cancelling":
@@ -324,7 +332,7 @@ class BatchStore:
                         waiting_since = time.monotonic()
                         log.warning("batch.waiting_for_worker", batch_id=batch_id, line=number,
                                     reason=str(exc), expires_at=meta["expires_at"])
-                    time.sleep(WORKER_WAIT_SECONDS)
+                    self._stopping.wait(WORKER_WAIT_SECONDS)
                     continue
                 if waiting_since is not None:
                     log.info("batch.worker_found", batch_id=batch_id, line=number,
@@ -332,6 +340,7 @@ class BatchStore:
                     waiting_since = None
                 self.conn.hset(key, "queued", number)
                 number += 1
+            return False
         except _LeaseLost:
             log.warning("batch.lease_lost", batch_id=batch_id)
             return False

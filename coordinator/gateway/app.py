@@ -147,6 +147,7 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
         try:
             yield
         finally:
+            app.state.batches.stop()
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await pump

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,24 +28,34 @@ log = get_logger("gateway")
 
 #: Seconds between two looks at the open batches (a new one waits at most this long).
 PUMP_SECONDS = 0.5
+#: Threads advancing batches, apart from the pool that serves requests: a batch queueing
+#: 10,000 lines, or waiting for a worker, takes no thread from the submits.
+BATCH_THREADS = 8
 
 
 async def pump(store: BatchStore) -> None:
     """Advance every open batch that needs a hand, each in a thread of its own, for the
-    gateway's life; a Redis error only delays the next look."""
+    gateway's life; a Redis error only delays the next look. Cancelled at shutdown, after
+    ``store.stop()`` has told the advancing threads to let go."""
+    loop = asyncio.get_running_loop()
+    threads = ThreadPoolExecutor(max_workers=BATCH_THREADS, thread_name_prefix="batch-pump")
     running: dict[str, asyncio.Future[bool]] = {}
-    while True:
-        try:
-            due = await asyncio.to_thread(store.needing_care)
-        except Exception as exc:  # noqa: BLE001  Redis away: look again later
-            log.warning("batch.pump_failed", error_type=type(exc).__name__, error=str(exc))
-            due = []
-        for batch_id in due:
-            if batch_id not in running:
-                task = asyncio.ensure_future(asyncio.to_thread(store.advance, batch_id))
-                running[batch_id] = task
-                task.add_done_callback(functools.partial(_advanced, running, batch_id))
-        await asyncio.sleep(PUMP_SECONDS)
+    try:
+        while True:
+            try:
+                due = await loop.run_in_executor(threads, store.needing_care)
+            except Exception as exc:  # noqa: BLE001  Redis away: look again later
+                log.warning("batch.pump_failed", error_type=type(exc).__name__,
+                            error=str(exc))
+                due = []
+            for batch_id in due:
+                if batch_id not in running:
+                    task = loop.run_in_executor(threads, store.advance, batch_id)
+                    running[batch_id] = task
+                    task.add_done_callback(functools.partial(_advanced, running, batch_id))
+            await asyncio.sleep(PUMP_SECONDS)
+    finally:
+        threads.shutdown(wait=False, cancel_futures=True)
 
 
 def _advanced(running: dict[str, asyncio.Future[bool]], batch_id: str,

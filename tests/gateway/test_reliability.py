@@ -194,6 +194,27 @@ def test_a_batch_expires_after_its_window(stack: Stack) -> None:
     assert sum(store.coordinator.queue_depths("ghost").values()) == 0
 
 
+def test_a_stopping_process_lets_go_of_a_batch_waiting_for_a_worker(stack: Stack) -> None:
+    """A gateway told to stop (SIGTERM, after its drain) must not hang on a batch whose lines
+    wait for a worker: its advance lets go, and the lease lapses for another process."""
+    alone = stack.settings.model_copy(update={"prefix": f"s{uuid.uuid4().hex[:10]}"})
+    store = BatchStore(Coordinator(alone))  # no gateway pumps this prefix: this process holds it
+    _known_model_without_worker(alone, "later")
+    upload = store.upload(b"\n".join(_line(n, model="later") for n in range(1, 3)), "in.jsonl")
+    batch = store.create(upload["id"], COMPLETIONS)
+    outcome: list[bool] = []
+    advancing = threading.Thread(target=lambda: outcome.append(store.advance(batch["id"])))
+    advancing.start()
+    time.sleep(1.0)
+    assert advancing.is_alive()  # waiting for a worker
+    store.stop()
+    advancing.join(timeout=30)
+    assert not advancing.is_alive(), "advance did not let go after stop()"
+    assert outcome == [False]
+    batch = store.get(batch["id"])
+    assert batch["status"] == "in_progress" and batch["request_counts"]["failed"] == 0
+
+
 @dataclass
 class StreamRecord:
     text: str = ""
