@@ -642,6 +642,8 @@ class WorkerInfo(_Strict):
     capacity: WorkerCapacity | None = None
     fit: FitReport | None = None
     metrics_port: int | None = Field(default=None, description="Prometheus port (None: off)")
+    deterministic: bool = Field(default=False, description="greedy output independent of "
+                                "batch width, slots, draft length and worker (--deterministic)")
     telemetry: Telemetry | None = Field(
         default=None, description="the engine's lifetime telemetry, refreshed every heartbeat")
 
