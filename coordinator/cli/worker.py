@@ -13,7 +13,7 @@ from shared.logs import configure_logging
 from shared.outage import RedisOutage
 from shared.protocol import CheckpointMode
 from shared.redact import RedisURL
-from worker.engine.config import EngineCapacity
+from worker.engine.config import DETERMINISTIC_CPU_ONLY, EngineCapacity
 from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
 from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
 from worker.fitter.fit import parse_slots
@@ -47,6 +47,9 @@ def worker(
     metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve Prometheus "
                                                      "/metrics on this port (0: a free one, "
                                                      "published in the registration)")] = None,
+    deterministic: Annotated[bool, typer.Option(
+        "--deterministic", help="greedy output independent of batch width, slots, draft "
+        "length and worker (CPU only; slower: docs/engine.md, 'Deterministic mode')")] = False,
 ) -> None:
     """Run a resident-model worker: fit, load once, register, take jobs, heartbeat.
 
@@ -60,6 +63,8 @@ def worker(
     configure_logging(settings.log_level, settings.log_format)
     if not model.is_file():
         fail(f"model file not found: {model}")
+    if deterministic and device.strip().lower() != "cpu":
+        fail(DETERMINISTIC_CPU_ONLY)
     try:
         capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
     except ValueError as exc:
@@ -71,7 +76,7 @@ def worker(
         fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, capacity=capacity,
         checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots),
         prefix_cache=_on_off("--prefix-cache", prefix_cache),
-        prefix_checkpoints=prefix_checkpoints)
+        prefix_checkpoints=prefix_checkpoints, deterministic=deterministic)
     try:
         serve(options, settings)
     except (RedisError, RedisOutage) as exc:

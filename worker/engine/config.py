@@ -26,6 +26,13 @@ PREFILL_CHUNK = TARGET_UBATCH
 DRAFT_BATCH = 32
 
 
+#: Why a GPU worker refuses deterministic mode.
+DETERMINISTIC_CPU_ONLY = (
+    "deterministic mode is only guaranteed on the CPU backend (--device cpu): a GPU's "
+    "kernels are chosen by batch shape inside llama.cpp's CUDA backend and cannot be pinned "
+    "from here")
+
+
 #: The settings a request may narrow but an engine is loaded with (they size its contexts and
 #: memory): they belong to :class:`EngineCapacity`, never to ``EngineConfig.request_defaults``.
 CAPACITY_FIELDS = frozenset({"method", "draft_max", "rollback_depth"})
@@ -90,8 +97,15 @@ class EngineConfig:
     #: Prefix checkpoints kept per slot where the state cannot be trimmed (sliding-window and
     #: recurrent models); host memory, counted by the fitter as ``prefix_checkpoints``.
     prefix_checkpoints: int = DEFAULT_CHECKPOINTS
+    #: Greedy output that does not depend on batch width, slot count, draft length, thread
+    #: count or which worker (same build, same CPU features) ran it: the target decodes
+    #: through width-invariant CPU kernels only (docs/engine.md, "Deterministic mode").
+    #: CPU backend only: a GPU build is refused (:data:`DETERMINISTIC_CPU_ONLY`).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if self.deterministic and self.n_gpu_layers != 0:
+            raise ValueError(DETERMINISTIC_CPU_ONLY)
         if given := sorted(CAPACITY_FIELDS & self.request_defaults.model_fields_set):
             raise ValueError(f"request_defaults sets {', '.join(given)}: an engine's method, "
                              "draft width and rollback depth are its capacity "
@@ -111,7 +125,8 @@ def needs_mtp_weights(method: SpecMethod) -> bool:
 def model_spec(config: EngineConfig, no_alloc: bool = False) -> ModelSpec:
     """How the engine loads its model (``no_alloc``: the fitter's metadata-only twin)."""
     return ModelSpec(config.model_path, load_mtp=needs_mtp_weights(config.capacity.method),
-                     n_gpu_layers=config.n_gpu_layers, no_alloc=no_alloc)
+                     n_gpu_layers=config.n_gpu_layers, no_alloc=no_alloc,
+                     repack=not config.deterministic)
 
 
 def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int) -> ContextSpec:
@@ -119,11 +134,13 @@ def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int) -> ContextS
     sequence ``n_ctx / n_seq_max`` of the cache). One step's batch holds every slot's verify
     rows (``draft_max + 1`` each, all with logits) plus at most one prefill chunk, so the
     output buffer is capped at the verify rows instead of the batch width (notes: 514 -> 22
-    MiB) and the batch at chunk + verify rows."""
-    verify_rows = config.slots * (draft_max + 1)
+    MiB) and the batch at chunk + verify rows. Deterministic mode adds a row per slot for
+    :meth:`~worker.llm.Batch.pad_even` (a slot prefills or verifies in a step, never both)."""
+    verify_rows = config.slots * (draft_max + 1 + config.deterministic)
     return ContextSpec(n_ctx=config.n_ctx * config.slots, n_batch=PREFILL_CHUNK + verify_rows,
                        n_ubatch=TARGET_UBATCH, n_seq_max=config.slots, n_rs_seq=n_rs_seq,
-                       n_outputs_max=verify_rows, n_threads=config.n_threads, swa_full=False)
+                       n_outputs_max=verify_rows, n_threads=config.n_threads, swa_full=False,
+                       deterministic=config.deterministic)
 
 
 def draft_batch(config: EngineConfig, draft_max: int) -> int:

@@ -9,6 +9,7 @@ Every line also reaches the structured log as a ``llama.log`` event, never raw s
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,3 +81,27 @@ def capture_llama_log() -> Iterator[list[str]]:
         yield sink
     finally:
         _captures.remove(sink)
+
+
+#: ggml's switch for its tiled K-quant matrix products (on by default, used from 8 rows up:
+#: a different summation than the row-by-row ``vec_dot`` of narrower products). Read once,
+#: at the first product of the process.
+TILED_MM_ENV = "GGML_CPU_TILED_MM"
+_decoded = [False]
+
+
+def note_decode() -> None:
+    """A decode is about to run: from now on ggml's kernel switches are fixed."""
+    _decoded[0] = True
+
+
+def require_width_invariant_kernels() -> None:
+    """Turn ggml's tiled K-quant products off for this process, or refuse when it is too
+    late (a decode already ran, and ggml read the switch then)."""
+    if os.environ.get(TILED_MM_ENV) == "0":
+        return
+    if _decoded[0]:
+        raise LlamaError(f"deterministic mode must be chosen before the process's first decode "
+                         f"(ggml has read {TILED_MM_ENV}); start it in a fresh process or set "
+                         f"{TILED_MM_ENV}=0 before loading any model")
+    os.environ[TILED_MM_ENV] = "0"

@@ -76,6 +76,36 @@ class Batch:
         raw.n_tokens = start + n
         return start
 
+    def pad_even(self) -> list[tuple[int, int]]:
+        """Give every sequence in the batch an even number of rows (at least 2): a sequence
+        with an odd count gets one more row, token 0 at the position after its last, with
+        logits when any of its rows has them. Appended after every caller row, so no caller
+        row's index (and output row) moves. Returns the ``(seq, pos)`` of each added row, for
+        the caller to trim from the memory after the decode and :meth:`drop` from the batch.
+
+        Why: the CPU kernels llama.cpp picks depend on how many rows a matrix product has
+        (one row: ``vec_dot``; two or more: llamafile's tinyBLAS), and each sequence's
+        attention is one product per sequence; with every sequence at an even count >= 2 no
+        product ever has one row, and llama.cpp's equal split of a batch into per-sequence
+        ubatches never leaves one either (docs/engine.md, "Deterministic mode")."""
+        raw = self.raw
+        count: dict[int, int] = {}
+        last: dict[int, int] = {}
+        logits: dict[int, bool] = {}
+        for row in range(int(raw.n_tokens)):
+            seq = int(raw.seq_id[row][0])
+            count[seq] = count.get(seq, 0) + 1
+            last[seq] = max(last.get(seq, -1), int(raw.pos[row]))
+            logits[seq] = logits.get(seq, False) or bool(raw.logits[row])
+        pads = [(seq, last[seq] + 1) for seq, n in count.items() if n % 2]
+        for seq, pos in pads:
+            self.add([0], pos, logits[seq], seq=seq)
+        return pads
+
+    def drop(self, n: int) -> None:
+        """Remove the last ``n`` rows (the ones :meth:`pad_even` added)."""
+        self.raw.n_tokens = int(self.raw.n_tokens) - n
+
     def close(self) -> None:
         if self.raw is not None:
             if self._tokens is not None:

@@ -13,7 +13,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp_ext
 
-from worker.llm.backend import LlamaError
+from worker.llm.backend import LlamaError, note_decode, require_width_invariant_kernels
 from worker.llm.batch import Batch
 from worker.llm.model import Model
 
@@ -35,6 +35,15 @@ class ContextSpec:
     #: Full-size SWA cache is llama.cpp's default; off keeps only the window (Gemma: 6x less KV).
     swa_full: bool = False
     offload_kqv: bool = True
+    #: Width-invariant decoding (docs/engine.md, "Deterministic mode"): every row's logits
+    #: are the same bits whatever else the decode carries. Per-sequence KV streams with a
+    #: full sliding-window cache (a sequence's cells are its positions in order, whatever
+    #: other sequences do), no flash attention (its CPU kernel has three paths chosen by the
+    #: number of query rows and KV length), one ubatch per decode, and every sequence padded
+    #: to an even row count (:meth:`Batch.pad_even`). The model must be loaded without
+    #: repacked weights and the process without tiled K-quant products
+    #: (:func:`worker.llm.backend.require_width_invariant_kernels`).
+    deterministic: bool = False
 
     def with_(self, **changes: object) -> ContextSpec:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -55,6 +64,11 @@ class ContextSpec:
         p.swa_full = self.swa_full
         p.offload_kqv = self.offload_kqv
         p.no_perf = True
+        if self.deterministic:
+            p.kv_unified = False
+            p.swa_full = True
+            p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            p.n_ubatch = self.n_batch
         return p
 
 
@@ -62,6 +76,11 @@ class Context:
     """Owns a ``llama_context`` over a :class:`Model`."""
 
     def __init__(self, model: Model, spec: ContextSpec) -> None:
+        if spec.deterministic:
+            if model.spec.repack:
+                raise LlamaError("a deterministic context needs the model loaded without "
+                                 "repacked weights (ModelSpec.repack=False)")
+            require_width_invariant_kernels()
         if spec.mtp and not model.spec.load_mtp:
             # Creating an MTP context on a model loaded without load_mtp aborts the process
             # inside llama.cpp (GGML_ASSERT); refuse here instead.
@@ -90,9 +109,16 @@ class Context:
         return int(llama_cpp.llama_n_rs_seq(self.ptr))
 
     def decode(self, batch: Batch) -> None:
-        rc = llama_cpp.llama_decode(self.ptr, batch.raw)
-        if rc != 0:
-            raise LlamaError(f"llama_decode failed with code {rc} ({batch.n_tokens} tokens)")
+        note_decode()
+        pads = batch.pad_even() if self.spec.deterministic else []
+        try:
+            rc = llama_cpp.llama_decode(self.ptr, batch.raw)
+            if rc != 0:
+                raise LlamaError(f"llama_decode failed with code {rc} ({batch.n_tokens} tokens)")
+        finally:
+            for seq, pos in pads:
+                llama_cpp.llama_memory_seq_rm(self.mem, seq, pos, -1)
+            batch.drop(len(pads))
 
     def logits(self, row: int) -> np.ndarray:
         """Logits of output row ``row`` of the last decode (a view; copy to keep)."""

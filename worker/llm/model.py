@@ -43,6 +43,10 @@ class ModelSpec:
     n_gpu_layers: int = 0
     main_gpu: int = 0
     no_alloc: bool = False
+    #: Let llama.cpp keep repacked copies of the weights where the CPU has kernels for them
+    #: (Q4_K on AVX2: a 4-row gemm and a 1-row gemv that round differently, chosen per
+    #: product by its row count). Off for deterministic mode.
+    repack: bool = True
 
 
 class Model:
@@ -57,7 +61,7 @@ class Model:
         params.n_gpu_layers = spec.n_gpu_layers
         params.main_gpu = spec.main_gpu
         params.load_mtp = spec.load_mtp
-        params.use_extra_bufts = repacking_is_safe()
+        params.use_extra_bufts = spec.repack and repacking_is_safe()
         if spec.no_alloc:
             # no_alloc aborts inside llama.cpp unless mmap/mlock loading is off too.
             params.no_alloc = True

@@ -93,7 +93,8 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         capacity=runtime.capacity,
         chat_template=True, n_vocab=engine.model.n_vocab,
         chat_template_source=choose_template(engine.model, settings.chat_template).source,
-        metrics_port=metrics.port, prefix_cache=engine.config.prefix_cache)
+        metrics_port=metrics.port, prefix_cache=engine.config.prefix_cache,
+        deterministic=engine.config.deterministic)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
     monitor = RecoveryMonitor(connection, registry, settings, sweeper=name)
     tiers = ContextTiers(connection, keys, options.model_name, runtime.n_ctx, name)

@@ -45,6 +45,8 @@ class WorkerOptions:
     #: where the model's state cannot be trimmed (worker/engine/prefix_cache.py).
     prefix_cache: bool = True
     prefix_checkpoints: int = DEFAULT_CHECKPOINTS
+    #: Width-invariant greedy decoding (EngineConfig.deterministic); CPU only.
+    deterministic: bool = False
 
 
 def pin_device(device: DeviceRef) -> int:
@@ -88,7 +90,8 @@ def load_engine(options: WorkerOptions, n_gpu_layers: int,
                      prefix_cache=options.prefix_cache,
                      prefix_checkpoints=options.prefix_checkpoints)
     engine = SpeculativeEngine(replace(fit.config, n_gpu_layers=n_gpu_layers,
-                                       fail_device_checkpoint=settings.fail_device_checkpoint))
+                                       fail_device_checkpoint=settings.fail_device_checkpoint,
+                                       deterministic=options.deterministic))
     try:
         return engine, reserve_checkpoints(engine, fit)
     except BaseException:
