@@ -65,8 +65,13 @@ return {added, now}
 #: Replies {state, ms, lapsed count | name, model, name, model ...}: state 'lost' (each
 #: lapsed name claimed, with its model) or why nobody was: 'gap' (this sweep ends a gap of
 #: ms), 'settling' (contact resumed ms ago), 'self' (the sweeper's own beat is ms old).
+#: Only names whose score (last beat) is at least a gap old are looked at: a heartbeat sets
+#: the registration (PX TTL) and the score in one script, so a name beaten since cannot
+#: have lapsed, and every worker sweeps every beat: reading every name would cost the fleet
+#: N x N lookups a heartbeat interval (``forget`` zeroes the score of what it drops).
 _SWEEP_LUA = _CLOCK_LUA + """
-local names = redis.call('ZRANGE', KEYS[2], 0, -1)
+local names = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf',
+                         string.format('%.3f', (now - tonumber(ARGV[1])) / 1000))
 local lapsed = {}
 for _, name in ipairs(names) do
   if redis.call('EXISTS', ARGV[2] .. name) == 0 then lapsed[#lapsed + 1] = name end
@@ -142,8 +147,12 @@ class FleetRegistry:
 
     def forget(self, name: str) -> None:
         """Drop a registration whose process is known to be gone (same host, pid dead), so
-        the name can be taken over at once instead of after the TTL."""
-        self._conn.delete(self._keys.worker(name))
+        the name can be taken over at once instead of after the TTL. Its score goes to 0,
+        so the next sweep looks at it (a sweep skips names beaten recently)."""
+        pipe = self._conn.pipeline(transaction=True)
+        pipe.delete(self._keys.worker(name))
+        pipe.zadd(self._keys.workers(), {name: 0}, xx=True)
+        pipe.execute()
 
     def deregister(self, name: str) -> None:
         """Clean exit: the worker leaves the fleet (its in-flight list is already empty)."""
