@@ -1,7 +1,12 @@
 """Several sequences per engine: aggregate tok/s with K concurrent requests on one engine of
 K slots, against the same K requests one at a time on one slot, side by side in one run.
 
-Gemma 3 270M Q4_K_M, greedy, plain decoding and n-gram speculation, K = 1, 2, 4, 8:
+Gemma 3 270M Q4_K_M, greedy, plain decoding, n-gram speculation (the default drafter:
+``auto`` resolves to it on a head-less model) and the suffix drafter, K = 1, 2, 4, 8; every
+speculative row also says its aggregate against plain at the same K (``vs_plain``: what
+goodput-aware drafting must keep at or above 1 at every load). ``--deterministic`` runs
+every engine in deterministic mode (docs/engine.md, "Deterministic mode"): compare its
+figures with a default run for the mode's cost.
 
 - ``slots``: one engine with ``slots = K``; the K requests are admitted together and the
   engine is stepped until all have finished (prefill included: every step mixes prompt
@@ -19,7 +24,8 @@ budgets. ``--gpu`` runs the engines with every layer offloaded (``n_gpu_layers =
 Progress goes to stderr, the JSON summary to stdout, ``--markdown`` adds tables.
 
     ./.venv/bin/python bench/slots.py [--tokens 128] [--concurrency 1,2,4,8] [--threads 2]
-        [--llama-server PATH] [--ttft-trials 10] [--gpu] [--markdown]
+        [--methods plain,ngram,suffix] [--llama-server PATH] [--ttft-trials 10] [--gpu]
+        [--deterministic] [--markdown]
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ DRAFT_MAX = 8
 METHODS = {
     "plain": SpecSettings(method=SpecMethod.NONE),
     "ngram": SpecSettings(method=SpecMethod.NGRAM, draft_max=DRAFT_MAX, adaptive=True),
+    "suffix": SpecSettings(method=SpecMethod.SUFFIX, draft_max=DRAFT_MAX),
 }
 SERVER_SPEC = {"plain": ("--spec-type", "none"), "ngram": ("--spec-type", "ngram-mod")}
 
@@ -75,11 +82,17 @@ def prompts(engine: SpeculativeEngine, k: int) -> list[list[int]]:
     return [engine.tokenize(f"Request {i + 1}. {TASKS[i % len(TASKS)]}") for i in range(k)]
 
 
+#: Every engine of the run is deterministic (``--deterministic``).
+DETERMINISTIC = [False]
+
+
 def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeEngine:
-    """An n-gram engine of width DRAFT_MAX: each request says its method (METHODS)."""
-    capacity = EngineCapacity(SpecMethod.NGRAM, DRAFT_MAX)
+    """A suffix engine of width DRAFT_MAX (it serves n-gram and plain requests too): each
+    request says its method (METHODS)."""
+    capacity = EngineCapacity(SpecMethod.SUFFIX, DRAFT_MAX)
     return SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, slots=slots, n_threads=threads,
-                                          n_gpu_layers=-1 if gpu else 0, capacity=capacity))
+                                          n_gpu_layers=-1 if gpu else 0, capacity=capacity,
+                                          deterministic=DETERMINISTIC[0]))
 
 
 def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
@@ -120,6 +133,7 @@ def server_together(url: str, reqs: list[list[int]], tokens: int) -> dict[str, f
 
 def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict[str, object]:
     out: dict[str, object] = {}
+    tables: dict[str, dict[str, dict[str, float]]] = {}
     base = open_engine(model, 1, args.threads, args.gpu)
     for name in args.methods:
         spec = METHODS[name]
@@ -132,7 +146,7 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                 par = together(engine, reqs, args.tokens, spec)
             row = {"slots_tok_s": par["tok_s"], "sequential_tok_s": seq["tok_s"],
                    "ratio": par["tok_s"] / seq["tok_s"], "steps": par["steps"]}
-            if server:
+            if server and name in SERVER_SPEC:
                 try:
                     with llama_server(server, model, args.threads, N_CTX * k, k,
                                       SERVER_SPEC[name]) as url:
@@ -153,8 +167,13 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
             for row in rows.values():
                 if single and "server_tok_s" in row:
                     row["server_ratio"] = row["server_tok_s"] / single
-        out[name] = rows
+        out[name] = tables[name] = rows
     base.close()
+    plain = tables.get("plain", {})
+    for rows in tables.values():
+        for k, row in rows.items():
+            if k in plain:
+                row["vs_plain"] = row["slots_tok_s"] / plain[k]["slots_tok_s"]
     return out
 
 
@@ -236,11 +255,13 @@ def _cell(row: dict[str, float], key: str, fmt: str = ".1f") -> str:
 
 
 def markdown(summary: dict[str, object]) -> str:
-    lines = ["| method | K | slots tok/s | sequential tok/s | ratio | llama-server -np K tok/s "
-             "| server ratio | slots / server |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | K | slots tok/s | vs plain | sequential tok/s | ratio "
+             "| llama-server -np K tok/s | server ratio | slots / server |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in summary["throughput"].items():  # type: ignore[union-attr]
         for k, r in rows.items():
             lines.append(f"| {name} | {k} | {_cell(r, 'slots_tok_s')} | "
+                         f"{_cell(r, 'vs_plain', '.2f')} | "
                          f"{_cell(r, 'sequential_tok_s')} | {_cell(r, 'ratio', '.2f')}x | "
                          f"{_cell(r, 'server_tok_s')} | {_cell(r, 'server_ratio', '.2f')} | "
                          f"{_cell(r, 'slots_vs_server', '.2f')} |")
@@ -259,8 +280,11 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="offload every layer (n_gpu_layers -1)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: "
                     "throughput,ttft,memory")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every engine in deterministic mode (compare with a run without)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
+    DETERMINISTIC[0] = args.deterministic
     args.concurrency = [int(k) for k in args.concurrency.split(",")]
     args.methods = args.methods.split(",")
     skip = set(args.skip.split(","))
@@ -273,7 +297,7 @@ def main() -> None:
               "running specfleet only; build it as docs/benchmarks.md says", file=sys.stderr)
     summary: dict[str, object] = {"tokens": args.tokens, "threads": args.threads,
                                   "gpu": args.gpu, "n_ctx_per_slot": N_CTX,
-                                  "draft_max": DRAFT_MAX}
+                                  "draft_max": DRAFT_MAX, "deterministic": args.deterministic}
     if "throughput" not in skip:
         summary["throughput"] = throughput(args, model, server)
     if "ttft" not in skip:

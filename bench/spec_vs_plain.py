@@ -9,7 +9,8 @@ free prose), each cold and warm:
   when absent): plain, and ``--spec-type ngram-mod`` with its defaults. ngram-mod keeps its
   table across requests, so every repetition starts a fresh server: its first request is
   *cold*, the same request again *warm*.
-- specfleet in this process: plain, and the suffix drafter; *cold* is the first request on a
+- specfleet in this process: plain, the default drafter (``auto`` on a head-less model:
+  n-gram, N 8) and the suffix drafter; *cold* is the first request on a
   fresh drafter state (empty output cache, uncalibrated confidences; the row costs measured at
   load are kept, as a fresh worker measures them at load), *warm* the same request again.
 
@@ -21,7 +22,10 @@ prefill excluded). Progress goes to stderr, the JSON summary (medians, ratios to
 plain and to specfleet plain) to stdout, and ``--markdown`` adds a table.
 
     ./.venv/bin/python bench/spec_vs_plain.py [--reps 3] [--tokens 200] [--threads 2]
-        [--llama-server PATH] [--markdown]
+        [--llama-server PATH] [--deterministic] [--markdown]
+
+``--deterministic`` loads the engine in deterministic mode (docs/engine.md, "Deterministic
+mode"); its rates against a default run are the mode's cost.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ N_CTX = 4096
 DRAFT_MAX = 64
 SUFFIX = SpecSettings(method=SpecMethod.SUFFIX, draft_max=DRAFT_MAX)
 PLAIN = SpecSettings(method=SpecMethod.NONE)
+#: What a request without settings gets from a worker loaded with ``auto`` on Gemma.
+DEFAULT = SpecSettings(method=SpecMethod.NGRAM, draft_max=8)
 Result = dict[str, float]
 
 
@@ -172,6 +178,7 @@ def main() -> None:
     ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
                     help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
     ap.add_argument("--workloads", default=",".join(workloads()), help="comma list")
+    ap.add_argument("--deterministic", action="store_true", help="deterministic mode")
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = ap.parse_args()
 
@@ -183,7 +190,8 @@ def main() -> None:
               "running specfleet only; build it as docs/benchmarks.md says", file=sys.stderr)
     engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
                                             capacity=EngineCapacity(SpecMethod.SUFFIX,
-                                                                    DRAFT_MAX)))
+                                                                    DRAFT_MAX),
+                                            deterministic=args.deterministic))
     assert engine.suffix is not None
     print(f"row costs (x one row): {engine.suffix.costs.relative()}", file=sys.stderr)
     texts = {k: v for k, v in workloads().items() if k in args.workloads.split(",")}
@@ -204,6 +212,8 @@ def main() -> None:
         for rep in range(args.reps):
             for w in texts:
                 record(w, "specfleet_plain", run_ours(engine, ids[w], args.tokens, PLAIN), rep)
+                record(w, "specfleet_default", run_ours(engine, ids[w], args.tokens, DEFAULT),
+                       rep)
                 forget(engine)
                 record(w, "specfleet_suffix_cold",
                        run_ours(engine, ids[w], args.tokens, SUFFIX), rep)
