@@ -1,6 +1,7 @@
 """``specfleet submit``: queue one request on the fleet, optionally stream it, print the result.
 
-``--json-schema FILE`` (a JSON Schema) or ``--grammar FILE`` (Lark, or GBNF or a regex with
+``--json-schema FILE`` (a JSON Schema, its objects closed as over HTTP:
+``openai_api.structured.closed``) or ``--grammar FILE`` (Lark, or GBNF or a regex with
 ``--grammar-syntax``) constrains the output; either is compiled before anything is queued,
 and one that does not compile exits 2 naming its option and the problem.
 """
@@ -19,6 +20,7 @@ from redis import RedisError
 from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator, JobResult
+from coordinator.openai_api.structured import closed
 from coordinator.validation import SubmitError
 from shared.constraint import Constraint, ConstraintError, ConstraintKind, check_constraint
 from shared.logs import configure_logging
@@ -40,7 +42,7 @@ def read_constraint(json_schema: Path | None, grammar: Path | None,
     try:
         text = path.read_text(encoding="utf-8")
         fields: dict[str, Any] = (
-            {"kind": ConstraintKind.JSON_SCHEMA, "json_schema": json.loads(text)}
+            {"kind": ConstraintKind.JSON_SCHEMA, "json_schema": closed(json.loads(text))}
             if json_schema is not None else
             {"kind": ConstraintKind(grammar_syntax), "grammar": text})
         constraint = Constraint(**fields)

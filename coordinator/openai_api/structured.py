@@ -11,6 +11,11 @@ or a message (the ``response_format``'s JSON when one is given, else text that d
 with the call marker), so the reader (``tool_calls``) never has to guess. Everything is
 compiled here without a vocabulary before it is queued (``check_constraint``): what cannot
 compile is a 400 naming the field.
+
+An object schema that lists its ``properties`` and says nothing of ``additionalProperties``
+is closed (:func:`closed`): its keys are the ones it lists, as llama-server's converter and
+vLLM's xgrammar (strict mode) read it and as OpenAI's strict schemas must say. JSON Schema
+itself would let a model add keys without end, which is what a base model then does.
 """
 
 from __future__ import annotations
@@ -70,8 +75,41 @@ class ResponseFormat(Strict):
             return Constraint(kind=ConstraintKind.JSON_OBJECT)
         if self.json_schema is not None:
             return constraint(param, kind=ConstraintKind.JSON_SCHEMA,
-                              json_schema=self.json_schema.schema_ or {})
+                              json_schema=closed(self.json_schema.schema_ or {}))
         return None
+
+
+#: Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
+_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
+        "propertyNames", "unevaluatedItems", "additionalItems")
+_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: What already says which keys an object may have besides those it lists.
+_OPENNESS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+
+
+def closed(schema: Any, merged: bool = False) -> Any:
+    """``schema`` with every object that lists ``properties`` and says nothing of other keys
+    closed to them (``additionalProperties: false``). The branches of an ``allOf`` stay as
+    they are (``merged``): each lists only part of the keys the whole allows."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(s, merged=True) for s in out["allOf"]]
+    if (not merged and isinstance(out.get("properties"), dict) and "allOf" not in out
+            and not any(key in out for key in _OPENNESS)):
+        out["additionalProperties"] = False
+    return out
 
 
 class TextFormat(Strict):
@@ -174,7 +212,7 @@ class Tools:
                  f"call: {_literal(CALL_OPEN)} ({' | '.join(f'fn_{i}' for i in range(len(tools)))})"
                  f" {_literal(CALL_CLOSE)}"]
         for i, tool in enumerate(tools):
-            parameters = tool.function.parameters or {"type": "object"}
+            parameters = closed(tool.function.parameters or {"type": "object"})
             rules.append(f"fn_{i}: {_literal(tool.function.name + CALL_ARGUMENTS)} "
                          f"%json {json.dumps({**parameters, 'x-guidance': COMPACT})}")
         if self.tool_choice in (None, "auto"):

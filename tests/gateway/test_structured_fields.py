@@ -21,6 +21,7 @@ from coordinator.openai_api.fields import RequestError
 from coordinator.openai_api.replies import ChoiceStream, completion_id, response_body
 from coordinator.openai_api.requests import CHAT, COMPLETIONS, Parsed, parse_body
 from coordinator.openai_api.responses import parse_responses, response_object
+from coordinator.openai_api.structured import closed
 from coordinator.openai_api.tool_calls import CallReader
 from coordinator.validation import SubmitError, parse_request
 from shared.constraint import Constraint
@@ -39,6 +40,9 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"],
     "additionalProperties": False}}}
 PARIS = '{"city":"Paris","unit":"c"}'
+#: Says nothing of other keys: closed to the ones it lists.
+WEATHER_OPEN = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 class _Bytes:
@@ -86,12 +90,43 @@ def test_response_formats_become_constraints() -> None:
     for strict in (True, False, None):  # always enforced: strict false asks for no less
         request = chat(response_format={"type": "json_schema", "json_schema": {
             "name": "n", "schema": schema, "strict": strict}})
-        assert request["constraint"] == {"kind": "json_schema", "json_schema": schema}
+        closed = {**schema, "additionalProperties": False}  # as llama-server reads it
+        assert request["constraint"] == {"kind": "json_schema", "json_schema": closed}
+        assert not writes(request["constraint"], '{"n":42,"m":1}')
         assert writes(request["constraint"], '{"n":42}')
         assert not writes(request["constraint"], '{"n":"x"}')
     [completion] = parse_body(COMPLETIONS, {"model": "m", "prompt": "p", "response_format": {
         "type": "json_object"}}).choices
     assert completion.request["constraint"] == {"kind": "json_object"}
+
+
+def test_objects_that_list_their_properties_are_closed_to_them() -> None:
+    """As llama-server and xgrammar read them; JSON Schema would let a model add keys."""
+    item = {"properties": {"sku": {"type": "string"}}}
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "items": {"type": "array", "items": item},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "tags": {"type": "object"}},
+        "$defs": {"d": item}, "allOf": [item]}
+    got = closed(schema)
+    assert "additionalProperties" not in got  # its allOf may add keys
+    assert closed({"properties": {}})["additionalProperties"] is False
+    props = got["properties"]
+    assert props["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in props  # a property named "properties" stays one
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True  # said: kept
+    assert "additionalProperties" not in props["tags"]  # lists nothing: any object
+    assert got["$defs"]["d"]["additionalProperties"] is False
+    assert got["allOf"] == [item]  # each branch lists only part of the keys
+    assert schema["properties"]["items"]["items"] is item and "additionalProperties" not in item
+    for tools in ([WEATHER_OPEN], [{**WEATHER_OPEN, "function": {
+            **WEATHER_OPEN["function"], "parameters": {**WEATHER_OPEN["function"][
+                "parameters"], "additionalProperties": True}}}]):
+        c = chat(tools=tools, tool_choice="required")["constraint"]
+        extra = call("get_weather", '{"city":"Paris","extra":1}')
+        assert writes(c, extra) == (tools[0] is not WEATHER_OPEN)
 
 
 @pytest.mark.parametrize(("extra", "param", "why"), [
@@ -134,7 +169,7 @@ def test_the_responses_api_takes_text_format() -> None:
         "type": "json_schema", "name": "answer", "schema": schema, "strict": True}}}
     parsed, request = parse_responses(body, {})
     assert parsed.choices[0].request["constraint"] == {"kind": "json_schema",
-                                                       "json_schema": schema}
+                                                       "json_schema": closed(schema)}
     echoed = response_object("j", parsed, request, 0, None)["text"]
     assert echoed == {"format": {"type": "json_schema", "name": "answer", "schema": schema,
                                  "strict": True}}
