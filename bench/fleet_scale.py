@@ -7,7 +7,9 @@ phases with Redis's own counters (``CONFIG RESETSTAT`` before each, ``INFO comma
 ``stats``, ``cpu`` and ``clients`` after), so every count is exact, not estimated:
 
 - idle, workers only: commands/s and per worker per second (heartbeats, sweeps, the
-  doorbell waits of idle workers);
+  doorbell waits of idle workers); then again with every worker listed as a prefix holder
+  of the model (``Keys.holders``, what prefix-affinity routing builds up over time: an idle
+  worker's take looks at every other holder's own queues);
 - idle, gateways up: what G idle gateways add (their batch pump, hub);
 - load: one batch of ``--lines`` lines (``/v1/files`` + ``/v1/batches`` on the first gateway)
   and ``--streams`` streaming clients (``--requests`` each, ``stream: true`` round-robin over
@@ -332,7 +334,11 @@ def pct(values: list[float], q: float) -> float | None:
     return round(1000 * ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)], 1)
 
 
-def load(fleet: Fleet, conn: Redis, urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def load(fleet: Fleet, conn: Redis, urls: list[str], args: argparse.Namespace,
+         idle_per_s: float) -> dict[str, Any]:
+    """The batch and the streams at once; ``idle_per_s`` (the idle fleet's rate) gives the
+    commands above what the fleet spends idle over the same seconds (a lower bound of what
+    the jobs cost: busy workers do not idle-poll)."""
     old = list(conn.scan_iter(match=Keys(fleet.prefix).events("*")))
     if old:  # the previous run's jobs
         conn.delete(*old)
@@ -368,6 +374,8 @@ def load(fleet: Fleet, conn: Redis, urls: list[str], args: argparse.Namespace) -
         "stream_client_ttft_ms": {"p50": pct(ttfts, 0.5), "p99": pct(ttfts, 0.99)},
         "commands": c.total, "commands_per_s": round(c.total / c.at),
         "commands_per_job": round(c.total / max(1, len(jobs)), 1),
+        "commands_per_job_above_idle": round((c.total - idle_per_s * c.at) / max(1, len(jobs)),
+                                             1),
         "commands_per_token": round(c.total / max(1, tokens), 2),
         "script_calls_per_job": round(scripts / max(1, len(jobs)), 2),
         "bytes_in_per_job": round(c.net_in / max(1, len(jobs))),
@@ -377,6 +385,7 @@ def load(fleet: Fleet, conn: Redis, urls: list[str], args: argparse.Namespace) -
         "redis_cpu_ms_per_job": round(1000 * c.cpu / max(1, len(jobs)), 3),
         "connections": c.clients,
         "per_job": c.top(max(1, len(jobs)), 14),
+        "usec_per_call": {k: round(c.usec[k] / c.calls[k], 2) for k in c.top(1, 14)},
         "worker_rss_mib": rss_mib(fleet.workers),
         "gateway_rss_mib": rss_mib([p for p, _ in fleet.gateways]),
     }
@@ -397,15 +406,26 @@ def run_size(workdir: Path, model: Path, n: int, gateways: list[int],
         print(f"N={n}: {n} workers registered in {time.monotonic() - t0:.0f}s", file=sys.stderr)
         time.sleep(2 * float(os.environ.get("SPECFLEET_HEARTBEAT_SECONDS", "2")))
         workers_idle = idle(conn, args.idle_seconds, n, "workers only")
+        # Prefix-affinity routing lists every worker a job was routed to as a holder of its
+        # model; an idle worker looks at each other holder's own queues on every take.
+        # Here every worker is one, as in a fleet that routing has touched for a while.
+        keys = Keys(fleet.prefix)
+        conn.zadd(keys.holders(MODEL), {f"w{i:03d}": CTX for i in range(n)})
+        time.sleep(2 * float(os.environ.get("SPECFLEET_HEARTBEAT_SECONDS", "2")))
+        holders_idle = idle(conn, args.idle_seconds, n, "every worker a holder")
+        conn.delete(keys.holders(MODEL))
+        time.sleep(2 * float(os.environ.get("SPECFLEET_HEARTBEAT_SECONDS", "2")))
         for g in gateways:
             urls = fleet.start_gateways(g, n)
             gateways_idle = idle(conn, args.idle_seconds, n, f"{g} gateways")
             print(f"N={n} G={g}:", file=sys.stderr)
             runs.append({"workers": n, "gateways": g, "idle_workers_only": workers_idle,
+                         "idle_every_worker_a_holder": holders_idle,
                          "idle_with_gateways": gateways_idle,
                          "gateway_idle_per_s": round((gateways_idle["commands_per_s"]
                                                       - workers_idle["commands_per_s"]) / g, 2),
-                         "load": load(fleet, conn, urls, args)})
+                         "load": load(fleet, conn, urls, args,
+                                      gateways_idle["commands_per_s"])})
             fleet.stop_gateways()
     finally:
         fleet.stop()
@@ -430,7 +450,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f" | {ld['commands_per_s']} | {ld['redis_cpu_pct']} | "
             f"{r['idle_workers_only']['per_worker_per_s']} | {r['gateway_idle_per_s']} | "
             f"{ld['connections']} | {ld['worker_rss_mib'].get('median')} | "
-            f"{ld['gateway_rss_mib'].get('median')} |")
+            f"{ld['gateway_rss_mib'].get('median')} | {ld['commands_per_job_above_idle']} | "
+            f"{r['idle_every_worker_a_holder']['per_worker_per_s']} |")
     return "\n".join(rows)
 
 
