@@ -385,3 +385,27 @@ def test_text_that_leaves_the_layout_is_kept_as_message_text() -> None:
     reader.feed(text)
     reader.finish()
     assert [c.name for c in reader.calls] == ["f"] and reader.content == "\nnot a call"
+
+
+def test_a_resumed_tool_call_stream_sends_exactly_the_rest() -> None:
+    """Resuming after the event with id ``shown`` reads the job from its first character (the
+    reader needs the calls already sent) and sends only the chunks after that event."""
+    parsed = parse_body(CHAT, {**CHAT_BODY, "tools": [WEATHER, TIME]})
+    text = render_calls([("get_weather", PARIS), ("get_time", '{"zone":"UTC"}')])
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+
+    def events(shown: int) -> list[tuple[int, Any]]:
+        """(SSE id, chunk) of a stream resumed after ``shown`` (0: the whole stream)."""
+        stream = ChoiceStream(parsed, 0, completion_id(CHAT, "j1"), 1, "j1", shown)
+        assert stream.read_from == 0
+        out = [(0, stream.opening())]
+        end = 0
+        for piece in pieces:
+            end += len(piece)
+            out.append((end, stream.text(piece, None, 0, end)))
+        out.append((end, stream.closing(_final(text))))
+        return [(i, body["choices"]) for i, body in out if body is not None]
+
+    whole = events(0)
+    for cut in {i for i, _ in whole[1:-1]}:  # the closing chunk is sent whatever was seen
+        assert events(cut) == [(i, body) for i, body in whole[:-1] if i > cut] + whole[-1:]
