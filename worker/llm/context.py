@@ -13,7 +13,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp_ext
 
-from worker.llm.backend import LlamaError, note_decode, require_width_invariant_kernels
+from worker.llm.backend import LlamaError, note_decode
 from worker.llm.batch import Batch
 from worker.llm.model import Model
 
@@ -41,7 +41,7 @@ class ContextSpec:
     #: other sequences do), no flash attention (its CPU kernel has three paths chosen by the
     #: number of query rows and KV length), one ubatch per decode, and every sequence padded
     #: to an even row count (:meth:`Batch.pad_even`). The model must be loaded without
-    #: repacked weights and the process without tiled K-quant products
+    #: repacked weights, which also turns tiled K-quant products off for the process
     #: (:func:`worker.llm.backend.require_width_invariant_kernels`).
     deterministic: bool = False
 
@@ -76,11 +76,9 @@ class Context:
     """Owns a ``llama_context`` over a :class:`Model`."""
 
     def __init__(self, model: Model, spec: ContextSpec) -> None:
-        if spec.deterministic:
-            if model.spec.repack:
-                raise LlamaError("a deterministic context needs the model loaded without "
-                                 "repacked weights (ModelSpec.repack=False)")
-            require_width_invariant_kernels()
+        if spec.deterministic and model.spec.repack:
+            raise LlamaError("a deterministic context needs the model loaded without "
+                             "repacked weights (ModelSpec.repack=False)")
         if spec.mtp and not model.spec.load_mtp:
             # Creating an MTP context on a model loaded without load_mtp aborts the process
             # inside llama.cpp (GGML_ASSERT); refuse here instead.

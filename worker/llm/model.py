@@ -10,7 +10,7 @@ from pathlib import Path
 import llama_cpp
 
 from shared.logs import get_logger
-from worker.llm.backend import LlamaError, init_backend
+from worker.llm.backend import LlamaError, init_backend, require_width_invariant_kernels
 
 log = get_logger("llm")
 
@@ -45,7 +45,9 @@ class ModelSpec:
     no_alloc: bool = False
     #: Let llama.cpp keep repacked copies of the weights where the CPU has kernels for them
     #: (Q4_K on AVX2: a 4-row gemm and a 1-row gemv that round differently, chosen per
-    #: product by its row count). Off for deterministic mode.
+    #: product by its row count). Off for deterministic mode, which also needs the process's
+    #: tiled K-quant products off: loading such a model turns them off, or refuses once a
+    #: decode has run (:func:`~worker.llm.backend.require_width_invariant_kernels`).
     repack: bool = True
 
 
@@ -54,6 +56,8 @@ class Model:
 
     def __init__(self, spec: ModelSpec) -> None:
         init_backend()
+        if not spec.repack:
+            require_width_invariant_kernels()
         path = Path(spec.path)
         if not path.is_file():
             raise LlamaError(f"model file not found: {spec.path}")

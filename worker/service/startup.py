@@ -88,10 +88,10 @@ def load_engine(options: WorkerOptions, n_gpu_layers: int,
                      checkpoint=options.checkpoint, n_ctx=options.n_ctx,
                      allow_ctx_above_train=options.allow_ctx_above_train,
                      prefix_cache=options.prefix_cache,
-                     prefix_checkpoints=options.prefix_checkpoints)
+                     prefix_checkpoints=options.prefix_checkpoints,
+                     deterministic=options.deterministic)
     engine = SpeculativeEngine(replace(fit.config, n_gpu_layers=n_gpu_layers,
-                                       fail_device_checkpoint=settings.fail_device_checkpoint,
-                                       deterministic=options.deterministic))
+                                       fail_device_checkpoint=settings.fail_device_checkpoint))
     try:
         return engine, reserve_checkpoints(engine, fit)
     except BaseException:
