@@ -436,7 +436,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     head = ("| N | G | jobs | lost | jobs/s | tok/s | queue wait p50/p99 ms | submit→1st token "
             "p50/p99 ms | stream TTFT p50/p99 ms | cmds/job | cmds/token | bytes in/job | "
             "bytes out/job | Redis cmds/s | Redis CPU % | idle cmds/s/worker | idle cmds/s/"
-            "gateway | conns | worker RSS MiB | gateway RSS MiB |")
+            "gateway | conns | worker RSS MiB | gateway RSS MiB | cmds/job above idle | "
+            "idle cmds/s/worker, all holders |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         ld = r["load"]
