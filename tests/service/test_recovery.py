@@ -139,6 +139,28 @@ def test_a_requeued_job_cancelled_in_its_queue_still_ends(settings: Settings) ->
     assert (final.status, final.attempts) == (JobStatus.CANCELLED, 2)
 
 
+def test_a_job_taken_after_the_sweep_that_declared_its_worker_lost_is_handed_back(
+        fleet: Fleet, coordinator: Coordinator) -> None:
+    """A stalled worker, resumed, can take a job before its heartbeat learns it was declared
+    lost; the sweep that claimed it took only what was in flight then, so the worker must hand
+    this one back, not drop it with its stale runs (the soak's lost batch line)."""
+    conn, keys = coordinator.connection, fleet.settings.keys
+    fleet.start("w1", step_delay=0.1, extra_env={"SPECFLEET_HEARTBEAT_SECONDS": "3",
+                                                 "SPECFLEET_WORKER_TTL_SECONDS": "30"})
+    beat = conn.zscore(keys.workers(), "w1")
+    while conn.zscore(keys.workers(), "w1") == beat:  # just after a beat: 3 s to the next
+        time.sleep(0.02)
+    conn.zrem(keys.workers(), "w1")  # a sweep claims it (its in-flight list is empty) ...
+    assert FleetRegistry(conn, keys, 30).take_jobs("w1") == []
+    queued = Coordinator(fleet.settings.model_copy(update={"require_live_worker": False}))
+    handle = queued.submit({**REQUEST, "max_tokens": 60,  # ... and it takes a job: 6 s
+                            "speculative": {"method": "none"}})
+    result = handle.result(timeout=60)
+    assert result.status is JobStatus.FINISHED and result.attempts == 2
+    log = fleet.log("w1")
+    assert "worker.declared_lost" in log and '"reason": "lost"' in log
+
+
 def test_a_stalled_worker_is_replaced_and_stands_down(fleet: Fleet,
                                                       coordinator: Coordinator) -> None:
     """SIGSTOP past the TTL: the job re-runs elsewhere; the stalled worker, once resumed,

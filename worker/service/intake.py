@@ -117,9 +117,10 @@ class JobIntake:
         doorbell.wait(self._conn, self._keys, self._model, self._idle_poll, self._worker)
         return self._take_any()
 
-    def release(self, job_id: str) -> None:
-        """The job's run is over (finished, failed, refused or requeued): forget it."""
-        self._conn.lrem(self.inflight_key, 1, job_id)
+    def release(self, job_id: str) -> bool:
+        """The job's run is over (finished, failed, refused or requeued): forget it. False
+        when it was no longer listed (a sweep that declared this worker lost took it)."""
+        return bool(self._conn.lrem(self.inflight_key, 1, job_id))
 
     def held(self) -> list[str]:
         """The ids this worker holds right now."""

@@ -193,11 +193,15 @@ class ServingLoop:
         try:
             final = r.run.finish(result)
         except JobInterrupted as exc:
+            # A shutdown hands its runs back. A worker declared lost hands back only what is
+            # still in its in-flight list: the sweep took (and requeued) what was there when
+            # it claimed the name, so a job still listed was taken after it, and nobody else
+            # will ever run it (the soak's lost job behind a stalled worker's resume).
             shutdown = exc.reason is Interruption.SHUTDOWN
             self._close(r, lambda pipe: end_execution(pipe, r.job, r.execution),
                         release=shutdown)
-            if shutdown:
-                self._requeue(r.job.id)
+            if shutdown or self._ride(lambda: self.intake.release(r.job.id), "intake.release"):
+                self._requeue(r.job.id, exc.reason)
             return
         self._close(r, lambda pipe: mark_finished(pipe, r.job, r.execution, final,
                                                   rt.settings.result_ttl_seconds,
@@ -251,15 +255,15 @@ class ServingLoop:
                 pipe.execute()
         self._ride(write, "job.end")
 
-    def _requeue(self, job_id: str) -> None:
+    def _requeue(self, job_id: str, reason: Interruption) -> None:
         rt = self.runtime
         self._ride(lambda: requeue_front(rt.connection, rt.keys, job_id), "job.requeue")
         attempt = int(self._ride(lambda: rt.connection.get(rt.keys.attempts(job_id)),
                                  "job.requeue") or 1)
         log.warning("job.requeued", job_id=job_id, worker=rt.worker_name,
                     model=rt.model_name, attempt=attempt, next_attempt=attempt + 1,
-                    reason="shutdown")
-        rt.metrics.job_requeued("shutdown")
+                    reason=str(reason))
+        rt.metrics.job_requeued(str(reason))
 
     def _set_state(self, state: WorkerStatus) -> None:
         presence = self.presence
