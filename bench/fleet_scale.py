@@ -31,6 +31,7 @@ it (both are shown; the inner ones are what costs Redis CPU). The bench's own ``
         [--streams 8] [--requests 2] [--max-tokens 16] [--slots 2] [--idle-seconds 10]
 
 Progress goes to stderr; stdout gets one JSON document (every run) and a Markdown table.
+Needs the dev extras (``httpx``) and ``redis-server`` on PATH; docs/scale.md has its figures.
 """
 
 from __future__ import annotations
