@@ -276,6 +276,7 @@ class Coordinator:
                           meta=meta, pipeline=pipe)
             if route is not None:
                 pipe.zadd(self.keys.holders(req.model), {route.worker: route.n_ctx})
+                pipe.sadd(self.keys.waiting_own_queues(req.model), queue.key)
             doorbell.ring_in(pipe, self.keys, req.model, route.worker if route else None)
             pipe.hincrby(self.keys.routing(req.model), "holder" if route else "shared", 1)
             pipe.execute()

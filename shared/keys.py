@@ -50,6 +50,12 @@ class Keys:
         base = f"{self.prefix}:{model}:w:{worker}"
         return f"{base}:high" if priority is Priority.HIGH else base
 
+    def waiting_own_queues(self, model: str) -> str:
+        """Set of the own-queue list keys of ``model`` a routed job was pushed to and no take
+        has yet found empty: an idle worker looks for jobs to take over only in these, not in
+        every holder's queues (which cost the fleet N x N lookups a poll)."""
+        return f"{self.prefix}:holders:{model}:waiting"
+
     def holders(self, model: str) -> str:
         """Sorted set of the workers of ``model`` that jobs were routed to (score: their
         per-slot context), so every worker finds the own queues it may take from when idle,

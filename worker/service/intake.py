@@ -37,15 +37,21 @@ from shared.replies import text
 
 log = get_logger("intake")
 
-#: KEYS[1]: the in-flight list; KEYS[2 .. ARGV[1] + 1]: this worker's queues, in order; the
-#: rest: other holders' own queues, each taken only when its head is the id in ARGV (seen
-#: waiting there long enough). Replies {id, queue} when it took one, {false, queue} for a key
-#: that is not a list, else {'', head of each other holder's queue ('' when empty)}.
+#: KEYS[1]: the in-flight list; KEYS[2 .. ARGV[1] + 1]: this worker's queues, in order; then
+#: other holders' own queues, each taken only when its head is the id in ARGV (seen waiting
+#: there long enough); last, the set of own queues a routed job went to
+#: (``Keys.waiting_own_queues``): only those are looked at, and one found gone (an emptied
+#: list is deleted) leaves the set.
+#: Replies {id, queue} when it took one, {false, queue} for a key that is not a list, else
+#: {'', head of each other holder's queue ('' when empty)}.
 _TAKE_LUA = """
 local n = tonumber(ARGV[1])
+local waiting = {}
+for _, key in ipairs(redis.call('SMEMBERS', KEYS[#KEYS])) do waiting[key] = true end
 local heads = {''}
-for i = 2, #KEYS do
-  local kind = redis.call('TYPE', KEYS[i])['ok']
+for i = 2, #KEYS - 1 do
+  local kind = 'none'
+  if i <= n + 1 or waiting[KEYS[i]] then kind = redis.call('TYPE', KEYS[i])['ok'] end
   if kind == 'list' then
     if i <= n + 1 then
       local id = redis.call('LMOVE', KEYS[i], KEYS[1], 'LEFT', 'RIGHT')
@@ -61,6 +67,7 @@ for i = 2, #KEYS do
   elseif kind ~= 'none' then
     return {false, KEYS[i]}
   elseif i > n + 1 then
+    if waiting[KEYS[i]] then redis.call('SREM', KEYS[#KEYS], KEYS[i]) end
     heads[#heads + 1] = ''
   end
 end
@@ -139,7 +146,9 @@ class JobIntake:
         own, steal = self._lists
         now = time.monotonic()
         ripe = [self._ripe(key, now) for key in steal]
-        reply = self._take(keys=[self.inflight_key, *own, *steal], args=[len(own), *ripe])
+        reply = self._take(keys=[self.inflight_key, *own, *steal,
+                                 self._keys.waiting_own_queues(self._model)],
+                           args=[len(own), *ripe])
         raw_id, rest = reply[0], reply[1:]
         if raw_id is None:
             self._set_aside(text(rest[0]))
