@@ -172,6 +172,8 @@ class LogSummary:
         self.before_since = 0
         self.total = Tally()
         self.workers: dict[str, Tally] = {}
+        #: Per job, the first attempt each worker was seen with (orders ``job_info`` workers).
+        self._job_runs: dict[str, dict[str, int]] = {}
         self.models: dict[str, Tally] = {}
         self.jobs: dict[str, Tally] = {}
         self.job_info: dict[str, dict[str, Any]] = {}
@@ -231,11 +233,16 @@ class LogSummary:
             groups.append(self.jobs.setdefault(str(job_id), Tally()))
             info = self.job_info.setdefault(str(job_id), {"workers": [], "model": None,
                                                           "attempts": 0, "outcome": None})
+            attempt = record.get("attempt")
             if worker != UNKNOWN and worker not in info["workers"]:
-                info["workers"].append(worker)
+                # In the order of the attempts they ran, not of the files read: the records
+                # of one job are spread over several workers' (and clients') logs.
+                runs = self._job_runs.setdefault(str(job_id), {})
+                runs[worker] = attempt if isinstance(attempt, int) else len(runs) + 1
+                info["workers"] = sorted(runs, key=lambda w: runs[w])
             info["model"] = info["model"] or model
-            if isinstance(record.get("attempt"), int):
-                info["attempts"] = max(info["attempts"], record["attempt"])
+            if isinstance(attempt, int):
+                info["attempts"] = max(info["attempts"], attempt)
             if record["event"] in ("job.finished", "job.cancelled", "job.failed",
                                    "job.interrupted", "job.requeued", "job.refused"):
                 info["outcome"] = record["event"].removeprefix("job.")
