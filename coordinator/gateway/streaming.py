@@ -249,8 +249,13 @@ async def with_keepalive(events: AsyncIterator[dict[str, str]], seconds: float,
                 return
             yield event
     finally:
-        if pending is not None:
+        if pending is not None:  # a hang-up while the next event is awaited
             pending.cancel()
+            # The generator runs until that cancel lands; closing it before is a RuntimeError
+            # ("asynchronous generator is already running") and leaves it unclosed.
+            await asyncio.wait({pending})
+            if not pending.cancelled() and pending.exception() is not None:
+                log.debug("gateway.stream_closed_with", error=repr(pending.exception()))
         await iterator.aclose()  # type: ignore[attr-defined]
 
 
