@@ -73,3 +73,15 @@ def complete(url: str, ids: list[int], tokens: int, timeout: float = 600.0) -> d
     timings = out["timings"]
     assert isinstance(timings, dict)
     return timings
+
+
+@contextmanager
+def optional_server(binary: str | None, model: str, threads: int,
+                    n_ctx: int) -> Iterator[str | None]:
+    """:func:`llama_server`'s URL, or None when no binary was given (a bench then runs
+    specfleet only)."""
+    if binary is None:
+        yield None
+        return
+    with llama_server(binary, model, threads, n_ctx) as url:
+        yield url

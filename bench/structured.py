@@ -35,15 +35,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_server import SERVER_ENV, find_server, llama_server, post  # noqa: E402
+from peer_server import SERVER_ENV, find_server, optional_server, post  # noqa: E402
 
 from shared.constraint import Constraint, ConstraintKind  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
@@ -194,14 +192,6 @@ def run_server(url: str, ids: list[int], tokens: int, schema: dict[str, Any] | N
             "valid": float(_parses(str(out.get("content", "")))) if schema else 0.0}
 
 
-@contextmanager
-def _maybe_server(binary: str | None, model: str, threads: int) -> Iterator[str | None]:
-    if binary is None:
-        yield None
-        return
-    with llama_server(binary, model, threads, N_CTX) as url:
-        yield url
-
 
 # -- the run -------------------------------------------------------------------------------
 def main() -> None:
@@ -240,7 +230,7 @@ def main() -> None:
               file=sys.stderr, flush=True)
 
     tok = args.tokens
-    with _maybe_server(server, model, args.threads) as url:
+    with optional_server(server, model, args.threads, N_CTX) as url:
         for n in names:  # warm-up: first decodes pay one-time allocations
             run_ours(engine, ids[n], 8, SpecMethod.NONE, constraints[n])
         for rep in range(args.reps):
