@@ -46,15 +46,22 @@ class Deployment:
                              max_retries=0, timeout=60)
 
 
+def deployment_settings(tag: str) -> Settings:
+    """A new deployment's settings on the suite's Redis (its own key prefix, fast heartbeats
+    and token chunks); skips without a Redis."""
+    url = os.environ.get("REDIS_URL", DEFAULT_URL)
+    if not answers(url):
+        pytest.skip(f"no Redis at {redact(url)} (make test starts one)")
+    return Settings(redis_url=url, prefix=f"{tag}{uuid.uuid4().hex[:12]}",
+                    heartbeat_seconds=0.25, worker_ttl_seconds=1.5, token_chunk=4,
+                    token_flush_seconds=0.0)
+
+
 @pytest.fixture(scope="package")
 def deployment(chat_model: Path, tmp_path_factory: pytest.TempPathFactory,
                ) -> Iterator[Deployment]:
     """One worker (``w1``) and one gateway shared by the read-only tests."""
-    url = os.environ.get("REDIS_URL", DEFAULT_URL)
-    if not answers(url):
-        pytest.skip(f"no Redis at {redact(url)} (make test starts one)")
-    s = Settings(redis_url=url, prefix=f"g{uuid.uuid4().hex[:12]}", heartbeat_seconds=0.25,
-                 worker_ttl_seconds=1.5, token_chunk=4, token_flush_seconds=0.0)
+    s = deployment_settings("g")
     logs = tmp_path_factory.mktemp("deployment")
     fleet = Fleet(s, chat_model, logs)
     gateway = Gateway(s, logs)
@@ -66,7 +73,7 @@ def deployment(chat_model: Path, tmp_path_factory: pytest.TempPathFactory,
     finally:
         gateway.stop()
         fleet.stop_all()
-        _delete_namespace(Redis.from_url(url), s.prefix)
+        _delete_namespace(Redis.from_url(s.redis_url), s.prefix)
 
 
 @pytest.fixture

@@ -11,9 +11,7 @@ constraint at work; without it these are prose.
 from __future__ import annotations
 
 import json
-import os
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -25,11 +23,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from pydantic import BaseModel, Field
 from redis import Redis
 
-from coordinator.redis_local import DEFAULT_URL, answers
-from shared.redact import redact
-from shared.settings import Settings
-
-from .conftest import Deployment
+from .conftest import Deployment, deployment_settings
 from .gateway import Gateway
 
 from service.conftest import _delete_namespace  # isort: skip
@@ -93,11 +87,7 @@ FRESH = {"specfleet": {"prefix_cache": False}}
 def gemma_fleet(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory,
                 ) -> Iterator[Deployment]:
     """One Gemma worker (two slots) and one gateway for the module."""
-    url = os.environ.get("REDIS_URL", DEFAULT_URL)
-    if not answers(url):
-        pytest.skip(f"no Redis at {redact(url)} (make test starts one)")
-    s = Settings(redis_url=url, prefix=f"st{uuid.uuid4().hex[:12]}", heartbeat_seconds=0.25,
-                 worker_ttl_seconds=1.5, token_chunk=4, token_flush_seconds=0.0)
+    s = deployment_settings("st")
     logs = tmp_path_factory.mktemp("structured")
     fleet = Fleet(s, gemma_path, logs)
     gateway = Gateway(s, logs)
@@ -109,7 +99,7 @@ def gemma_fleet(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory,
     finally:
         gateway.stop()
         fleet.stop_all()
-        _delete_namespace(Redis.from_url(url), s.prefix)
+        _delete_namespace(Redis.from_url(s.redis_url), s.prefix)
 
 
 @pytest.fixture(scope="module")
