@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -103,9 +104,15 @@ def check_constraint(constraint: Constraint) -> None:
     """Compile ``constraint`` without a vocabulary; raise :class:`ConstraintError` naming the
     problem. The coordinator calls this before queueing, so a worker never receives a
     constraint that cannot compile (its own compile then fails only on its vocabulary)."""
-    from llguidance import LLMatcher
-
-    grammar = constraint.llguidance_grammar()
-    error = LLMatcher.validate_grammar(grammar, None)
+    error = _compile_error(constraint.llguidance_grammar())
     if error:
         raise ConstraintError(f"{constraint.kind.value} constraint: {error}")
+
+
+@lru_cache(maxsize=256)
+def _compile_error(grammar: str) -> str:
+    """llguidance's verdict on ``grammar`` ('' when it compiles), remembered: a request is
+    checked at parse and again at submit, and batch lines and agents repeat the same tools."""
+    from llguidance import LLMatcher
+
+    return str(LLMatcher.validate_grammar(grammar, None) or "")
