@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import CheckpointMode, SpecMethod  # noqa: E402
-from worker.engine.config import EngineCapacity  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.rollback.compact import CompactRollback  # noqa: E402
 from worker.fitter.buffers import parse_buffers  # noqa: E402
+from worker.launch import EngineCapacity  # noqa: E402
 from worker.llm import capture_llama_log  # noqa: E402
 from worker.testmodels import write_qwen35_hybrid  # noqa: E402
 

@@ -50,10 +50,10 @@ from prompts import MERGE_INTERVALS  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings  # noqa: E402
-from worker.engine.config import EngineCapacity  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.slot import Phase, SlotRequest  # noqa: E402
 from worker.fitter import FitError, fit_worker  # noqa: E402
+from worker.launch import EngineCapacity  # noqa: E402
 from worker.testmodels import build_tiny_models  # noqa: E402
 
 #: Per-slot context: every prompt plus its generation fits with room to spare.

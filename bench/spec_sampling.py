@@ -54,9 +54,9 @@ from spec_vs_plain import DRAFT_MAX, N_CTX, forget, workloads  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SamplingParams, SpecMethod, SpecSettings  # noqa: E402
-from worker.engine.config import EngineCapacity  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.sampling import target_distribution  # noqa: E402
+from worker.launch import EngineCapacity  # noqa: E402
 from worker.testmodels import write_qwen35_hybrid  # noqa: E402
 from worker.testmodels.recipe import Strengths  # noqa: E402
 

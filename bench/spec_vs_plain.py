@@ -53,10 +53,10 @@ from prompts import MERGE_INTERVALS  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
-from worker.engine.config import EngineCapacity  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.proposers.output_cache import OutputCache  # noqa: E402
 from worker.engine.proposers.suffix import SuffixShared  # noqa: E402
+from worker.launch import EngineCapacity  # noqa: E402
 
 N_CTX = 4096
 #: Our engine's draft capacity (llama-server's ngram-mod drafts up to 64 by default).

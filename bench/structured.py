@@ -46,11 +46,11 @@ from peer_server import SERVER_ENV, find_server, optional_server, post  # noqa: 
 from shared.constraint import Constraint, ConstraintKind  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
-from worker.engine.config import EngineCapacity  # noqa: E402
 from worker.engine.constraint.tokenizer import grammar_vocab  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.proposers.base import Proposer  # noqa: E402
 from worker.engine.proposers.none import NoDraft  # noqa: E402
+from worker.launch import EngineCapacity  # noqa: E402
 from worker.testmodels.gemma import gemma_q4_path  # noqa: E402
 
 N_CTX = 4096

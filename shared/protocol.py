@@ -430,6 +430,9 @@ class Telemetry(_Strict):
 
     spec_method: SpecMethod = SpecMethod.NONE
     draft_max: int = 0
+    #: Decoded in deterministic mode (``specfleet worker --deterministic``): greedy output
+    #: independent of batch width, slots, draft length and worker (docs/engine.md).
+    deterministic: bool = False
     drafts: Annotated[int, Summed(
         "spec_decode_num_drafts", "Verify decodes that carried at least one drafted token")] = 0
     drafted: Annotated[int, Summed("spec_decode_num_draft_tokens", "Drafted tokens verified")] = 0

@@ -27,10 +27,14 @@ from coordinator.cli.app import COMMANDS
 NO_MODEL = ("llama_cpp", "worker")
 NO_HTTP = ("fastapi", "starlette", "uvicorn", "coordinator.gateway")
 
+#: Each start of the interpreter counts itself in the environment, which a re-execution
+#: (``os.execv``) inherits: a worker that had to re-execute to pin its device reports 2.
 _PRELUDE = """
-import atexit, json, sys
+import atexit, json, os, sys
 out = sys.argv.pop(1)
-atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
+os.environ["STARTS"] = str(int(os.environ.get("STARTS", "0")) + 1)
+atexit.register(lambda: open(out, "w").write(json.dumps(
+    {"modules": sorted(sys.modules), "starts": int(os.environ["STARTS"])})))
 sys.argv[0] = "specfleet"
 from coordinator.cli import main
 main()
@@ -47,7 +51,10 @@ CASES = {
     "monitor": (["monitor", os.devnull, "--json"], 0, "", NO_MODEL + NO_HTTP),
     "serve": (["serve", "--port", "0"], 3, "does not answer", NO_MODEL),
     "worker": (["worker", "--model", "/nonexistent/model.gguf"], 2, "model file not found",
-               NO_HTTP),
+               ("llama_cpp", *NO_HTTP)),
+    # A model file that exists: the worker pins, imports the serving code (llama.cpp) and
+    # stops at its first Redis call, before reading the file.
+    "worker-loads": (["worker", "--model", "{junk}"], 3, "Redis at", NO_HTTP),
 }
 
 
@@ -58,6 +65,8 @@ class Run:
     returncode: int
     stderr: str
     modules: list[str]
+    #: Interpreter starts of the process (more than 1: it re-executed itself).
+    starts: int
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +77,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     env = {k: v for k, v in os.environ.items() if k != "SPECFLEET_REDIS_URL"}
     env["REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
     env["SPECFLEET_REDIS_OUTAGE_SECONDS"] = "1"  # a submit waits out an outage this long
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # as an operator starts a worker: the pin is its job
+    junk = workdir / "not-a-model.gguf"
+    junk.write_bytes(b"not a gguf file\n" * 64)
     procs = {case: subprocess.Popen(
-        [sys.executable, "-c", _PRELUDE, str(workdir / f"{case}.json"), *argv], env=env,
+        [sys.executable, "-c", _PRELUDE, str(workdir / f"{case}.json"),
+         *(a.format(junk=junk) for a in argv)], env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for case, (argv, *_) in CASES.items()}
     done = {}
     for case, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
-        done[case] = Run(proc.returncode, stderr,
-                         json.loads((workdir / f"{case}.json").read_text()))
+        report = json.loads((workdir / f"{case}.json").read_text())
+        done[case] = Run(proc.returncode, stderr, report["modules"], report["starts"])
     return done
 
 
@@ -95,9 +108,18 @@ def test_a_process_loads_only_what_it_runs(case: str, runs: dict[str, Run]) -> N
 
 
 def test_the_check_sees_what_a_worker_loads(runs: dict[str, Run]) -> None:
-    """The same inspection finds llama.cpp in a worker: it can fail."""
-    assert _forbidden(runs["worker"].modules, NO_MODEL)
-    assert "llama_cpp" in runs["worker"].modules
+    """The same inspection finds llama.cpp in a worker that got as far as its model: it can
+    fail."""
+    assert _forbidden(runs["worker-loads"].modules, NO_MODEL)
+    assert "llama_cpp" in runs["worker-loads"].modules
+
+
+def test_a_worker_pins_its_device_before_llama_cpp_loads(runs: dict[str, Run]) -> None:
+    """Started without ``CUDA_VISIBLE_DEVICES``, a worker pins before it imports llama.cpp,
+    so it never re-executes itself to apply the pin (it once always did: its command module
+    imported the engine)."""
+    for case in ("worker", "worker-loads"):
+        assert runs[case].starts == 1, (case, runs[case].stderr)
 
 
 def test_every_sub_command_module_is_reachable() -> None:

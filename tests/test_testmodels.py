@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from shared.protocol import SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.launch import EngineCapacity
 from worker.llm import (
     Batch,
     Context,

@@ -16,10 +16,9 @@ from coordinator.cli import options as opt
 from coordinator.cli.app import app, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode
-from worker.engine.config import EngineCapacity
-from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError, fit_worker
-from worker.fitter.fit import parse_slots
+from worker.fitter import FitError, fit_worker
 from worker.fitter.report import render_table
+from worker.launch import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, EngineCapacity, parse_slots
 from worker.llm import LlamaError
 
 

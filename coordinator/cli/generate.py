@@ -17,9 +17,9 @@ from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail
 from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, Telemetry
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback import RollbackError
+from worker.launch import EngineCapacity
 from worker.llm import LlamaError
 
 

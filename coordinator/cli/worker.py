@@ -13,12 +13,17 @@ from shared.logs import configure_logging
 from shared.outage import RedisOutage
 from shared.protocol import CheckpointMode
 from shared.redact import RedisURL
-from worker.engine.config import DETERMINISTIC_CPU_ONLY, EngineCapacity
-from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
-from worker.fitter import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitError
-from worker.fitter.fit import parse_slots
-from worker.service.runner import serve
-from worker.service.startup import WorkerOptions
+from worker.launch import (
+    DEFAULT_CHECKPOINTS,
+    DEFAULT_CTX_MIN,
+    DEFAULT_FIT_TARGET_MIB,
+    DETERMINISTIC_CPU_ONLY,
+    EngineCapacity,
+    WorkerOptions,
+    parse_device,
+    parse_slots,
+    pin_device,
+)
 
 
 @app.command()
@@ -63,7 +68,11 @@ def worker(
     configure_logging(settings.log_level, settings.log_format)
     if not model.is_file():
         fail(f"model file not found: {model}")
-    if deterministic and device.strip().lower() != "cpu":
+    try:
+        device_ref = parse_device(device)
+    except ValueError as exc:
+        fail(str(exc))
+    if deterministic and device_ref.is_cuda:
         fail(DETERMINISTIC_CPU_ONLY)
     try:
         capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
@@ -77,6 +86,12 @@ def worker(
         checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots),
         prefix_cache=_on_off("--prefix-cache", prefix_cache),
         prefix_checkpoints=prefix_checkpoints, deterministic=deterministic)
+    # Pinned before the serving code is imported: it loads llama.cpp, which reads the
+    # visible devices once (docs/architecture.md, "Processes").
+    pin_device(device_ref)
+    from worker.fitter import FitError  # noqa: PLC0415
+    from worker.service.runner import serve  # noqa: PLC0415
+
     try:
         serve(options, settings)
     except (RedisError, RedisOutage) as exc:
@@ -94,5 +109,5 @@ def _on_off(flag: str, text: str) -> bool:
 def _slots(text: str) -> int | Literal["auto"]:
     try:
         return parse_slots(text)
-    except FitError as exc:
+    except ValueError as exc:
         fail(str(exc))

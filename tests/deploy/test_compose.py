@@ -12,7 +12,7 @@ import pytest
 
 from shared.sentinel import parse_sentinel_url
 from shared.settings import Settings
-from worker.fitter.devices import parse_device
+from worker.launch import parse_device
 
 from .cli import parse_specfleet
 from .files import (

@@ -18,8 +18,8 @@ import pytest
 from helpers import N_CTX, PROMPT, greedy
 
 from shared.protocol import SpecMethod, Telemetry
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
+from worker.launch import EngineCapacity
 from worker.testmodels import write_qwen35_hybrid
 from worker.testmodels.recipe import Strengths
 

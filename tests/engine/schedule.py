@@ -15,9 +15,9 @@ from functools import cache
 from pathlib import Path
 
 from shared.protocol import SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
+from worker.launch import EngineCapacity
 
 #: Steps after which a schedule is declared stuck (far more than any test needs).
 STEP_LIMIT = 20_000

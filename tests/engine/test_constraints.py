@@ -25,7 +25,6 @@ from llguidance import LLMatcher
 
 from shared.constraint import Constraint, ConstraintKind
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings
-from worker.engine.config import EngineCapacity
 from worker.engine.constraint.base import UNCONSTRAINED
 from worker.engine.constraint.tokenizer import grammar_vocab
 from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
@@ -33,6 +32,7 @@ from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.none import NoDraft
 from worker.engine.slot import SlotRequest
 from worker.engine.verify import Verifier
+from worker.launch import EngineCapacity
 from worker.testmodels import write_dense_llama, write_qwen35_hybrid
 from worker.testmodels.recipe import Strengths
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import specfleet
 
-from worker.engine.config import DETERMINISTIC_CPU_ONLY, EngineConfig
+from worker.engine.config import EngineConfig
+from worker.launch import DETERMINISTIC_CPU_ONLY
 from worker.llm import Batch
 
 PROMPTS = 20
@@ -28,14 +29,14 @@ MAX_TOKENS = 8
 CHILD = r"""
 import json, sys
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.config import EngineCapacity
+from worker.launch import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import SlotRequest
 
 model, n_prompts, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 texts = [f"Question {i}: in one paragraph, why is the number {i * 7 + 3} interesting?"
          for i in range(n_prompts)]
-out = {}
+out, flags = {}, set()
 for slots in (1, 4):
     config = EngineConfig(model, n_ctx=256, slots=slots, n_threads=2, deterministic=True,
                           capacity=EngineCapacity(SpecMethod.SUFFIX, 8))
@@ -53,9 +54,10 @@ for slots in (1, 4):
                         if update.result is not None:
                             i = next(k for k, s in live.items() if s is update.slot)
                             results[i] = update.result.tokens
+                            flags.add(update.result.telemetry.deterministic)
                             del live[i]
                 out[f"run{run}-{method}-{slots}"] = results
-print(json.dumps(out))
+print(json.dumps({"tokens": out, "deterministic": sorted(flags)}))
 """
 
 
@@ -67,7 +69,9 @@ def test_greedy_tokens_are_the_same_for_every_drafter_slot_count_and_run(
                             str(MAX_TOKENS)], cwd=root, capture_output=True, text=True,
                            timeout=1500, check=False)
     assert child.returncode == 0, child.stderr[-3000:]
-    runs: dict[str, list[list[int]]] = json.loads(child.stdout.strip().splitlines()[-1])
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert report["deterministic"] == [True], "every result's telemetry says its mode"
+    runs: dict[str, list[list[int]]] = report["tokens"]
     reference = runs.pop("run1-none-1")
     assert len(reference) == PROMPTS and all(len(t) == MAX_TOKENS for t in reference)
     for name, tokens in runs.items():

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.proposers.base import Draft, VerifyOutcome
+from worker.launch import EngineCapacity
 
 from .conftest import N_MAX, PROMPT, TOKENS, Subject, assert_consistent, first_difference
 

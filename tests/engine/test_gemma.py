@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.launch import EngineCapacity
 
 from .conftest import first_difference
 

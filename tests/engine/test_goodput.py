@@ -10,13 +10,13 @@ from pathlib import Path
 from helpers import PROMPT
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.config import EngineCapacity
 from worker.engine.draft_cost import RowCosts
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.proposers.base import Draft
 from worker.engine.row_budget import draft_chances, plan_widths
 from worker.engine.slot import SlotRequest
 from worker.engine.telemetry import SpecCounters
+from worker.launch import EngineCapacity
 
 
 def rising(rows: int, fixed: float = 4.0, per_row: float = 1.0,

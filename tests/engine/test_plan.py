@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings, Telemetry
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.plan import ModelFacts, RollbackKind, plan_engine
 from worker.engine.proposers.mtp import MtpUnavailableError
 from worker.engine.rollback import RollbackStats
+from worker.launch import EngineCapacity
 from worker.testmodels import TinyModels
 
 DENSE = ModelFacts("dense.gguf", recurrent=False, mtp_head=False)

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.protocol import FinishReason, SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.prefix_cache import CHECKPOINT_SPACING, MemoryKind, PrefixCache
 from worker.engine.slot import Slot, SlotRequest, SlotUpdate
+from worker.launch import EngineCapacity
 
 from .schedule import Arrival, Run, run_schedule
 

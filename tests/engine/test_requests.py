@@ -9,10 +9,10 @@ import pytest
 
 from shared.capacity import CapacityError
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.proposers.mtp import MtpUnavailableError
 from worker.engine.slot import SlotRequest
+from worker.launch import EngineCapacity
 
 from .conftest import PROMPT, Subject, assert_consistent, open_engine
 

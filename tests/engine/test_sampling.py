@@ -21,7 +21,6 @@ from helpers import PROMPT
 
 from shared.protocol import SamplingParams, SpecMethod, SpecSettings
 from worker.engine import sampling
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.sampling import (
     Distribution,
@@ -31,6 +30,7 @@ from worker.engine.sampling import (
     target_distribution,
 )
 from worker.engine.slot import SlotRequest
+from worker.launch import EngineCapacity
 from worker.testmodels import write_dense_llama, write_qwen35_hybrid
 from worker.testmodels.recipe import Strengths
 

@@ -19,9 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.protocol import FinishReason, SpecMethod, SpecSettings
-from worker.engine.config import PREFILL_CHUNK, EngineCapacity
+from worker.engine.config import PREFILL_CHUNK
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import Slot, SlotRequest, SlotUpdate
+from worker.launch import EngineCapacity
 
 from .schedule import Arrival, Run, plain_greedy, run_schedule
 

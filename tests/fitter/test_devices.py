@@ -5,15 +5,9 @@ from __future__ import annotations
 import llama_cpp
 import pytest
 
-from worker.fitter.devices import (
-    MIB,
-    DeviceRef,
-    device_memory,
-    host_memory,
-    parse_device,
-    require_device,
-)
+from worker.fitter.devices import MIB, device_memory, host_memory, require_device
 from worker.fitter.errors import FitError
+from worker.launch import DeviceRef, parse_device
 
 
 def _nvml_works() -> bool:
@@ -35,7 +29,7 @@ def test_parse_device(text: str, ref: DeviceRef) -> None:
 
 @pytest.mark.parametrize("text", ["gpu", "cuda", "cuda:-1", "cuda:x", "rocm:0", ""])
 def test_unknown_device_is_a_clear_error(text: str) -> None:
-    with pytest.raises(FitError, match="unknown device"):
+    with pytest.raises(ValueError, match="unknown device"):
         parse_device(text)
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import FinishReason, SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.fitter import fit_worker
+from worker.launch import EngineCapacity
 
 MIB = 1024 * 1024
 

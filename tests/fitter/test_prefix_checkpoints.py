@@ -9,8 +9,8 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
 from worker.fitter import fit_worker
+from worker.launch import DEFAULT_CHECKPOINTS
 from worker.llm import Batch
 from worker.testmodels import TinyModels
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.fitter import FitError, fit_worker
+from worker.launch import EngineCapacity
 from worker.testmodels import TinyModels
 
 NGRAM = EngineCapacity(method=SpecMethod.NGRAM)

@@ -9,8 +9,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from shared.protocol import CheckpointMode, SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.fitter import FitError, FitResult, fit_worker
+from worker.launch import EngineCapacity
 from worker.testmodels import TinyModels
 
 RECURRENT_PARTS = ("recurrent", "snapshots", "checkpoint_reservation")

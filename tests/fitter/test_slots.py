@@ -13,9 +13,9 @@ import pytest
 from helpers import specfleet
 
 from shared.protocol import SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.engine.slot import SlotRequest
 from worker.fitter import FitError, fit_worker
+from worker.launch import EngineCapacity
 from worker.testmodels import TinyModels
 
 MIB = 1024 * 1024

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.plan import ModelFacts
 from worker.fitter.specs import engine_specs
+from worker.launch import EngineCapacity
 from worker.testmodels import TinyModels
 
 

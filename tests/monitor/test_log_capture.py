@@ -13,8 +13,8 @@ import pytest
 
 from shared.logs import configure_logging
 from shared.protocol import SpecMethod
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.launch import EngineCapacity
 
 
 @pytest.fixture

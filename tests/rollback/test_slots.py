@@ -16,10 +16,10 @@ import pytest
 from engine.schedule import Arrival, plain_greedy, run_schedule
 
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
-from worker.engine.config import EngineCapacity
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback.compact import CompactRollback
 from worker.engine.slot import Slot, SlotRequest, SlotUpdate
+from worker.launch import EngineCapacity
 
 from .oracle import OracleProposer
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings
-from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS
+from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
 from worker.engine.proposers.output_cache import DEFAULT_CACHE_BYTES
+from worker.launch import (
+    CAPACITY_FIELDS,
+    DEFAULT_CHECKPOINTS,
+    DETERMINISTIC_CPU_ONLY,
+    EngineCapacity,
+)
 from worker.llm import ContextSpec, ModelSpec
 
 #: Physical batch of the target: prompts are prefilled in slices of this many tokens.
@@ -24,44 +29,6 @@ PREFILL_CHUNK = TARGET_UBATCH
 #: not 256 (docs/engine.md, "Proposers"); the prompt catch-up simply takes more, smaller
 #: decodes.
 DRAFT_BATCH = 32
-
-
-#: Why a GPU worker refuses deterministic mode.
-DETERMINISTIC_CPU_ONLY = (
-    "deterministic mode is only guaranteed on the CPU backend (--device cpu): a GPU's "
-    "kernels are chosen by batch shape inside llama.cpp's CUDA backend and cannot be pinned "
-    "from here")
-
-
-#: The settings a request may narrow but an engine is loaded with (they size its contexts and
-#: memory): they belong to :class:`EngineCapacity`, never to ``EngineConfig.request_defaults``.
-CAPACITY_FIELDS = frozenset({"method", "draft_max", "rollback_depth"})
-
-
-@dataclass(frozen=True)
-class EngineCapacity:
-    """What an engine is loaded for; no request can widen it (``shared/capacity.py``).
-
-    ``method`` is the drafter it loads for (``auto``: the plan resolves it from the model),
-    ``draft_max`` the draft width N its contexts are sized for, ``rollback_depth`` the direct
-    rollback snapshots D of a recurrent model (None = N). :func:`~worker.engine.plan.plan_engine`
-    turns it into the concrete capacity a loaded worker publishes
-    (:class:`~shared.protocol.WorkerCapacity`)."""
-
-    method: SpecMethod = SpecMethod.AUTO
-    #: The protocol's default width: an engine loaded without one serves a default request.
-    draft_max: int = SpecSettings.model_fields["draft_max"].default
-    rollback_depth: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.method, SpecMethod):  # "auto" would pass for it, then misplan
-            raise TypeError(f"method must be a SpecMethod, got {self.method!r}")
-        if not 1 <= self.draft_max <= MAX_DRAFT:
-            raise ValueError(f"draft_max ({self.draft_max}) must satisfy "
-                             f"1 <= draft_max <= {MAX_DRAFT}")
-        if self.rollback_depth is not None and not 1 <= self.rollback_depth <= self.draft_max:
-            raise ValueError(f"rollback_depth ({self.rollback_depth}) must satisfy "
-                             f"1 <= rollback_depth <= draft_max ({self.draft_max})")
 
 
 @dataclass(frozen=True)

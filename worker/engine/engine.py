@@ -116,7 +116,8 @@ class SpeculativeEngine:
         except BaseException:
             self.close()
             raise
-        self._lifetime = SpecCounters(spec_method=self.method, draft_max=self.draft_max)
+        self._lifetime = SpecCounters(spec_method=self.method, draft_max=self.draft_max,
+                                      deterministic=config.deterministic)
         #: Finished requests' counters per method: the row budget's prior for the next ones.
         self._by_method: dict[SpecMethod, SpecCounters] = {}
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
@@ -159,6 +160,7 @@ class SpeculativeEngine:
             raise NoFreeSlotError(f"all {self.config.slots} slots are busy")
         draft_max = min(spec.draft_max, self.draft_max) if method is not SpecMethod.NONE else 0
         counters = SpecCounters(spec_method=method, draft_max=draft_max,
+                                deterministic=self.config.deterministic,
                                 prompt_tokens=len(request.prompt_tokens))
         # Compiled against this vocabulary before anything is placed: a ConstraintError.
         constraint = compile_constraint(request.constraint, self.model, counters)

@@ -55,8 +55,6 @@ log = get_logger("engine.prefix")
 #: (besides the one at its end): a prompt that shares only part of a long one with an earlier
 #: request (a shared system prompt, different questions) then re-prefills at most this much.
 CHECKPOINT_SPACING = 512
-#: Prefix checkpoints kept per slot by default (``--prefix-checkpoints``).
-DEFAULT_CHECKPOINTS = 4
 
 _PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 

@@ -75,6 +75,8 @@ class SpecCounters:
 
     spec_method: SpecMethod = latest(SpecMethod.NONE)
     draft_max: int = peak()
+    #: The engine decodes width-invariantly (``EngineConfig.deterministic``).
+    deterministic: bool = latest(False)
     prompt_tokens: int = count()
     #: Prompt positions the prefix cache kept (``worker/engine/prefix_cache.py``), whether the
     #: placement reused a prefix, and how (a checkpoint restored); checkpoints saved.
@@ -135,6 +137,7 @@ class SpecCounters:
             **{name: getattr(self, name) for name in SUMMED_FIELDS},
             spec_method=self.spec_method,
             draft_max=self.draft_max,
+            deterministic=self.deterministic,
             acceptance=ratio(self.accepted, self.drafted),
             mean_accepted_length=ratio(self.accepted, self.drafts),
             # vLLM's definition: the bonus token counts, so a draft-carrying verify yields 1 + k.

@@ -17,12 +17,10 @@ the breakdown in the message, when the worker must not start. See docs/fitter.md
 """
 
 from worker.fitter.errors import FitError
-from worker.fitter.fit import DEFAULT_CTX_MIN, DEFAULT_FIT_TARGET_MIB, FitResult, fit_worker
+from worker.fitter.fit import FitResult, fit_worker
 from worker.fitter.reserve import reserve_checkpoints
 
 __all__ = [
-    "DEFAULT_CTX_MIN",
-    "DEFAULT_FIT_TARGET_MIB",
     "FitError",
     "FitResult",
     "fit_worker",

@@ -7,34 +7,15 @@ they share a device with other processes.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import llama_cpp
 import psutil
 
 from worker.fitter.errors import FitError
+from worker.launch import DeviceRef
 
 MIB = 1024 * 1024
-
-_DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
-
-
-@dataclass(frozen=True)
-class DeviceRef:
-    """A parsed ``--device`` value: ``cpu`` or ``cuda:N``."""
-
-    kind: str
-    index: int = 0
-
-    @property
-    def name(self) -> str:
-        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.kind == "cuda"
-
 
 @dataclass(frozen=True)
 class DeviceMemory:
@@ -44,14 +25,6 @@ class DeviceMemory:
     total_bytes: int
     free_bytes: int
     source: str  # "nvml", "host" or "budget"
-
-
-def parse_device(text: str) -> DeviceRef:
-    """Parse ``cpu`` or ``cuda:N``; anything else is a clear error at the edge."""
-    m = _DEVICE_RE.match(text.strip().lower())
-    if not m:
-        raise FitError(f"unknown device {text!r}: use 'cpu' or 'cuda:N' (e.g. cuda:0)")
-    return DeviceRef("cpu") if m.group(1) == "cpu" else DeviceRef("cuda", int(m.group(2)))
 
 
 def host_memory() -> DeviceMemory:

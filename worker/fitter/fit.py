@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Final, Literal
+from typing import Literal
 
 from shared.protocol import CheckpointMode, DeviceFit, FitReport
-from worker.engine.config import EngineCapacity, EngineConfig, model_spec
+from worker.engine.config import EngineConfig, model_spec
 from worker.engine.plan import ModelFacts
-from worker.engine.prefix_cache import DEFAULT_CHECKPOINTS, MemoryKind
-from worker.fitter.devices import MIB, DeviceMemory, device_memory, parse_device, require_device
+from worker.engine.prefix_cache import MemoryKind
+from worker.fitter.devices import MIB, DeviceMemory, device_memory, require_device
 from worker.fitter.errors import FitError
 from worker.fitter.measure import (
     ContextMemory,
@@ -31,16 +31,18 @@ from worker.fitter.measure import (
 )
 from worker.fitter.report import breakdown_text, log_report, mib
 from worker.fitter.specs import EngineSpecs, engine_specs
+from worker.launch import (
+    AUTO_SLOTS,
+    DEFAULT_CHECKPOINTS,
+    DEFAULT_CTX_MIN,
+    DEFAULT_FIT_TARGET_MIB,
+    MAX_SLOTS,
+    EngineCapacity,
+    parse_device,
+)
 
 #: Context sizes are fitted in steps of this many tokens.
 CTX_STEP = 256
-#: llama.cpp's own default ``--fit-target``: memory left free on the device.
-DEFAULT_FIT_TARGET_MIB = 1024.0
-DEFAULT_CTX_MIN = 1024
-#: ``--slots auto``: the worker serves as many sequences as still fit ``--ctx-min`` each.
-AUTO_SLOTS: Final = "auto"
-#: The most slots ``--slots auto`` considers (llama.cpp's LLAMA_MAX_SEQ).
-MAX_SLOTS = 256
 #: Extra context the marginal KV bytes per token are measured over (no_alloc: free).
 _KV_PROBE_SPAN = 4096
 #: Log lines carry 0.01 MiB: how far llama.cpp's recurrent buffer may sit from the exact sum.
@@ -242,7 +244,10 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
                        f"got {slots!r}")
     if fit_target_mib < 0:
         raise FitError(f"--fit-target-mib must not be negative, got {fit_target_mib}")
-    ref = parse_device(device)
+    try:
+        ref = parse_device(device)
+    except ValueError as exc:
+        raise FitError(str(exc)) from exc
     require_device(ref)
     budget = _Budget(device_memory(ref, budget_mib), round(fit_target_mib * MIB))
     config = EngineConfig(model_path=model_path, n_threads=n_threads,
@@ -321,16 +326,6 @@ def _search(sizer: _Sizer, ctx_min: int, budget: _Budget) -> int:
         else:
             hi = mid - 1
     return lo * CTX_STEP
-
-
-def parse_slots(text: str) -> int | Literal["auto"]:
-    """A ``--slots`` value: ``auto`` or a count in 1..MAX_SLOTS; anything else is a FitError."""
-    value = text.strip().lower()
-    if value == AUTO_SLOTS:
-        return AUTO_SLOTS
-    if value.isdigit() and 1 <= int(value) <= MAX_SLOTS:
-        return int(value)
-    raise FitError(f"--slots must be 'auto' or a number 1..{MAX_SLOTS}, got {text!r}")
 
 
 def _most_slots(config: EngineConfig, device: str, ctx_min: int, budget: _Budget) -> int:

@@ -33,7 +33,7 @@ from shared.settings import Settings
 from shared.version import package_version
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.prompt import choose_template
-from worker.fitter.devices import parse_device
+from worker.launch import WorkerOptions, parse_device, pin_device, reexec_if_pinned_too_late
 from worker.service.cancel import CancelWatch
 from worker.service.heartbeat import Heartbeat
 from worker.service.intake import JobIntake
@@ -42,12 +42,7 @@ from worker.service.loop import ServingLoop
 from worker.service.metrics import start_worker_metrics
 from worker.service.prefix_presence import PrefixPresence
 from worker.service.rq_presence import ContextTiers, RqPresence, check_name_free
-from worker.service.startup import (
-    WorkerOptions,
-    load_engine,
-    pin_device,
-    reexec_if_pinned_too_late,
-)
+from worker.service.startup import load_engine
 
 log = get_logger("worker")
 
