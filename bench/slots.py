@@ -1,21 +1,23 @@
 """Several sequences per engine: aggregate tok/s with K concurrent requests on one engine of
 K slots, against the same K requests one at a time on one slot, side by side in one run.
 
-Gemma 3 270M Q4_K_M, greedy, plain decoding, n-gram speculation (the default drafter:
-``auto`` resolves to it on a head-less model) and the suffix drafter, K = 1, 2, 4, 8; every
-speculative row also says its aggregate against plain at the same K (``vs_plain``: what
-goodput-aware drafting must keep at or above 1 at every load). ``--deterministic`` runs
+Gemma 3 270M Q4_K_M, greedy, plain decoding, the default drafter (a request without
+settings on a worker loaded with ``auto``: suffix drafting on a head-less model, N 8) and
+n-gram speculation, K = 1, 2, 4, 8; every speculative row also says its aggregate against
+plain at the same K (``vs_plain``: what goodput-aware drafting must keep at or above 1 at
+every load). ``--deterministic`` runs
 every engine in deterministic mode (docs/engine.md, "Deterministic mode"): compare its
 figures with a default run for the mode's cost.
 
-- ``slots``: one engine with ``slots = K``; the K requests are admitted together and the
-  engine is stepped until all have finished (prefill included: every step mixes prompt
-  chunks into the verify batch). Aggregate = generated tokens / wall time.
-- ``sequential``: one engine with one slot runs the same K requests one after another.
+- ``slots``: one engine with ``slots = K`` serves 2K requests, K at a time: a finished
+  request's slot takes the next one at once, as K concurrent clients keep a server busy
+  (prefill included: every step mixes prompt chunks into the verify batch). Aggregate =
+  generated tokens / wall time.
+- ``sequential``: one engine with one slot runs the same 2K requests one after another.
 - llama-server built from the same llama.cpp (``--llama-server PATH`` or
   ``$SPECFLEET_LLAMA_SERVER``; skipped with a message when absent): ``-np K`` with K
-  concurrent requests, against one request on ``-np 1``; ``--spec-type none`` and
-  ``ngram-mod``.
+  concurrent clients sending the same 2K requests; ``--spec-type none`` beside plain and
+  the default drafter, ``ngram-mod`` beside n-gram.
 
 Then the time to first token of a request that arrives while 7 slots decode (p50/p95, and
 the same request on an idle engine), and the fitted per-slot context and checkpoint
@@ -61,10 +63,11 @@ N_CTX = 1024
 DRAFT_MAX = 8
 METHODS = {
     "plain": SpecSettings(method=SpecMethod.NONE),
+    "default": SpecSettings(),
     "ngram": SpecSettings(method=SpecMethod.NGRAM, draft_max=DRAFT_MAX, adaptive=True),
-    "suffix": SpecSettings(method=SpecMethod.SUFFIX, draft_max=DRAFT_MAX),
 }
-SERVER_SPEC = {"plain": ("--spec-type", "none"), "ngram": ("--spec-type", "ngram-mod")}
+SERVER_SPEC = {"plain": ("--spec-type", "none"), "default": ("--spec-type", "ngram-mod"),
+               "ngram": ("--spec-type", "ngram-mod")}
 
 CODE = MERGE_INTERVALS
 ROWS = "\n".join(f"{i},item-{i * 7 % 13},{i * 3.25:.2f},{'yes' if i % 3 else 'no'}"
@@ -87,9 +90,9 @@ DETERMINISTIC = [False]
 
 
 def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeEngine:
-    """A suffix engine of width DRAFT_MAX (it serves n-gram and plain requests too): each
-    request says its method (METHODS)."""
-    capacity = EngineCapacity(SpecMethod.SUFFIX, DRAFT_MAX)
+    """An engine loaded as a default worker is (``auto``, width DRAFT_MAX; it serves n-gram
+    and plain requests too): each request says its method (METHODS)."""
+    capacity = EngineCapacity(SpecMethod.AUTO, DRAFT_MAX)
     return SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, slots=slots, n_threads=threads,
                                           n_gpu_layers=-1 if gpu else 0, capacity=capacity,
                                           deterministic=DETERMINISTIC[0]))
@@ -97,11 +100,13 @@ def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeE
 
 def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
              spec: SpecSettings) -> dict[str, float]:
-    """All requests admitted at once on one engine; aggregate generated tok/s."""
+    """The requests on one engine, as many at a time as it has slots (a freed slot takes
+    the next request before the next step); aggregate generated tok/s."""
     t0 = time.perf_counter()
-    slots = [engine.admit(SlotRequest(p, tokens, spec)) for p in reqs]
-    steps = 0
-    while engine.active:
+    waiting, slots, steps = list(reqs), [], 0
+    while waiting or engine.active:
+        while waiting and engine.free_slots:
+            slots.append(engine.admit(SlotRequest(waiting.pop(0), tokens, spec)))
         engine.step()
         steps += 1
     wall = time.perf_counter() - t0
@@ -122,64 +127,78 @@ def one_by_one(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
 SERVER_TIMEOUT_S = 300.0
 
 
-def server_together(url: str, reqs: list[list[int]], tokens: int) -> dict[str, float]:
+def server_together(url: str, reqs: list[list[int]], tokens: int,
+                    clients: int) -> dict[str, float]:
+    """``clients`` concurrent clients send ``reqs`` (each its next one when answered)."""
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(reqs)) as pool:
+    with ThreadPoolExecutor(clients) as pool:
         timings = list(pool.map(lambda p: complete(url, p, tokens, SERVER_TIMEOUT_S), reqs))
     wall = time.perf_counter() - t0
     generated = sum(int(t["predicted_n"]) for t in timings)  # type: ignore[call-overload]
     return {"tok_s": generated / wall, "generated": generated, "wall_s": wall}
 
 
+def _server_rates(args: argparse.Namespace, model: str, server: str, k: int,
+                  reqs: list[list[int]]) -> dict[str, dict[str, float]]:
+    """llama-server ``-np k`` under each spec type the methods compare with, run once each."""
+    rates: dict[str, dict[str, float]] = {}
+    for spec in dict.fromkeys(SERVER_SPEC[m] for m in args.methods if m in SERVER_SPEC):
+        try:
+            with llama_server(server, model, args.threads, N_CTX * k, k, spec) as url:
+                complete(url, reqs[0], 8, SERVER_TIMEOUT_S)  # warm-up
+                rates[spec[1]] = server_together(url, reqs, args.tokens, k)
+        except (OSError, RuntimeError) as exc:  # urllib's errors are OSErrors
+            rates[spec[1]] = {"error": f"{type(exc).__name__}: {exc}"}  # type: ignore[dict-item]
+    return rates
+
+
 def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict[str, object]:
-    out: dict[str, object] = {}
-    tables: dict[str, dict[str, dict[str, float]]] = {}
+    """For each K, every method on the same 2K requests, back to back (so load drift hits
+    them alike), then llama-server on them."""
+    tables: dict[str, dict[str, dict[str, float]]] = {name: {} for name in args.methods}
     base = open_engine(model, 1, args.threads, args.gpu)
-    for name in args.methods:
-        spec = METHODS[name]
-        rows: dict[str, dict[str, float]] = {}
-        for k in args.concurrency:
-            reqs = prompts(base, k)
-            seq = one_by_one(base, reqs, args.tokens, spec)
+    for k in args.concurrency:
+        reqs = prompts(base, 2 * k)
+        for name in args.methods:
+            spec = METHODS[name]
+            seq = one_by_one(base, reqs, args.tokens, spec) if args.sequential else None
             with open_engine(model, k, args.threads, args.gpu) as engine:
                 together(engine, prompts(engine, 1), 8, spec)  # warm-up allocations
                 par = together(engine, reqs, args.tokens, spec)
-            row = {"slots_tok_s": par["tok_s"], "sequential_tok_s": seq["tok_s"],
-                   "ratio": par["tok_s"] / seq["tok_s"], "steps": par["steps"]}
-            if server and name in SERVER_SPEC:
-                try:
-                    with llama_server(server, model, args.threads, N_CTX * k, k,
-                                      SERVER_SPEC[name]) as url:
-                        complete(url, reqs[0], 8, SERVER_TIMEOUT_S)  # warm-up
-                        srv = server_together(url, reqs, args.tokens)
-                    row["server_tok_s"] = srv["tok_s"]
-                    row["slots_vs_server"] = par["tok_s"] / srv["tok_s"]
-                except (OSError, RuntimeError) as exc:  # urllib's errors are OSErrors
-                    row["server_error"] = f"{type(exc).__name__}: {exc}"
-            rows[str(k)] = row
-            print(f"{name:6s} K={k}: slots {par['tok_s']:6.1f} tok/s, sequential "
-                  f"{seq['tok_s']:6.1f} ({row['ratio']:.2f}x)"
-                  + (f", llama-server -np {k} {row.get('server_tok_s', float('nan')):6.1f}"
-                     if server else ""),
+            row = {"slots_tok_s": par["tok_s"], "steps": par["steps"]}
+            if seq is not None:
+                row |= {"sequential_tok_s": seq["tok_s"], "ratio": par["tok_s"] / seq["tok_s"]}
+            tables[name][str(k)] = row
+            print(f"{name:7s} K={k}: slots {par['tok_s']:6.1f} tok/s"
+                  + (f", sequential {seq['tok_s']:6.1f} ({row['ratio']:.2f}x)" if seq else ""),
                   file=sys.stderr, flush=True)
         if server:
-            single = rows.get("1", {}).get("server_tok_s")
-            for row in rows.values():
-                if single and "server_tok_s" in row:
-                    row["server_ratio"] = row["server_tok_s"] / single
-        out[name] = tables[name] = rows
+            rates = _server_rates(args, model, server, k, reqs)
+            for name in args.methods:
+                srv = rates.get(SERVER_SPEC[name][1], {}) if name in SERVER_SPEC else {}
+                row = tables[name][str(k)]
+                if "tok_s" in srv:
+                    row["server_tok_s"] = srv["tok_s"]
+                    row["slots_vs_server"] = row["slots_tok_s"] / srv["tok_s"]
+                elif srv:
+                    row["server_error"] = srv["error"]
+            print(f"llama-server -np {k}: " + ", ".join(
+                f"{spec} {r.get('tok_s', float('nan')):6.1f}" for spec, r in rates.items()),
+                file=sys.stderr, flush=True)
     base.close()
     plain = tables.get("plain", {})
     for rows in tables.values():
         for k, row in rows.items():
             if k in plain:
                 row["vs_plain"] = row["slots_tok_s"] / plain[k]["slots_tok_s"]
-    return out
+            if "server_tok_s" in plain.get(k, {}):
+                row["vs_server_plain"] = row["slots_tok_s"] / plain[k]["server_tok_s"]
+    return dict(tables)
 
 
 def ttft(args: argparse.Namespace, model: str) -> dict[str, object]:
     """First-token latency of a request arriving while 7 other slots decode."""
-    spec = METHODS["ngram"]
+    spec = METHODS["default"]
     with open_engine(model, 8, args.threads, args.gpu) as engine:
         reqs = prompts(engine, 8)
         probe = reqs[-1]
@@ -255,15 +274,14 @@ def _cell(row: dict[str, float], key: str, fmt: str = ".1f") -> str:
 
 
 def markdown(summary: dict[str, object]) -> str:
-    lines = ["| method | K | slots tok/s | vs plain | sequential tok/s | ratio "
-             "| llama-server -np K tok/s | server ratio | slots / server |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, rows in summary["throughput"].items():  # type: ignore[union-attr]
+    lines = ["| method | K | slots tok/s | vs plain | llama-server -np K tok/s (its peer) "
+             "| vs llama-server plain | vs its peer |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, rows in summary["throughput"].items():  # type: ignore[union-attr, attr-defined]
         for k, r in rows.items():
             lines.append(f"| {name} | {k} | {_cell(r, 'slots_tok_s')} | "
-                         f"{_cell(r, 'vs_plain', '.2f')} | "
-                         f"{_cell(r, 'sequential_tok_s')} | {_cell(r, 'ratio', '.2f')}x | "
-                         f"{_cell(r, 'server_tok_s')} | {_cell(r, 'server_ratio', '.2f')} | "
+                         f"{_cell(r, 'vs_plain', '.2f')} | {_cell(r, 'server_tok_s')} | "
+                         f"{_cell(r, 'vs_server_plain', '.2f')} | "
                          f"{_cell(r, 'slots_vs_server', '.2f')} |")
     return "\n".join(lines)
 
@@ -277,6 +295,8 @@ def main() -> None:
     ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
                     help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
     ap.add_argument("--ttft-trials", type=int, default=10)
+    ap.add_argument("--sequential", action="store_true",
+                    help="also run the 2K requests one at a time on one slot (slots vs sequential)")
     ap.add_argument("--gpu", action="store_true", help="offload every layer (n_gpu_layers -1)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: "
                     "throughput,ttft,memory")

@@ -10,7 +10,7 @@ free prose), each cold and warm:
   table across requests, so every repetition starts a fresh server: its first request is
   *cold*, the same request again *warm*.
 - specfleet in this process: plain, the default drafter (``auto`` on a head-less model:
-  n-gram, N 8) and the suffix drafter; *cold* is the first request on a
+  suffix, N 8) and the suffix drafter at N 64; *cold* is the first request on a
   fresh drafter state (empty output cache, uncalibrated confidences; the row costs measured at
   load are kept, as a fresh worker measures them at load), *warm* the same request again.
 
@@ -63,8 +63,9 @@ N_CTX = 4096
 DRAFT_MAX = 64
 SUFFIX = SpecSettings(method=SpecMethod.SUFFIX, draft_max=DRAFT_MAX)
 PLAIN = SpecSettings(method=SpecMethod.NONE)
-#: What a request without settings gets from a worker loaded with ``auto`` on Gemma.
-DEFAULT = SpecSettings(method=SpecMethod.NGRAM, draft_max=8)
+#: What a request without settings gets from a worker loaded with ``auto`` on Gemma (suffix
+#: drafting, its width the protocol's default N).
+DEFAULT = SpecSettings(method=SpecMethod.SUFFIX)
 Result = dict[str, float]
 
 
@@ -216,8 +217,11 @@ def main() -> None:
         for rep in range(args.reps):
             for w in texts:
                 record(w, "specfleet_plain", run_ours(engine, ids[w], args.tokens, PLAIN), rep)
-                record(w, "specfleet_default", run_ours(engine, ids[w], args.tokens, DEFAULT),
-                       rep)
+                forget(engine)
+                record(w, "specfleet_default_cold",
+                       run_ours(engine, ids[w], args.tokens, DEFAULT), rep)
+                record(w, "specfleet_default_warm",
+                       run_ours(engine, ids[w], args.tokens, DEFAULT), rep)
                 forget(engine)
                 record(w, "specfleet_suffix_cold",
                        run_ours(engine, ids[w], args.tokens, SUFFIX), rep)

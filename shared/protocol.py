@@ -69,7 +69,8 @@ class _WireEnum(StrEnum):
 
 
 class SpecMethod(_WireEnum):
-    """Which drafter proposes tokens. ``auto`` = MTP when the GGUF has a NextN head, else n-gram."""
+    """Which drafter proposes tokens. ``auto`` = suffix, with MTP beside it (``mtp+suffix``)
+    when the GGUF has a NextN head."""
 
     NONE = "none"
     NGRAM = "ngram"

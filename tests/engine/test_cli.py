@@ -69,7 +69,7 @@ def test_sampling_with_the_default_spec_repeats_by_seed_and_returns_logprobs(
     first = run(*args, "--logprobs", "2", "--json")
     assert first.returncode == 0, first.stderr
     out = json.loads(first.stdout)
-    assert out["seed"] == 11 and out["telemetry"]["spec_method"] == "ngram"
+    assert out["seed"] == 11 and out["telemetry"]["spec_method"] == "suffix"
     assert [lp["token"] for lp in out["logprobs"]] == out["tokens"]
     assert all(len(lp["top_logprobs"]) == 2 and lp["logprob"] <= 0 for lp in out["logprobs"])
     human = run(*args)

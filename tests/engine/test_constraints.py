@@ -95,7 +95,8 @@ def open_engine(model: Path, method: SpecMethod, slots: int = 1,
                 rollback_depth: int | None = None) -> SpeculativeEngine:
     capacity = EngineCapacity(method=method, draft_max=N_MAX, rollback_depth=rollback_depth)
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=1024, n_threads=1, slots=slots,
-                                          capacity=capacity, row_budget=False))
+                                          capacity=capacity, row_budget=False,
+                                          per_sequence_kv=True))
 
 
 #: The drafters: (model, method the engine loads for).
@@ -318,8 +319,8 @@ def test_sampling_keeps_the_masked_distribution(byte_models: dict[str, Path], dr
         plain = plain_sample(engine, prompt, SpecMethod.NONE, seed0=0)
         if draft_only:
             accept = Verifier._accept
-            monkeypatch.setattr(Verifier, "_accept", lambda self, job, row0: accept(
-                self, replace(job, constraint=UNCONSTRAINED), row0))
+            monkeypatch.setattr(Verifier, "_accept", lambda self, job, row0, alone: accept(
+                self, replace(job, constraint=UNCONSTRAINED), row0, alone))
         spec = plain_sample(engine, prompt, SpecMethod.MTP, seed0=10_000)
     assert set(plain) <= set("abcdefghijkl") and len(plain) >= 6  # the mask spreads over many
     p_value = _homogeneity(plain, spec)

@@ -56,8 +56,8 @@ def test_request_defaults_must_fit_the_capacity() -> None:
 
 
 def test_auto_resolves_to_what_the_model_can_do() -> None:
-    assert plan_engine(config(SpecMethod.AUTO), HYBRID).method is SpecMethod.MTP
-    assert plan_engine(config(SpecMethod.AUTO), TRUNK).method is SpecMethod.NGRAM
+    assert plan_engine(config(SpecMethod.AUTO), HYBRID).method is SpecMethod.MTP_SUFFIX
+    assert plan_engine(config(SpecMethod.AUTO), TRUNK).method is SpecMethod.SUFFIX
     with pytest.raises(MtpUnavailableError, match="trunk.gguf has no MTP"):
         plan_engine(config(SpecMethod.MTP_SUFFIX), TRUNK)
 

@@ -56,6 +56,7 @@ def cached_engine(model: Path, method: SpecMethod, slots: int, depth: int | None
                   n_ctx: int = N_CTX, **config: object) -> SpeculativeEngine:
     return SpeculativeEngine(EngineConfig(
         str(model), n_ctx=n_ctx, n_threads=1, slots=slots, row_budget=False,
+        per_sequence_kv=True,
         capacity=EngineCapacity(method=method, draft_max=N_MAX, rollback_depth=depth),
         **config))  # type: ignore[arg-type]
 

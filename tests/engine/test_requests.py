@@ -24,12 +24,12 @@ def test_headless_model_with_mtp_fails_at_load_with_a_message(headless_model: Pa
         open_engine(headless_model, SpecMethod.MTP)
 
 
-def test_auto_picks_mtp_with_a_head_and_ngram_without(hybrid_model: Path,
-                                                      headless_model: Path) -> None:
+def test_auto_picks_suffix_with_mtp_beside_it_where_there_is_a_head(
+        hybrid_model: Path, headless_model: Path) -> None:
     with open_engine(hybrid_model, SpecMethod.AUTO) as engine:
-        assert engine.method is SpecMethod.MTP
+        assert engine.method is SpecMethod.MTP_SUFFIX
     with open_engine(headless_model, SpecMethod.AUTO) as engine:
-        assert engine.method is SpecMethod.NGRAM
+        assert engine.method is SpecMethod.SUFFIX
 
 
 def test_request_cannot_widen_the_engine_method(dense_ngram: Subject) -> None:

@@ -39,10 +39,13 @@ def prompt(seed: int, length: int) -> list[int]:
 def engine(model: Path, method: SpecMethod, slots: int, n_ctx: int = N_CTX,
            draft_max: int = N_MAX, row_budget: bool = False) -> SpeculativeEngine:
     """The row budget trims drafts by timed row costs, which would make what each slot
-    drafts depend on the machine's load; it is off except where a test says so."""
+    drafts depend on the machine's load; it is off except where a test says so. A KV
+    stream per slot: the slots' logits must not depend on each other for token-exact
+    comparison with one slot (EngineConfig.per_sequence_kv)."""
     capacity = EngineCapacity(method=method, draft_max=draft_max)
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=n_ctx, n_threads=1, slots=slots,
-                                          capacity=capacity, row_budget=row_budget))
+                                          capacity=capacity, row_budget=row_budget,
+                                          per_sequence_kv=True))
 
 
 def req(p: list[int], n: int, method: SpecMethod = SpecMethod.NGRAM, width: int = N_MAX,

@@ -42,13 +42,13 @@ def test_slots_multiply_the_per_slot_state(tiny_models: TinyModels, slots: int) 
 
 def test_a_fixed_budget_fits_less_context_per_slot_with_more_slots(
         tiny_models: TinyModels) -> None:
-    fits = [fit_worker(str(tiny_models.hybrid), budget_mib=4, fit_target_mib=0, capacity=COMPACT,
+    fits = [fit_worker(str(tiny_models.hybrid), budget_mib=5, fit_target_mib=0, capacity=COMPACT,
                        ctx_min=256, slots=s).report for s in (1, 2, 4)]
     contexts = [f.n_ctx for f in fits]
     assert contexts[0] > contexts[1] > contexts[2] >= 256, contexts
     for f in fits:
-        assert f.total_bytes <= 4 * MIB
-        assert f.details["next_step_total_bytes"] > 4 * MIB
+        assert f.total_bytes <= 5 * MIB
+        assert f.details["next_step_total_bytes"] > 5 * MIB
 
 
 def test_engine_from_a_slot_fit_allocates_it_and_reserves_every_checkpoint(

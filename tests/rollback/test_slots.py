@@ -37,7 +37,8 @@ def compact_engine(model: Path, slots: int, draft_max: int, depth: int, mode: Ch
     capacity = EngineCapacity(method=method, draft_max=draft_max, rollback_depth=depth)
     # No row budget: every oracle draft is verified as scheduled, so its rejection depth holds.
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=N_CTX, n_threads=1, slots=slots,
-                                          capacity=capacity, checkpoint=mode, row_budget=False))
+                                          capacity=capacity, checkpoint=mode, row_budget=False,
+                                          per_sequence_kv=True))
 
 
 class ReplaysPerStep:

@@ -69,6 +69,12 @@ class EngineConfig:
     #: through width-invariant CPU kernels only (docs/engine.md, "Deterministic mode").
     #: CPU backend only: a GPU build is refused (:data:`DETERMINISTIC_CPU_ONLY`).
     deterministic: bool = False
+    #: A KV stream per sequence instead of one cache for all (``ContextSpec.kv_unified``):
+    #: each slot's logits then never depend on what the other slots hold, so on models whose
+    #: products are width-invariant (the F32 test models) multi-slot greedy output equals a
+    #: lone slot's bit for bit; steps whose slots carry different row counts pay one weight
+    #: pass per distinct count. Deterministic mode implies it.
+    per_sequence_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.deterministic and self.n_gpu_layers != 0:
@@ -97,17 +103,23 @@ def model_spec(config: EngineConfig, no_alloc: bool = False) -> ModelSpec:
 
 
 def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int) -> ContextSpec:
-    """The target context: ``slots`` sequences of ``n_ctx`` tokens each (llama.cpp gives every
-    sequence ``n_ctx / n_seq_max`` of the cache). One step's batch holds every slot's verify
-    rows (``draft_max + 1`` each, all with logits) plus at most one prefill chunk, so the
-    output buffer is capped at the verify rows instead of the batch width (notes: 514 -> 22
-    MiB) and the batch at chunk + verify rows. Deterministic mode adds a row per slot for
-    :meth:`~worker.llm.Batch.pad_even` (a slot prefills or verifies in a step, never both)."""
+    """The target context: ``slots`` sequences of ``n_ctx`` tokens each (a cache of
+    ``slots x n_ctx`` cells; the engine keeps each sequence within ``n_ctx``). One step's
+    batch holds every slot's verify rows (``draft_max + 1`` each, all with logits) plus at
+    most one prefill chunk, so the output buffer is capped at the verify rows instead of the
+    batch width (notes: 514 -> 22 MiB) and the batch at chunk + verify rows. Deterministic
+    mode adds a row per slot for :meth:`~worker.llm.Batch.pad_even` (a slot prefills or
+    verifies in a step, never both)."""
     verify_rows = config.slots * (draft_max + 1 + config.deterministic)
     return ContextSpec(n_ctx=config.n_ctx * config.slots, n_batch=PREFILL_CHUNK + verify_rows,
                        n_ubatch=TARGET_UBATCH, n_seq_max=config.slots, n_rs_seq=n_rs_seq,
                        n_outputs_max=verify_rows, n_threads=config.n_threads, swa_full=False,
-                       deterministic=config.deterministic)
+                       kv_unified=unified_kv(config), deterministic=config.deterministic)
+
+
+def unified_kv(config: EngineConfig) -> bool:
+    """One KV cache for every slot, unless the config asks for a stream per sequence."""
+    return not (config.per_sequence_kv or config.deterministic)
 
 
 def draft_batch(config: EngineConfig, draft_max: int) -> int:
@@ -121,4 +133,4 @@ def draft_spec(config: EngineConfig, draft_max: int) -> ContextSpec:
     output row per slot (every slot drafts its next token in the same decode)."""
     return ContextSpec(n_ctx=config.n_ctx * config.slots, n_batch=draft_batch(config, draft_max),
                        n_ubatch=DRAFT_BATCH, n_seq_max=config.slots, n_outputs_max=config.slots,
-                       n_threads=config.n_threads, mtp=True)
+                       n_threads=config.n_threads, mtp=True, kv_unified=unified_kv(config))

@@ -91,10 +91,13 @@ class EnginePlan:
 
 
 def resolve_method(method: SpecMethod, model: ModelFacts) -> SpecMethod:
-    """The concrete method an engine is built for: ``auto`` is MTP when the model has a NextN
-    head, n-gram otherwise; MTP asked of a head-less model is an error, never a substitute."""
+    """The concrete method an engine is built for: ``auto`` is suffix drafting, with the MTP
+    head beside it when the model has one (docs/engine.md, "Choosing a drafter": suffix only
+    drafts what its measured confidences and row costs pay for, so it is the one drafter
+    that does not lose to plain decoding where nothing repeats); MTP asked of a head-less
+    model is an error, never a substitute."""
     if method is SpecMethod.AUTO:
-        return SpecMethod.MTP if model.mtp_head else SpecMethod.NGRAM
+        return SpecMethod.MTP_SUFFIX if model.mtp_head else SpecMethod.SUFFIX
     if uses_mtp(method) and not model.mtp_head:
         raise MtpUnavailableError(
             f"{model.path} has no MTP (NextN) head (nextn_predict_layers = 0): "

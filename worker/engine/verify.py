@@ -89,7 +89,8 @@ class Verifier:
         td = perf_counter()
         self.target.decode(batch)
         decode = perf_counter() - td
-        outcomes = [self._accept(job, row0) for job, row0 in zip(jobs, rows, strict=True)]
+        alone = len(jobs) == 1 and not chunks
+        outcomes = [self._accept(job, row0, alone) for job, row0 in zip(jobs, rows, strict=True)]
         t1 = perf_counter()
         for job, outcome in zip(jobs, outcomes, strict=True):
             job.proposer.observe(outcome)
@@ -104,12 +105,12 @@ class Verifier:
         t3 = perf_counter()
         return outcomes, StepTimes(target=(t1 - t0) + (t3 - t2), decode=decode, observe=t2 - t1)
 
-    def _accept(self, job: VerifyJob, row0: int) -> VerifyOutcome:
+    def _accept(self, job: VerifyJob, row0: int, alone: bool) -> VerifyOutcome:
         n_accepted, token = job.sampler.verify(self.target, row0, job.pos0, job.history,
                                                job.draft, job.constraint)
         drafts = job.draft.tokens
         logprobs = job.logprobs.report(self.target, row0, [*drafts[:n_accepted], token])
-        return VerifyOutcome(job.pos0, job.last, drafts, n_accepted, token, row0, logprobs)
+        return VerifyOutcome(job.pos0, job.last, drafts, n_accepted, token, row0, logprobs, alone)
 
     def close(self) -> None:
         self.batch.close()

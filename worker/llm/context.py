@@ -35,6 +35,15 @@ class ContextSpec:
     #: Full-size SWA cache is llama.cpp's default; off keeps only the window (Gemma: 6x less KV).
     swa_full: bool = False
     offload_kqv: bool = True
+    #: One KV cache for every sequence (llama.cpp's ``kv_unified``; its default is a stream
+    #: per sequence). A step's batch mixes sequences with different row counts (a verify of
+    #: drafts beside plain rows, a prompt chunk beside decodes), and with a stream per
+    #: sequence llama.cpp splits such a batch into equal-length ubatches, each reading every
+    #: weight again: on Gemma 270M a verify of 8 rows over 4 slots cost two decodes. The
+    #: price: a sequence's attention spans the cells of all (masked), so its logits can
+    #: differ in the last bits with what else the cache holds (docs/engine.md, "Several
+    #: slots").
+    kv_unified: bool = True
     #: Width-invariant decoding (docs/engine.md, "Deterministic mode"): every row's logits
     #: are the same bits whatever else the decode carries. Per-sequence KV streams with a
     #: full sliding-window cache (a sequence's cells are its positions in order, whatever
@@ -64,6 +73,7 @@ class ContextSpec:
         p.swa_full = self.swa_full
         p.offload_kqv = self.offload_kqv
         p.no_perf = True
+        p.kv_unified = self.kv_unified
         if self.deterministic:
             p.kv_unified = False
             p.swa_full = True

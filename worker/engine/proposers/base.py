@@ -49,7 +49,9 @@ class VerifyOutcome:
     is the target's token at the first unverified row. ``logprobs`` describe the accepted
     drafts and the bonus, in order, when the request asked for them. The verify's rows start
     at entry ``row0`` of the target's batch (several slots share one decode): entry
-    ``row0 + i`` holds the logits and hidden state of ``[last_token, *draft][i]``.
+    ``row0 + i`` holds the logits and hidden state of ``[last_token, *draft][i]``. ``alone``:
+    the decode held only these rows (no other slot's, no prompt chunk), so its duration is
+    what this verify's width costs.
     """
 
     pos0: int
@@ -59,6 +61,7 @@ class VerifyOutcome:
     bonus: int
     row0: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    alone: bool = True
 
     @property
     def accepted(self) -> list[int]:

@@ -93,11 +93,12 @@ class SuffixProposer:
         """Learn the verify's cost and how each of our verified tokens went; record the
         committed tokens in the request's index and in this output's cache entry.
 
-        The time since :meth:`stamp` is this verify's cost when its rows opened the step's
-        batch; with several slots it still includes the rows of slots verified after it (a
-        step's cost, which is what those slots pay together)."""
+        The time since :meth:`stamp` is this verify's cost only when its rows had the decode
+        to themselves: a step shared with other slots or a prompt chunk costs what all its rows
+        cost (the engine's step costs learn those), and charging it to this width would make a
+        lone plain step look dear and every draft after it cheap."""
         shared = self._shared
-        if outcome.row0 == 0:  # rows after a prefill chunk or another slot's: not ours alone
+        if outcome.alone:
             shared.costs.observe(len(outcome.draft) + 1, perf_counter() - self._proposed_at)
         for i, (mine, verified) in enumerate(zip(self._draft, outcome.draft, strict=False)):
             if mine != verified or i > outcome.n_accepted:
