@@ -134,3 +134,34 @@ def test_a_repeated_request_drafts_its_earlier_output_from_the_first_step() -> N
     repeat = SuffixProposer(shared)
     repeat.start(prompt)
     assert repeat.propose(prompt, 6, 0.0).tokens == [7, 3, 9, 1, 4, 4]
+
+
+def test_a_request_whose_drafts_keep_failing_drafts_less_and_recovers() -> None:
+    """A repeat whose output leaves the cached one: its drafts from the cache are rejected at
+    once. Its own record scales its confidences down until the cost rule stops drafting,
+    while a fresh request on the same cells still drafts; plain verifies give them back
+    (rows that cost 0.6 of a decode)."""
+    shared = SuffixShared(RowCosts(DEAR_ROWS), OutputCache(max_bytes=10**7))
+    prompt = [300 + i for i in range(40)]
+    earlier = SuffixProposer(shared)
+    earlier.start(prompt)
+    _commit(earlier, list(prompt), list(range(1000, 1200)))
+    repeat = SuffixProposer(shared)
+    repeat.start(prompt)
+    history = [*prompt, *range(1000, 1100)]  # deep inside the cached output
+
+    def verify(draft: list[int], n_accepted: int) -> None:
+        repeat.observe(VerifyOutcome(len(history) - 1, history[-1], draft, n_accepted, 7))
+
+    widths = [len(repeat.propose(history, 8, 0.0).tokens)]
+    while widths[-1] and len(widths) < 4:
+        verify(repeat.propose(history, 8, 0.0).tokens, 0)
+        widths.append(len(repeat.propose(history, 8, 0.0).tokens))
+    assert widths[0] > 0 and widths[-1] == 0, widths
+    fresh = SuffixProposer(shared)
+    fresh.start(prompt)
+    assert len(fresh.propose(history, 8, 0.0).tokens) > 0  # the cells alone still draft
+    for _ in range(40):  # plain steps: the record decays back to "as promised"
+        repeat.propose(history, 0, 0.0)
+        verify([], 0)
+    assert len(repeat.propose(history, 8, 0.0).tokens) > 0

@@ -61,3 +61,40 @@ class AcceptanceStats:
         if stats[1] > MAX_TRIALS:
             stats[0] /= 2.0
             stats[1] /= 2.0
+
+
+#: How much of its record a request keeps per verify (about the last ten verifies count).
+RECORD_DECAY = 0.9
+#: Pseudo-tokens of "as promised" that a request's record starts from and returns to.
+RECORD_PRIOR = 2.0
+
+
+class RequestRecord:
+    """How one request's drafts did against what their confidences promised, lately.
+
+    The cells calibrate over all traffic; a request can still sit where they are wrong. A
+    repeat of a request on a quantized model is the measured case: its greedy output leaves
+    the cached one within a few tokens (a batched verify is not bit-identical to a lone
+    decode), the cache keeps matching it 64 tokens deep with 0.99, and each such draft is
+    rejected at once (CSV rewritten as JSON, repeated: acceptance 0.31, 0.82x plain). So
+    every confidence of its drafts is scaled by ``accepted / promised`` over its recent
+    verifies (a draft promises the sum of its running confidence products, the accepted
+    tokens it expects), at most 1 (a request never drafts beyond its cells). Scaling each
+    token compounds along a draft, which is the caution wanted: the failures of such a
+    request are spread over a draft's positions, and scaling only the first one left it
+    drafting at a loss. The record decays towards "as promised" at every verify, drafted
+    or not, so a request that stopped drafting gets its confidences back within a few
+    dozen tokens.
+    """
+
+    def __init__(self) -> None:
+        self._accepted = 0.0
+        self._promised = 0.0
+
+    def scale(self) -> float:
+        return min(1.0, (self._accepted + RECORD_PRIOR) / (self._promised + RECORD_PRIOR))
+
+    def record(self, promised: float, accepted: int) -> None:
+        """One verify: the accepted tokens its draft promised (0 without one) and got."""
+        self._accepted = RECORD_DECAY * self._accepted + accepted
+        self._promised = RECORD_DECAY * self._promised + promised

@@ -30,7 +30,7 @@ from time import perf_counter
 from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import best_draft_length
 from worker.engine.proposers.base import Draft, VerifyOutcome
-from worker.engine.proposers.confidence import AcceptanceStats, Cell
+from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
 from worker.engine.proposers.output_cache import OutputCache
 from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
 
@@ -62,7 +62,9 @@ class SuffixProposer:
         self._entry: int | None = None
         self._cells: list[Cell] = []
         self._draft: list[int] = []
+        self._confidences: list[float] = []
         self._proposed_at = 0.0
+        self._record = RequestRecord()
 
     def start(self, prompt: Sequence[int]) -> None:
         """Index the prompt and open this output's cache entry. The entry starts with the
@@ -71,7 +73,8 @@ class SuffixProposer:
         self._local = TokenIndex(prompt)
         self._entry = self._shared.cache.open()
         self._shared.cache.extend(self._entry, prompt[-LEAD_IN:])
-        self._cells, self._draft = [], []
+        self._cells, self._draft, self._confidences = [], [], []
+        self._record = RequestRecord()
 
     def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
         """The worthwhile prefix of the best-supported continuation; ``p_min`` also stops it
@@ -81,8 +84,9 @@ class SuffixProposer:
         tokens, confidences, cells = self._walk(self._match(history), width, p_min)
         keep = best_draft_length(confidences, self._shared.costs.seconds)
         self._draft, self._cells = tokens[:keep], cells[:keep]
+        self._confidences = confidences[:keep]
         self.stamp()
-        return Draft(self._draft, confidences=confidences[:keep])
+        return Draft(self._draft, confidences=self._confidences)
 
     def stamp(self) -> None:
         """The verify starts now: the time until :meth:`observe` is its cost. A drafter that
@@ -104,11 +108,19 @@ class SuffixProposer:
             if mine != verified or i > outcome.n_accepted:
                 break  # another drafter's token, or past the first rejection: no evidence
             shared.stats.record(self._cells[i], i < outcome.n_accepted)
+        if self._draft and outcome.draft[:len(self._draft)] == self._draft:
+            promised, reach = 0.0, 1.0
+            for p in self._confidences:
+                reach *= p
+                promised += reach
+            self._record.record(promised, min(outcome.n_accepted, len(self._draft)))
+        else:
+            self._record.record(0.0, 0)
         committed = [*outcome.accepted, outcome.bonus]
         self._local.extend(committed)
         if self._entry is not None:
             shared.cache.extend(self._entry, committed)
-        self._draft, self._cells = [], []
+        self._draft, self._cells, self._confidences = [], [], []
 
     # -- internals -------------------------------------------------------------------------
     def _match(self, history: Sequence[int]) -> tuple[int, list[Occurrence]]:
@@ -135,6 +147,7 @@ class SuffixProposer:
         """Follow the occurrences' continuations token by token, majority first."""
         depth, occurrences = match
         stats = self._shared.stats
+        scale = self._record.scale()
         tokens: list[int] = []
         confidences: list[float] = []
         cells: list[Cell] = []
@@ -149,6 +162,7 @@ class SuffixProposer:
                 break
             token = max(counts, key=counts.__getitem__)  # ties: the most recent occurrence
             p, cell = stats.confidence(depth + i, sum(counts.values()), counts[token])
+            p *= scale
             reach *= p
             if p < p_min or reach < MIN_REACH:
                 break
