@@ -31,7 +31,7 @@ demo: install
 
 # The suite runs in PYTEST_WORKERS processes, a test file to each (most of a test's time is
 # spent waiting on worker processes, Redis backoffs and subprocess starts, not computing).
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: install

@@ -36,3 +36,24 @@ def specfleet(*args: str, env: Mapping[str, str] | None = None, stdin: str | Non
 def greedy(engine: SpeculativeEngine, n_tokens: int, prompt: list[int] = PROMPT) -> list[int]:
     """Plain one-token-at-a-time greedy continuation: the reference of every exactness check."""
     return engine.generate(prompt, n_tokens, SpecSettings(method=SpecMethod.NONE)).tokens
+
+
+def close_floats(value: object) -> object:
+    """``value`` (dicts, lists, pydantic models) with every float replaced by a
+    ``pytest.approx`` of it, so ``==`` holds every token, text and byte exact and every
+    log probability to 1e-5, alternatives in any order (two tied to 1e-5 may swap): one
+    request and its repeat run on a different KV layout and verify width, and attention over
+    a shared cache sums in another order (docs/engine.md, "Several slots"). Compare with
+    the other side's ``model_dump()`` dicts, alternatives sorted by token."""
+    import pytest  # noqa: PLC0415  (helpers is imported by non-test tools too)
+
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    if isinstance(value, float):
+        return pytest.approx(value, rel=1e-5, abs=1e-9)
+    if isinstance(value, dict):
+        return {k: close_floats(sorted(v, key=lambda t: t["token"]) if k == "top_logprobs"
+                                else v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [close_floats(v) for v in value]
+    return value

@@ -54,4 +54,4 @@ def test_health_and_metrics_see_the_fleet(deployment: Deployment) -> None:
     assert model.id == MODEL_NAME and model.specfleet["chat_template"] is True
     [worker] = model.specfleet["workers"]
     assert (worker["name"], worker["n_ctx"], model.specfleet["max_context"]) == ("w1", 512, 512)
-    assert worker["capacity"]["method"] == "ngram"  # what the tiny dense model drafts with
+    assert worker["capacity"]["method"] == "suffix"  # what auto loads on a head-less model
