@@ -151,9 +151,7 @@ def test_a_request_whose_drafts_keep_failing_drafts_less_and_recovers() -> None:
     history = [*prompt, *range(1000, 1100)]  # deep inside the cached output
 
     def verify(draft: list[int], n_accepted: int) -> None:
-        # Not alone: the row costs would learn this test's microseconds (machine timing).
-        repeat.observe(VerifyOutcome(len(history) - 1, history[-1], draft, n_accepted, 7,
-                                     alone=False))
+        repeat.observe(VerifyOutcome(len(history) - 1, history[-1], draft, n_accepted, 7))
 
     widths = [len(repeat.propose(history, 8, 0.0).tokens)]
     while widths[-1] and len(widths) < 4:

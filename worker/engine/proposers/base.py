@@ -51,7 +51,7 @@ class VerifyOutcome:
     at entry ``row0`` of the target's batch (several slots share one decode): entry
     ``row0 + i`` holds the logits and hidden state of ``[last_token, *draft][i]``. ``alone``:
     the decode held only these rows (no other slot's, no prompt chunk), so its duration is
-    what this verify's width costs.
+    what this verify's width costs (only the verifier knows: False unless it says so).
     """
 
     pos0: int
@@ -61,7 +61,7 @@ class VerifyOutcome:
     bonus: int
     row0: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    alone: bool = True
+    alone: bool = False
 
     @property
     def accepted(self) -> list[int]:
