@@ -26,8 +26,8 @@ budgets. ``--gpu`` runs the engines with every layer offloaded (``n_gpu_layers =
 Progress goes to stderr, the JSON summary to stdout, ``--markdown`` adds tables.
 
     ./.venv/bin/python bench/slots.py [--tokens 128] [--concurrency 1,2,4,8] [--threads 2]
-        [--methods plain,ngram,suffix] [--llama-server PATH] [--ttft-trials 10] [--gpu]
-        [--deterministic] [--markdown]
+        [--methods plain,default,ngram] [--llama-server PATH] [--ttft-trials 10] [--gpu]
+        [--deterministic] [--tasks mixed|copy] [--sequential] [--markdown]
 """
 
 from __future__ import annotations
@@ -72,17 +72,24 @@ SERVER_SPEC = {"plain": ("--spec-type", "none"), "default": ("--spec-type", "ngr
 CODE = MERGE_INTERVALS
 ROWS = "\n".join(f"{i},item-{i * 7 % 13},{i * 3.25:.2f},{'yes' if i % 3 else 'no'}"
                  for i in range(1, 13))
-TASKS = [
+COPY_TASKS = [
     f"Copy this function exactly, renaming merge_intervals to combine_ranges:\n\n{CODE}\n",
-    f"Rewrite each CSV row (id,name,price,in_stock) as one JSON object per line:\n\n{ROWS}\n",
     f"Copy this function exactly:\n\n{CODE}\n",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.\n",
 ]
+TASKS = [COPY_TASKS[0],
+         f"Rewrite each CSV row (id,name,price,in_stock) as one JSON object per line:\n\n{ROWS}\n",
+         COPY_TASKS[1],
+         "Write a short story about a lighthouse keeper who finds a message in a bottle.\n"]
+#: ``--tasks``: the mix above, or only the copy-heavy ones (the speculation ceiling).
+TASK_SETS = {"mixed": TASKS, "copy": COPY_TASKS}
+#: The task set of this run (``--tasks``).
+CHOSEN_TASKS = [TASKS]
 
 
 def prompts(engine: SpeculativeEngine, k: int) -> list[list[int]]:
     """K different requests (the tasks cycled, each numbered so no two are identical)."""
-    return [engine.tokenize(f"Request {i + 1}. {TASKS[i % len(TASKS)]}") for i in range(k)]
+    tasks = CHOSEN_TASKS[0]
+    return [engine.tokenize(f"Request {i + 1}. {tasks[i % len(tasks)]}") for i in range(k)]
 
 
 #: Every engine of the run is deterministic (``--deterministic``).
@@ -291,6 +298,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--concurrency", default="1,2,4,8", help="comma list of K")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma list")
+    ap.add_argument("--tasks", choices=sorted(TASK_SETS), default="mixed",
+                    help="request mix: copy, CSV->JSON and prose (mixed), or copying only")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
     ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
                     help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
@@ -307,6 +316,7 @@ def main() -> None:
     DETERMINISTIC[0] = args.deterministic
     args.concurrency = [int(k) for k in args.concurrency.split(",")]
     args.methods = args.methods.split(",")
+    CHOSEN_TASKS[0] = TASK_SETS[args.tasks]
     skip = set(args.skip.split(","))
 
     configure_logging(level="warning")
@@ -317,7 +327,8 @@ def main() -> None:
               "running specfleet only; build it as docs/benchmarks.md says", file=sys.stderr)
     summary: dict[str, object] = {"tokens": args.tokens, "threads": args.threads,
                                   "gpu": args.gpu, "n_ctx_per_slot": N_CTX,
-                                  "draft_max": DRAFT_MAX, "deterministic": args.deterministic}
+                                  "draft_max": DRAFT_MAX, "deterministic": args.deterministic,
+                                  "tasks": args.tasks}
     if "throughput" not in skip:
         summary["throughput"] = throughput(args, model, server)
     if "ttft" not in skip:
