@@ -47,7 +47,8 @@ MaxTokens = Annotated[int, typer.Option(min=1, help="tokens to generate at most"
 Prompt = Annotated[str | None, typer.Option(help="prompt text")]
 PromptTokens = Annotated[str | None, typer.Option(help="prompt token ids: 1,2,3")]
 Spec = Annotated[SpecMethod, typer.Option(
-    help="drafting method (auto: the model's MTP head if it has one, else n-gram)")]
+    help="drafting method (auto: suffix drafting, with the MTP head beside it where the "
+    "model has one)")]
 DraftMax = Annotated[int, typer.Option(help="draft width ceiling N")]
 DraftMin = Annotated[int, typer.Option(help="shorter drafts are dropped")]
 PMin = Annotated[float, typer.Option(help="stop drafting below this confidence")]
