@@ -46,6 +46,10 @@ class _StdlibBridge(logging.Handler):
     so they reach the same JSON stream (redacted, filterable) instead of raw stderr."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if sys.is_finalizing():
+            # A library's __del__ logging while the interpreter shuts down (an HTTP client's
+            # "close.started"): imports fail by then, and stdlib would print a traceback.
+            return
         try:
             library = record.name.split(".", 1)[0] or "root"
             method = logging.getLevelName(min(record.levelno, logging.ERROR)).lower()
