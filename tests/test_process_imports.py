@@ -28,13 +28,20 @@ NO_MODEL = ("llama_cpp", "worker")
 NO_HTTP = ("fastapi", "starlette", "uvicorn", "coordinator.gateway")
 
 #: Each start of the interpreter counts itself in the environment, which a re-execution
-#: (``os.execv``) inherits: a worker that had to re-execute to pin its device reports 2.
+#: (``os.execv``) inherits: a worker that had to re-execute to pin its device reports 2. A
+#: finder sees the first import of llama_cpp and notes the visible devices at that moment.
 _PRELUDE = """
 import atexit, json, os, sys
 out = sys.argv.pop(1)
 os.environ["STARTS"] = str(int(os.environ.get("STARTS", "0")) + 1)
+seen = {}
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "llama_cpp" and "at_llama_import" not in seen:
+            seen["at_llama_import"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+sys.meta_path.insert(0, Watch())
 atexit.register(lambda: open(out, "w").write(json.dumps(
-    {"modules": sorted(sys.modules), "starts": int(os.environ["STARTS"])})))
+    {"modules": sorted(sys.modules), "starts": int(os.environ["STARTS"]), **seen})))
 sys.argv[0] = "specfleet"
 from coordinator.cli import main
 main()
@@ -67,6 +74,9 @@ class Run:
     modules: list[str]
     #: Interpreter starts of the process (more than 1: it re-executed itself).
     starts: int
+    #: CUDA_VISIBLE_DEVICES when llama_cpp was first imported ("missing": never imported,
+    #: None: not set yet).
+    at_llama_import: str | None
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +99,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     for case, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
         report = json.loads((workdir / f"{case}.json").read_text())
-        done[case] = Run(proc.returncode, stderr, report["modules"], report["starts"])
+        done[case] = Run(proc.returncode, stderr, report["modules"], report["starts"],
+                         report.get("at_llama_import", "missing"))
     return done
 
 
@@ -120,6 +131,7 @@ def test_a_worker_pins_its_device_before_llama_cpp_loads(runs: dict[str, Run]) -
     imported the engine)."""
     for case in ("worker", "worker-loads"):
         assert runs[case].starts == 1, (case, runs[case].stderr)
+    assert runs["worker-loads"].at_llama_import == "", "llama.cpp loaded before the pin"
 
 
 def test_every_sub_command_module_is_reachable() -> None:
