@@ -133,21 +133,17 @@ class WorkerOptions:
 def pin_device(device: DeviceRef) -> int:
     """Make ``device`` the only one llama.cpp can see; returns the GPU layer count to use.
 
-    Must run before llama.cpp initialises its backends (``serve`` re-executes the process
-    when llama.cpp was already imported with another device visible).
+    Must run before llama.cpp loads: it reads the visible devices once. A process that
+    loaded it earlier with another value would serve on the wrong device, so that is refused
+    (``specfleet worker`` pins before it imports the serving code;
+    ``tests/test_process_imports.py`` checks the order).
     """
+    wanted = str(device.index) if device.is_cuda else ""
+    if "llama_cpp" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != wanted:
+        raise RuntimeError(f"llama.cpp was loaded before the device was pinned to "
+                           f"{device.name}: pin first (worker/launch.py)")
     # CUDA numbers GPUs fastest-first unless told otherwise; NVML (which the fitter measures
     # through) numbers them by PCI bus: make cuda:N the same GPU for both.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index) if device.is_cuda else ""
+    os.environ["CUDA_VISIBLE_DEVICES"] = wanted
     return -1 if device.is_cuda else 0
-
-
-def reexec_if_pinned_too_late(device: DeviceRef) -> None:
-    """llama.cpp reads CUDA_VISIBLE_DEVICES when it loads: restart the process if too late."""
-    wanted = str(device.index) if device.is_cuda else ""
-    if "llama_cpp" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != wanted:
-        os.environ["CUDA_VISIBLE_DEVICES"] = wanted
-        # orig_argv keeps "-m coordinator.cli": re-running argv[0] as a script would put
-        # coordinator/cli/ first on sys.path and shadow the ``worker`` package.
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

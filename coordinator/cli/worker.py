@@ -88,12 +88,12 @@ def worker(
         prefix_checkpoints=prefix_checkpoints, deterministic=deterministic)
     # Pinned before the serving code is imported: it loads llama.cpp, which reads the
     # visible devices once (docs/architecture.md, "Processes").
-    pin_device(device_ref)
+    n_gpu_layers = pin_device(device_ref)
     from worker.fitter import FitError  # noqa: PLC0415
     from worker.service.runner import serve  # noqa: PLC0415
 
     try:
-        serve(options, settings)
+        serve(options, settings, device_ref, n_gpu_layers)
     except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
     except (FitError, RuntimeError, ValueError) as exc:

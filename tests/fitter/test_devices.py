@@ -7,7 +7,7 @@ import pytest
 
 from worker.fitter.devices import MIB, device_memory, host_memory, require_device
 from worker.fitter.errors import FitError
-from worker.launch import DeviceRef, parse_device
+from worker.launch import DeviceRef, parse_device, pin_device
 
 
 def _nvml_works() -> bool:
@@ -76,3 +76,18 @@ def test_a_cuda_device_without_gpu_offload_is_refused() -> None:
     with pytest.raises(FitError, match="^cannot serve on cuda:0: this llama.cpp build has "
                                        "no GPU offload"):
         require_device(parse_device("cuda:0"))
+
+
+def test_pinning_after_llama_cpp_loaded_with_another_device_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process has loaded llama.cpp: pinning to what it saw passes, to another device
+    is refused rather than served on the wrong one."""
+    assert llama_cpp is not None  # loaded, as in any process past the pin
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # pin_device sets it: restored after
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert pin_device(DeviceRef("cpu")) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(RuntimeError, match="loaded before the device was pinned to cpu"):
+        pin_device(DeviceRef("cpu"))
+    with pytest.raises(RuntimeError, match="pinned to cuda:1"):
+        pin_device(DeviceRef("cuda", 1))

@@ -118,8 +118,9 @@ def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int) -> ContextS
 
 
 def unified_kv(config: EngineConfig) -> bool:
-    """One KV cache for every slot, unless the config asks for a stream per sequence."""
-    return not (config.per_sequence_kv or config.deterministic)
+    """One KV cache for every slot, unless the config asks for a stream per sequence (a
+    deterministic context always has one: ``ContextSpec.deterministic`` decides that)."""
+    return not config.per_sequence_kv
 
 
 def draft_batch(config: EngineConfig, draft_max: int) -> int:

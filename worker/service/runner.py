@@ -33,7 +33,7 @@ from shared.settings import Settings
 from shared.version import package_version
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.prompt import choose_template
-from worker.launch import WorkerOptions, parse_device, pin_device, reexec_if_pinned_too_late
+from worker.launch import DeviceRef, WorkerOptions
 from worker.service.cancel import CancelWatch
 from worker.service.heartbeat import Heartbeat
 from worker.service.intake import JobIntake
@@ -52,11 +52,11 @@ def loaded_capacity(engine: SpeculativeEngine) -> WorkerCapacity:
     return engine.plan.capacity()
 
 
-def serve(options: WorkerOptions, settings: Settings) -> None:
-    """Run a worker until SIGTERM: pin, load, register, recover, work, deregister."""
-    device = parse_device(options.device)
-    reexec_if_pinned_too_late(device)
-    n_gpu_layers = pin_device(device)
+def serve(options: WorkerOptions, settings: Settings, device: DeviceRef,
+          n_gpu_layers: int) -> None:
+    """Run a worker until SIGTERM: load, register, recover, work, deregister. ``device`` was
+    pinned before this module was imported (:func:`worker.launch.pin_device`, which gave
+    ``n_gpu_layers``)."""
     connection = connect(settings.redis_url)
     connection.ping()
     keys = settings.keys
