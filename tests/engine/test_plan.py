@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings, Telemetry
+from worker.engine.config import draft_spec, target_spec
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.plan import ModelFacts, RollbackKind, plan_engine
 from worker.engine.proposers.mtp import MtpUnavailableError
@@ -126,3 +127,17 @@ def test_the_engine_is_built_from_its_plan(tiny_models: TinyModels, which: str,
             RollbackKind.KV_TRIM: "KvTrimRollback", RollbackKind.SNAPSHOTS: "SnapshotRollback",
             RollbackKind.COMPACT: "CompactRollback"}[plan.rollback]
     engine.close()  # closing twice is harmless
+
+
+def test_slots_share_one_kv_cache_unless_asked_per_sequence() -> None:
+    """A step's uneven rows must reach llama.cpp as one ubatch: its default stream per
+    sequence splits them (docs/engine.md, "Several slots"). A stream per sequence stays
+    available for token-exact comparisons, and deterministic mode always has one."""
+    base = config(SpecMethod.MTP, slots=4)
+    assert target_spec(base, 0, 6).to_params().kv_unified
+    assert draft_spec(base, 6).to_params().kv_unified
+    per_sequence = EngineConfig("m.gguf", slots=4, capacity=base.capacity,
+                                per_sequence_kv=True)
+    assert not target_spec(per_sequence, 0, 6).to_params().kv_unified
+    deterministic = EngineConfig("m.gguf", slots=4, capacity=base.capacity, deterministic=True)
+    assert not target_spec(deterministic, 0, 6).to_params().kv_unified
