@@ -165,3 +165,45 @@ def test_a_request_whose_drafts_keep_failing_drafts_less_and_recovers() -> None:
         repeat.propose(history, 0, 0.0)
         verify([], 0)
     assert len(repeat.propose(history, 8, 0.0).tokens) > 0
+
+
+def _greedy(proposer: SuffixProposer, history: list[int], truth: list[int],
+            width: int) -> list[tuple[int, list[int], int]]:
+    """Run ``proposer`` as the engine would while the target writes ``truth``: each step's
+    draft is accepted as far as it agrees with ``truth`` and the next true token is the
+    bonus. Returns every step's (index into ``truth`` it drafted from, draft, accepted)."""
+    steps: list[tuple[int, list[int], int]] = []
+    done = 0
+    while done < len(truth):
+        draft = proposer.propose(history, min(width, len(truth) - done - 1), 0.0).tokens
+        n = 0
+        while n < len(draft) and draft[n] == truth[done + n]:
+            n += 1
+        proposer.observe(VerifyOutcome(len(history) - 1, history[-1], draft, n,
+                                       truth[done + n]))
+        history += truth[done:done + n + 1]
+        steps.append((done, draft, n))
+        done += n + 1
+    return steps
+
+
+def test_a_request_drafts_its_own_structure_where_the_cache_outvotes_it() -> None:
+    """Records ``filler key sep value``: an earlier output wrote value 60 sixteen times, this
+    request writes 70. At the value both sources match ``key sep`` alike; pooled, the cache's
+    sixteen outvote the request's own few and every value drafted is rejected. Walked apart,
+    the cached continuation is tried first (sixteen agreeing occurrences), fails, and the
+    request's own records carry the values from then on."""
+    key, sep = 50, 51
+    shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7))
+    earlier = SuffixProposer(shared)
+    earlier.start([900, 901])
+    _commit(earlier, [900, 901], [t for j in range(16) for t in (2000 + j, key, sep, 60)])
+    repeat = SuffixProposer(shared)
+    repeat.start([800, 801])
+    truth = [t for i in range(12) for t in (3000 + i, key, sep, 70)]
+    steps = _greedy(repeat, [800, 801], truth, 4)
+    # What each step drafted at a value position (truth index 3, 7, ...), in order.
+    at_values = [(draft[j - done], j - done < n) for done, draft, n in steps
+                 for j in range(done, done + len(draft)) if j % 4 == 3]
+    assert at_values[0] == (60, False), steps  # the cache's majority first
+    assert sum(ok for _, ok in at_values) >= 9, steps

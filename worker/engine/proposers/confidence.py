@@ -1,13 +1,17 @@
 """How likely a looked-up continuation token is to be accepted, from counts and from outcomes.
 
-A candidate token comes with evidence: how long the matched context is (``depth``), how many
-earlier occurrences of it went on (``support``) and how many of those went on with this token
-(``agree``). The first guess is a count estimate shrunk towards a prior that grows with the
-depth (a 16-token match continued once is a copy; a 1-token match is a coin toss). Verification
-then says how such guesses really went: every verified draft token is one trial in its
-evidence cell, so the confidence the draft-length decision uses is calibrated on this model
-and this traffic, and a kind of match that keeps failing (CSV values after a repeated key)
-stops being drafted.
+A candidate token comes with evidence: where it was found (the request's own prompt and
+output, or other requests' cached outputs: ``shared``), how long the matched context is
+(``depth``), how many earlier occurrences of it went on (``support``) and how many of those
+went on with this token (``agree``). The first guess is a count estimate shrunk towards a
+prior that grows with the depth (a 16-token match continued once is a copy; a 1-token match
+is a coin toss). Verification then says how such guesses really went: every verified draft
+token is one trial in its evidence cell, so the confidence the draft-length decision uses is
+calibrated on this model and this traffic, and a kind of match that keeps failing (CSV values
+after a repeated key) stops being drafted. The source is part of the cell because the two
+fail differently: a cached output is the measured case of a confident wrong guess (a repeat
+whose output left it), and its failures must not teach the request's own structure to stop
+drafting, nor its own successes vouch for the cache.
 """
 
 from __future__ import annotations
@@ -22,15 +26,15 @@ PRIOR_TRIALS = 4.0
 #: A cell's trials are halved beyond this, so it follows a change of traffic.
 MAX_TRIALS = 256.0
 
-Cell = tuple[int, int, int]
+Cell = tuple[int, int, int, int]
 
 
-def evidence_cell(depth: int, support: int, agree: int) -> Cell:
-    """The bucket of (depth, support, agreement) a candidate's outcome is counted in."""
+def evidence_cell(depth: int, support: int, agree: int, shared: bool) -> Cell:
+    """The bucket of (source, depth, support, agreement) a candidate's outcome is counted in."""
     share = agree / support
     agreement = 0 if share >= 1.0 else 1 if share >= 0.75 else 2 if share >= 0.5 else 3
-    return (min(depth.bit_length(), len(DEPTH_PRIOR)) - 1, min(support.bit_length(), 4),
-            agreement)
+    return (int(shared), min(depth.bit_length(), len(DEPTH_PRIOR)) - 1,
+            min(support.bit_length(), 4), agreement)
 
 
 def count_estimate(depth: int, support: int, agree: int) -> float:
@@ -46,9 +50,10 @@ class AcceptanceStats:
     def __init__(self) -> None:
         self._cells: dict[Cell, list[float]] = {}
 
-    def confidence(self, depth: int, support: int, agree: int) -> tuple[float, Cell]:
+    def confidence(self, depth: int, support: int, agree: int,
+                   shared: bool) -> tuple[float, Cell]:
         """The calibrated acceptance probability of a candidate, and its cell."""
-        cell = evidence_cell(depth, support, agree)
+        cell = evidence_cell(depth, support, agree, shared)
         guess = count_estimate(depth, support, agree)
         hits, trials = self._cells.get(cell, (0.0, 0.0))
         return (hits + PRIOR_TRIALS * guess) / (trials + PRIOR_TRIALS), cell

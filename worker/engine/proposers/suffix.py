@@ -5,16 +5,24 @@ records rewritten as JSON) the tail "key": occurs often and the value after it i
 every time, so such drafts are mostly rejected, and on a big-vocabulary model every rejected
 row costs nearly a whole decode. This drafter instead
 
-1. finds the longest indexed context (:data:`~worker.engine.proposers.token_index.ORDERS`)
-   the tail matches, in the prompt and the output so far and in the worker's recent outputs
+1. finds, in each of two sources, the longest indexed context
+   (:data:`~worker.engine.proposers.token_index.ORDERS`) the tail matches: the request's own
+   prompt and output so far, and the worker's recent outputs
    (:class:`~worker.engine.proposers.output_cache.OutputCache`);
-2. walks the continuations of all those occurrences at once, as a suffix-tree walk does:
+2. walks the continuations of each source's occurrences at once, as a suffix-tree walk does:
    each step takes the token most of them go on with, counts how many agree, and keeps only
    those; every token gets a calibrated acceptance probability
-   (:class:`~worker.engine.proposers.confidence.AcceptanceStats`);
-3. verifies only the length with the most expected tokens per second of verify
-   (:func:`~worker.engine.draft_length_policy.best_draft_length`), costed by the measured row
-   costs of this model on this device (:class:`~worker.engine.draft_cost.RowCosts`).
+   (:class:`~worker.engine.proposers.confidence.AcceptanceStats`, per source);
+3. keeps, of each source's draft, only the length with the most expected tokens per second
+   of verify (:func:`~worker.engine.draft_length_policy.best_draft_length`), costed by the
+   measured row costs of this model on this device
+   (:class:`~worker.engine.draft_cost.RowCosts`), and verifies the source's draft that
+   promises more (SuffixDecoding scores its prompt tree and its global tree the same way).
+
+The sources are walked apart because pooling them let the larger one outvote the right one:
+a repeat whose output left the cached one (Gemma Q4, CSV rewritten as JSON) matched 16
+cached records and 4 of its own at the same depth, and the cached majority's continuation
+was drafted and rejected over and over while its own records agreed with what it wrote.
 
 It learns as it goes: every verify's outcome calibrates the confidences, its duration
 re-measures the row cost, and its committed tokens extend both the request's index and the
@@ -28,7 +36,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from worker.engine.draft_cost import RowCosts
-from worker.engine.draft_length_policy import best_draft_length
+from worker.engine.draft_length_policy import best_draft_length, expected_rate
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
 from worker.engine.proposers.output_cache import OutputCache
@@ -51,6 +59,20 @@ class SuffixShared:
 
 #: One occurrence being walked: the sequence it is in and where its continuation starts.
 Occurrence = tuple[list[int], int]
+#: A source's match: the context length matched and the occurrences found at it.
+Match = tuple[int, list[Occurrence]]
+#: The sources a draft comes from: the request's own prompt and output, other outputs.
+OWN, SHARED = 0, 1
+
+
+@dataclass
+class Candidate:
+    """One source's draft: its tokens, their confidences and evidence cells."""
+
+    source: int
+    tokens: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    cells: list[Cell] = field(default_factory=list)
 
 
 class SuffixProposer:
@@ -60,11 +82,9 @@ class SuffixProposer:
         self._shared = shared
         self._local = TokenIndex()
         self._entry: int | None = None
-        self._cells: list[Cell] = []
-        self._draft: list[int] = []
-        self._confidences: list[float] = []
+        self._chosen = Candidate(OWN)
         self._proposed_at = 0.0
-        self._record = RequestRecord()
+        self._records = (RequestRecord(), RequestRecord())
 
     def start(self, prompt: Sequence[int]) -> None:
         """Index the prompt and open this output's cache entry. The entry starts with the
@@ -73,20 +93,28 @@ class SuffixProposer:
         self._local = TokenIndex(prompt)
         self._entry = self._shared.cache.open()
         self._shared.cache.extend(self._entry, prompt[-LEAD_IN:])
-        self._cells, self._draft, self._confidences = [], [], []
-        self._record = RequestRecord()
+        self._chosen = Candidate(OWN)
+        self._records = (RequestRecord(), RequestRecord())
 
     def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
-        """The worthwhile prefix of the best-supported continuation; ``p_min`` also stops it
-        at the first token whose calibrated confidence is below it."""
+        """The worthwhile prefix of the best-supported continuation of either source, the one
+        with the most expected tokens per second (ties: the request's own); ``p_min`` also
+        stops a walk at the first token whose calibrated confidence is below it."""
         if len(self._local) < len(history):  # normally kept in step by observe
             self._local.extend(history[len(self._local):])
-        tokens, confidences, cells = self._walk(self._match(history), width, p_min)
-        keep = best_draft_length(confidences, self._shared.costs.seconds)
-        self._draft, self._cells = tokens[:keep], cells[:keep]
-        self._confidences = confidences[:keep]
+        seconds = self._shared.costs.seconds
+        best, best_rate = Candidate(OWN), expected_rate([], seconds)
+        for source, match in enumerate(self._matches(history)):
+            walked = self._walk(source, match, width, p_min)
+            keep = best_draft_length(walked.confidences, seconds)
+            rate = expected_rate(walked.confidences[:keep], seconds)
+            if keep and rate > best_rate:
+                best = Candidate(source, walked.tokens[:keep], walked.confidences[:keep],
+                                 walked.cells[:keep])
+                best_rate = rate
+        self._chosen = best
         self.stamp()
-        return Draft(self._draft, confidences=self._confidences)
+        return Draft(best.tokens, confidences=best.confidences)
 
     def stamp(self) -> None:
         """The verify starts now: the time until :meth:`observe` is its cost. A drafter that
@@ -101,56 +129,63 @@ class SuffixProposer:
         to themselves: a step shared with other slots or a prompt chunk costs what all its rows
         cost (the engine's step costs learn those), and charging it to this width would make a
         lone plain step look dear and every draft after it cheap."""
-        shared = self._shared
+        shared, chosen = self._shared, self._chosen
         if outcome.alone:
             shared.costs.observe(len(outcome.draft) + 1, perf_counter() - self._proposed_at)
-        for i, (mine, verified) in enumerate(zip(self._draft, outcome.draft, strict=False)):
+        for i, (mine, verified) in enumerate(zip(chosen.tokens, outcome.draft, strict=False)):
             if mine != verified or i > outcome.n_accepted:
                 break  # another drafter's token, or past the first rejection: no evidence
-            shared.stats.record(self._cells[i], i < outcome.n_accepted)
-        if self._draft and outcome.draft[:len(self._draft)] == self._draft:
-            promised, reach = 0.0, 1.0
-            for p in self._confidences:
-                reach *= p
-                promised += reach
-            self._record.record(promised, min(outcome.n_accepted, len(self._draft)))
-        else:
-            self._record.record(0.0, 0)
+            shared.stats.record(chosen.cells[i], i < outcome.n_accepted)
+        verified_ours = bool(chosen.tokens) and (
+            outcome.draft[:len(chosen.tokens)] == chosen.tokens)
+        for source, record in enumerate(self._records):
+            if verified_ours and source == chosen.source:
+                promised, reach = 0.0, 1.0
+                for p in chosen.confidences:
+                    reach *= p
+                    promised += reach
+                record.record(promised, min(outcome.n_accepted, len(chosen.tokens)))
+            else:
+                record.record(0.0, 0)
         committed = [*outcome.accepted, outcome.bonus]
         self._local.extend(committed)
         if self._entry is not None:
             shared.cache.extend(self._entry, committed)
-        self._draft, self._cells, self._confidences = [], [], []
+        self._chosen = Candidate(OWN)
 
     # -- internals -------------------------------------------------------------------------
-    def _match(self, history: Sequence[int]) -> tuple[int, list[Occurrence]]:
-        """The longest indexed context length the tail matches anywhere, and its occurrences
-        (this request's first, then cached outputs, most recently used first)."""
+    def _matches(self, history: Sequence[int]) -> tuple[Match, Match]:
+        """Per source (:data:`OWN`, :data:`SHARED`): the longest indexed context length the
+        tail matches there and its occurrences (cached outputs most recently used first);
+        ``(0, [])`` where it matches nowhere."""
         keys = context_keys(history)
         cache = self._shared.cache
+        own: Match = (0, [])
+        for order, key in enumerate(keys):
+            if key is not None:
+                starts = self._local.occurrences(order, key)
+                if starts:
+                    own = (ORDERS[order], [(self._local.tokens, s) for s in starts])
+                    break
         for order, key in enumerate(keys):
             if key is None:
                 continue
-            found: list[Occurrence] = [(self._local.tokens, s)
-                                       for s in self._local.occurrences(order, key)]
+            found: list[Occurrence] = []
             for entry, index in cache.others(self._entry):
                 starts = index.occurrences(order, key)
                 if starts:
                     found += [(index.tokens, s) for s in starts]
                     cache.touch(entry)
             if found:
-                return ORDERS[order], found
-        return 0, []
+                return own, (ORDERS[order], found)
+        return own, (0, [])
 
-    def _walk(self, match: tuple[int, list[Occurrence]], width: int,
-              p_min: float) -> tuple[list[int], list[float], list[Cell]]:
+    def _walk(self, source: int, match: Match, width: int, p_min: float) -> Candidate:
         """Follow the occurrences' continuations token by token, majority first."""
         depth, occurrences = match
         stats = self._shared.stats
-        scale = self._record.scale()
-        tokens: list[int] = []
-        confidences: list[float] = []
-        cells: list[Cell] = []
+        scale = self._records[source].scale()
+        walked = Candidate(source)
         reach = 1.0
         for i in range(width):
             counts: dict[int, int] = {}
@@ -161,14 +196,15 @@ class SuffixProposer:
             if not counts:
                 break
             token = max(counts, key=counts.__getitem__)  # ties: the most recent occurrence
-            p, cell = stats.confidence(depth + i, sum(counts.values()), counts[token])
+            p, cell = stats.confidence(depth + i, sum(counts.values()), counts[token],
+                                       source == SHARED)
             p *= scale
             reach *= p
             if p < p_min or reach < MIN_REACH:
                 break
-            tokens.append(token)
-            confidences.append(p)
-            cells.append(cell)
+            walked.tokens.append(token)
+            walked.confidences.append(p)
+            walked.cells.append(cell)
             occurrences = [(seq, start) for seq, start in occurrences
                            if start + i < len(seq) and seq[start + i] == token]
-        return tokens, confidences, cells
+        return walked
