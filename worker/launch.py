@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings
+from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod
 
 #: llama.cpp's own default ``--fit-target``: memory left free on the device.
 DEFAULT_FIT_TARGET_MIB = 1024.0
@@ -88,19 +88,25 @@ class EngineCapacity:
     (:class:`~shared.protocol.WorkerCapacity`)."""
 
     method: SpecMethod = SpecMethod.AUTO
-    #: The protocol's default width: an engine loaded without one serves a default request.
-    draft_max: int = SpecSettings.model_fields["draft_max"].default
+    #: None: the width the plan picks for the method it resolves and the slot count
+    #: (:func:`~worker.engine.plan.default_draft_max`).
+    draft_max: int | None = None
     rollback_depth: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, SpecMethod):  # "auto" would pass for it, then misplan
             raise TypeError(f"method must be a SpecMethod, got {self.method!r}")
-        if not 1 <= self.draft_max <= MAX_DRAFT:
+        if self.draft_max is not None and not 1 <= self.draft_max <= MAX_DRAFT:
             raise ValueError(f"draft_max ({self.draft_max}) must satisfy "
                              f"1 <= draft_max <= {MAX_DRAFT}")
-        if self.rollback_depth is not None and not 1 <= self.rollback_depth <= self.draft_max:
-            raise ValueError(f"rollback_depth ({self.rollback_depth}) must satisfy "
-                             f"1 <= rollback_depth <= draft_max ({self.draft_max})")
+        check_rollback_depth(self.rollback_depth, self.draft_max or MAX_DRAFT)
+
+
+def check_rollback_depth(rollback_depth: int | None, draft_max: int) -> None:
+    """D must be 1..N: a depth beyond the width would keep snapshots no draft uses."""
+    if rollback_depth is not None and not 1 <= rollback_depth <= draft_max:
+        raise ValueError(f"rollback_depth ({rollback_depth}) must satisfy "
+                         f"1 <= rollback_depth <= draft_max ({draft_max})")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def fit(
     fit_target_mib: opt.FitTargetMib = DEFAULT_FIT_TARGET_MIB,
     slots: opt.Slots = "1",
     spec: opt.Spec = opt.DEFAULT_SPEC.method,
-    draft_max: opt.DraftMax = opt.DEFAULT_SPEC.draft_max,
+    draft_max: opt.DraftMax = None,
     rollback_depth: opt.RollbackDepth = opt.DEFAULT_SPEC.rollback_depth,
     checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
     ctx_min: opt.CtxMin = DEFAULT_CTX_MIN,

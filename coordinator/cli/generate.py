@@ -48,7 +48,7 @@ def generate(
     prompt: opt.Prompt = None,
     prompt_tokens: opt.PromptTokens = None,
     spec: opt.Spec = opt.DEFAULT_SPEC.method,
-    draft_max: opt.DraftMax = opt.DEFAULT_SPEC.draft_max,
+    draft_max: opt.DraftMax = None,
     draft_min: opt.DraftMin = opt.DEFAULT_SPEC.draft_min,
     p_min: opt.PMin = opt.DEFAULT_SPEC.p_min,
     adaptive: opt.Adaptive = opt.DEFAULT_SPEC.adaptive,

@@ -42,7 +42,7 @@ def worker(
     ctx: opt.FixedCtx = None,
     allow_ctx_above_train: opt.AllowCtxAboveTrain = False,
     spec: opt.Spec = opt.DEFAULT_SPEC.method,
-    draft_max: opt.DraftMax = opt.DEFAULT_SPEC.draft_max,
+    draft_max: opt.DraftMax = None,
     rollback_depth: opt.RollbackDepth = opt.DEFAULT_SPEC.rollback_depth,
     checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
     threads: opt.Threads = opt.DEFAULT_THREADS,

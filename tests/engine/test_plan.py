@@ -50,10 +50,35 @@ def test_request_defaults_leave_the_capacity_to_the_capacity(defaults: SpecSetti
         EngineConfig("m.gguf", request_defaults=defaults)
 
 
-def test_request_defaults_must_fit_the_capacity() -> None:
+def test_request_defaults_must_fit_the_width() -> None:
+    """Checked against the width the plan settles on, given or defaulted."""
     with pytest.raises(ValueError, match="draft_min \\(3\\) must not exceed draft_max \\(2\\)"):
-        EngineConfig("m.gguf", capacity=EngineCapacity(draft_max=2),
-                     request_defaults=SpecSettings(draft_min=3))
+        plan_engine(EngineConfig("m.gguf", capacity=EngineCapacity(draft_max=2),
+                                 request_defaults=SpecSettings(draft_min=3)), DENSE)
+    with pytest.raises(ValueError, match="draft_min \\(9\\) must not exceed draft_max \\(8\\)"):
+        plan_engine(EngineConfig("m.gguf", capacity=EngineCapacity(SpecMethod.NGRAM),
+                                 request_defaults=SpecSettings(draft_min=9)), DENSE)
+    with pytest.raises(ValueError, match="1 <= rollback_depth <= draft_max \\(8\\)"):
+        plan_engine(EngineConfig("m.gguf", capacity=EngineCapacity(SpecMethod.MTP,
+                                                                   rollback_depth=9)), HYBRID)
+
+
+@pytest.mark.parametrize(("method", "facts", "slots", "width"), [
+    (SpecMethod.AUTO, DENSE, 1, 32), (SpecMethod.SUFFIX, DENSE, 2, 32),
+    (SpecMethod.AUTO, DENSE, 4, 17), (SpecMethod.SUFFIX, DENSE, 8, 8),
+    (SpecMethod.AUTO, HYBRID, 1, 8), (SpecMethod.NGRAM, DENSE, 1, 8),
+    (SpecMethod.MTP, HYBRID, 1, 8),
+])
+def test_an_unset_width_is_the_resolved_methods(method: SpecMethod, facts: ModelFacts,
+                                                slots: int, width: int) -> None:
+    """Suffix drafting gets a wide ceiling (it verifies only what pays), shrunk so a step of
+    every slot stays within the rows eight default-width slots verify; the drafters that
+    fill any width keep the protocol's 8 (auto on a model with a head is mtp+suffix)."""
+    plan = plan_engine(EngineConfig("m.gguf", slots=slots, capacity=EngineCapacity(method)),
+                       facts)
+    assert plan.draft_max == width
+    assert plan.capacity().draft_max == width
+    assert slots * (width + 1) <= 8 * 9
 
 
 def test_auto_resolves_to_what_the_model_can_do() -> None:

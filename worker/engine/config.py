@@ -85,9 +85,6 @@ class EngineConfig:
                              "(EngineConfig.capacity)")
         if self.prefix_checkpoints < 0:
             raise ValueError(f"prefix_checkpoints must be >= 0, got {self.prefix_checkpoints}")
-        if self.request_defaults.draft_min > self.capacity.draft_max:
-            raise ValueError(f"draft_min ({self.request_defaults.draft_min}) must not exceed "
-                             f"draft_max ({self.capacity.draft_max})")
 
 
 def needs_mtp_weights(method: SpecMethod) -> bool:

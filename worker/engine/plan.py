@@ -2,7 +2,8 @@
 
 Every choice that sizes an engine's contexts and memory is made here, by one pure function:
 the concrete drafting method (``auto`` resolved, MTP refused on a head-less model), the draft
-width N (``0`` when the engine does not speculate), the rollback policy and the recurrent
+width N (the method's default where the capacity leaves it unset, ``0`` when the engine does
+not speculate), the rollback policy and the recurrent
 snapshots ``n_rs_seq`` it needs, and whether every slot needs checkpoint storage. The engine
 builds itself from the plan, and the fitter measures contexts built from the very same plan
 before any engine exists, so the two can never decide differently (and the fitter allocates
@@ -14,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from shared.protocol import CheckpointMode, SpecMethod, WorkerCapacity
+from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings, WorkerCapacity
 from worker.engine.config import EngineConfig
 from worker.engine.proposers.factory import uses_mtp, uses_suffix
 from worker.engine.proposers.mtp import MtpUnavailableError
+from worker.launch import check_rollback_depth
 from worker.llm import Model
 
 
@@ -105,12 +107,44 @@ def resolve_method(method: SpecMethod, model: ModelFacts) -> SpecMethod:
     return method
 
 
+#: The draft width of an engine loaded without one, for every method but suffix drafting
+#: (the request protocol's default: n-gram and MTP draft every position they are given).
+DEFAULT_DRAFT_MAX: int = SpecSettings.model_fields["draft_max"].default
+#: Suffix drafting's width on one slot.
+SUFFIX_DRAFT_MAX = 32
+#: Verify rows one step of a suffix engine is sized for, over all its slots: what eight
+#: slots of the default width verify (so no slot count allocates more outputs than before).
+SUFFIX_STEP_ROWS = 8 * (DEFAULT_DRAFT_MAX + 1)
+
+
+def default_draft_max(method: SpecMethod, slots: int) -> int:
+    """N for an engine loaded without one.
+
+    Suffix drafting only verifies what its calibrated confidences and measured row costs pay
+    for, so a wide ceiling costs nothing where nothing repeats, and where a text repeats at
+    length the ceiling is the limit: on Gemma 270M Q4_K_M (CPU, 2 threads) a fully accepted
+    draft of 8 buys at most 2.5x a plain step's tokens per second (9 rows cost 3.2-4.2 one-row
+    decodes), one of 24-32 3.7x (25-33 rows: 6.7-8.9). With several slots a step's rows are
+    shared and the row budget verifies fewer drafts, so the width shrinks to keep every step
+    within :data:`SUFFIX_STEP_ROWS` (1-2 slots 32, 4 slots 17, 8 slots 8). The other
+    drafters fill whatever width they get, so theirs stays the protocol's."""
+    if method is SpecMethod.SUFFIX:
+        return min(SUFFIX_DRAFT_MAX, SUFFIX_STEP_ROWS // slots - 1)
+    return DEFAULT_DRAFT_MAX
+
+
 def plan_engine(config: EngineConfig, model: ModelFacts) -> EnginePlan:
     """The plan of an engine built from ``config`` on ``model``: its capacity, slots and
     checkpoint mode decide it (the request defaults size nothing)."""
     method = resolve_method(config.capacity.method, model)
-    draft_max = config.capacity.draft_max if method is not SpecMethod.NONE else 0
+    draft_max = 0
+    if method is not SpecMethod.NONE:
+        draft_max = config.capacity.draft_max or default_draft_max(method, config.slots)
     depth = config.capacity.rollback_depth
+    check_rollback_depth(depth, draft_max or MAX_DRAFT)
+    if draft_max and config.request_defaults.draft_min > draft_max:
+        raise ValueError(f"draft_min ({config.request_defaults.draft_min}) must not exceed "
+                         f"draft_max ({draft_max})")
     if not model.recurrent:
         kind, n_rs_seq = RollbackKind.KV_TRIM, 0
     elif depth is None or depth >= draft_max:
