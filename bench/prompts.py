@@ -18,3 +18,9 @@ MERGE_INTERVALS = '''def merge_intervals(intervals):
             merged.append([start, end])
     return merged
 '''
+
+
+def chat_turn(user: str, answer_start: str = "") -> str:
+    """One user turn in Gemma's chat template, the model's answer begun with
+    ``answer_start`` (tokenize with ``parse_special``: the markers are the template's)."""
+    return f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n{answer_start}"

@@ -2,12 +2,12 @@
 K slots, against the same K requests one at a time on one slot, side by side in one run.
 
 Gemma 3 270M Q4_K_M, greedy, plain decoding, the default drafter (a request without
-settings on a worker loaded with ``auto``: suffix drafting on a head-less model, N 8) and
-n-gram speculation, K = 1, 2, 4, 8; every speculative row also says its aggregate against
-plain at the same K (``vs_plain``: what goodput-aware drafting must keep at or above 1 at
-every load). ``--deterministic`` runs
-every engine in deterministic mode (docs/engine.md, "Deterministic mode"): compare its
-figures with a default run for the mode's cost.
+settings on a worker loaded with ``auto``: suffix drafting on a head-less model at its default
+width, ``plan.default_draft_max``: 32 on one or two slots, 17 on four, 8 on eight) and
+n-gram speculation (N 8, adaptive), K = 1, 2, 4, 8; every speculative row also says its
+aggregate against plain at the same K (``vs_plain``: what goodput-aware drafting must keep
+at or above 1 at every load). ``--deterministic`` runs every engine in deterministic mode
+(docs/engine.md, "Deterministic mode"): compare its figures with a default run for the mode's cost.
 
 - ``slots``: one engine with ``slots = K`` serves 2K requests, K at a time: a finished
   request's slot takes the next one at once, as K concurrent clients keep a server busy
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peer_server import SERVER_ENV, complete, find_server, llama_server  # noqa: E402
-from prompts import MERGE_INTERVALS  # noqa: E402
+from prompts import MERGE_INTERVALS, chat_turn  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings  # noqa: E402
@@ -60,6 +60,7 @@ from worker.testmodels import build_tiny_models  # noqa: E402
 
 #: Per-slot context: every prompt plus its generation fits with room to spare.
 N_CTX = 1024
+#: n-gram speculation's width (and the memory table's n-gram rows).
 DRAFT_MAX = 8
 METHODS = {
     "plain": SpecSettings(method=SpecMethod.NONE),
@@ -72,14 +73,25 @@ SERVER_SPEC = {"plain": ("--spec-type", "none"), "default": ("--spec-type", "ngr
 CODE = MERGE_INTERVALS
 ROWS = "\n".join(f"{i},item-{i * 7 % 13},{i * 3.25:.2f},{'yes' if i % 3 else 'no'}"
                  for i in range(1, 13))
+#: Where a request's number goes (no two requests of a run are identical).
+NUMBER = "{n}"
+#: Copy-heavy requests, as spec_vs_plain asks them: Gemma's chat turn with the answer begun,
+#: so the base model really copies (asked as bare text it rewrote the function instead:
+#: acceptance ~0.7 at K = 1).
 COPY_TASKS = [
-    f"Copy this function exactly, renaming merge_intervals to combine_ranges:\n\n{CODE}\n",
-    f"Copy this function exactly:\n\n{CODE}\n",
+    chat_turn(f"Request {NUMBER}. Rewrite the code exactly as it is, but rename the function "
+              f"`merge_intervals` to `combine_ranges`. Output only the code.\n\n```python\n"
+              f"{CODE}```", "```python\n"),
+    chat_turn(f"Request {NUMBER}. Repeat the following Python code exactly, character for "
+              f"character. Output only the code.\n\n```python\n{CODE}```", "```python\n"),
 ]
-TASKS = [COPY_TASKS[0],
-         f"Rewrite each CSV row (id,name,price,in_stock) as one JSON object per line:\n\n{ROWS}\n",
-         COPY_TASKS[1],
-         "Write a short story about a lighthouse keeper who finds a message in a bottle.\n"]
+TASKS = [f"Request {NUMBER}. Copy this function exactly, renaming merge_intervals to "
+         f"combine_ranges:\n\n{CODE}\n",
+         f"Request {NUMBER}. Rewrite each CSV row (id,name,price,in_stock) as one JSON object "
+         f"per line:\n\n{ROWS}\n",
+         f"Request {NUMBER}. Copy this function exactly:\n\n{CODE}\n",
+         f"Request {NUMBER}. Write a short story about a lighthouse keeper who finds a message "
+         "in a bottle.\n"]
 #: ``--tasks``: the mix above, or only the copy-heavy ones (the speculation ceiling).
 TASK_SETS = {"mixed": TASKS, "copy": COPY_TASKS}
 #: The task set of this run (``--tasks``).
@@ -89,7 +101,8 @@ CHOSEN_TASKS = [TASKS]
 def prompts(engine: SpeculativeEngine, k: int) -> list[list[int]]:
     """K different requests (the tasks cycled, each numbered so no two are identical)."""
     tasks = CHOSEN_TASKS[0]
-    return [engine.tokenize(f"Request {i + 1}. {tasks[i % len(tasks)]}") for i in range(k)]
+    return [engine.model.tokenize(tasks[i % len(tasks)].replace(NUMBER, str(i + 1)),
+                                  parse_special=True) for i in range(k)]
 
 
 #: Every engine of the run is deterministic (``--deterministic``).
@@ -97,9 +110,9 @@ DETERMINISTIC = [False]
 
 
 def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeEngine:
-    """An engine loaded as a default worker is (``auto``, width DRAFT_MAX; it serves n-gram
-    and plain requests too): each request says its method (METHODS)."""
-    capacity = EngineCapacity(SpecMethod.AUTO, DRAFT_MAX)
+    """An engine loaded as a default worker is (``auto`` at its default width; it serves
+    n-gram and plain requests too): each request says its method (METHODS)."""
+    capacity = EngineCapacity(SpecMethod.AUTO)
     return SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, slots=slots, n_threads=threads,
                                           n_gpu_layers=-1 if gpu else 0, capacity=capacity,
                                           deterministic=DETERMINISTIC[0]))

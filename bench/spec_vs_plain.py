@@ -10,7 +10,7 @@ free prose), each cold and warm:
   table across requests, so every repetition starts a fresh server: its first request is
   *cold*, the same request again *warm*.
 - specfleet in this process: plain, the default drafter (``auto`` on a head-less model:
-  suffix, N 8) and the suffix drafter at N 64; *cold* is the first request on a
+  suffix at its default width, 32) and the suffix drafter at N 64; *cold* is the first request on a
   fresh drafter state (empty output cache, uncalibrated confidences; the row costs measured at
   load are kept, as a fresh worker measures them at load), *warm* the same request again.
 
@@ -49,11 +49,12 @@ from peer_server import (  # noqa: E402
     llama_server,
     optional_server,
 )
-from prompts import MERGE_INTERVALS  # noqa: E402
+from prompts import MERGE_INTERVALS, chat_turn  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
+from worker.engine.plan import default_draft_max  # noqa: E402
 from worker.engine.proposers.output_cache import OutputCache  # noqa: E402
 from worker.engine.proposers.suffix import SuffixShared  # noqa: E402
 from worker.launch import EngineCapacity  # noqa: E402
@@ -63,14 +64,12 @@ N_CTX = 4096
 DRAFT_MAX = 64
 SUFFIX = SpecSettings(method=SpecMethod.SUFFIX, draft_max=DRAFT_MAX)
 PLAIN = SpecSettings(method=SpecMethod.NONE)
-#: What a request without settings gets from a worker loaded with ``auto`` on Gemma (suffix
-#: drafting, its width the protocol's default N).
-DEFAULT = SpecSettings(method=SpecMethod.SUFFIX)
+#: What a request without settings gets from a worker loaded with ``auto`` on Gemma: suffix
+#: drafting at the default width of one slot. Said explicitly: this engine is loaded for
+#: DRAFT_MAX, and a request that leaves the width unset gets the engine's.
+DEFAULT = SpecSettings(method=SpecMethod.SUFFIX,
+                       draft_max=default_draft_max(SpecMethod.SUFFIX, slots=1))
 Result = dict[str, float]
-
-
-def _turn(user: str, answer_start: str = "") -> str:
-    return (f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n{answer_start}")
 
 
 CODE = MERGE_INTERVALS + '''
@@ -131,19 +130,19 @@ DOCUMENT = " ".join([
 def workloads() -> dict[str, str]:
     """The five kinds of request (prompt texts; Gemma's chat template)."""
     return {
-        "copy_rename": _turn("Here is some Python code:\n\n```python\n" + CODE + "```\n\n"
+        "copy_rename": chat_turn("Here is some Python code:\n\n```python\n" + CODE + "```\n\n"
                              "Rewrite the code exactly as it is, but rename the function "
                              "`merge_intervals` to `coalesce`. Output only the code.",
                              "```python\n"),
-        "copy": _turn("Repeat the following Python code exactly, character for character. "
+        "copy": chat_turn("Repeat the following Python code exactly, character for character. "
                       "Output only the code.\n\n```python\n" + CODE + "```", "```python\n"),
-        "csv_json": _turn("Convert these CSV records to a JSON array of objects with the keys "
+        "csv_json": chat_turn("Convert these CSV records to a JSON array of objects with the keys "
                           "id, name, city, age and plan. Output only the JSON.\n\n" + CSV,
                           "```json\n"),
-        "quote": _turn("Here is a document:\n\n" + DOCUMENT + "\n\nQuote, word for word, "
+        "quote": chat_turn("Here is a document:\n\n" + DOCUMENT + "\n\nQuote, word for word, "
                        "every sentence of the document that contains a year. Put each quoted "
                        "sentence on its own line."),
-        "prose": _turn("Write a long, detailed story about a lighthouse keeper who finds a "
+        "prose": chat_turn("Write a long, detailed story about a lighthouse keeper who finds a "
                        "message in a bottle."),
     }
 
