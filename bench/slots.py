@@ -25,7 +25,8 @@ reservation for S = 1, 2, 4, 8 on Gemma and on the tiny hybrid (D = 1 vs D = N) 
 budgets. ``--gpu`` runs the engines with every layer offloaded (``n_gpu_layers = -1``).
 Progress goes to stderr, the JSON summary to stdout, ``--markdown`` adds tables.
 
-    ./.venv/bin/python bench/slots.py [--tokens 128] [--concurrency 1,2,4,8] [--threads 2]
+    ./.venv/bin/python bench/slots.py [--tokens 128] [--concurrency 1,2,4,8] [--reps 3]
+        [--threads 2]
         [--methods plain,default,ngram] [--llama-server PATH] [--ttft-trials 10] [--gpu]
         [--deterministic] [--tasks mixed|copy] [--sequential] [--markdown]
 """
@@ -172,39 +173,57 @@ def _server_rates(args: argparse.Namespace, model: str, server: str, k: int,
     return rates
 
 
+def _median_row(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the repetitions (``runs``: one row per repetition)."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
 def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict[str, object]:
-    """For each K, every method on the same 2K requests, back to back (so load drift hits
-    them alike), then llama-server on them."""
+    """For each K, ``--reps`` rounds of every method on the same 2K requests back to back,
+    then llama-server on them (so load drift hits them alike); each figure is the median of
+    its rounds. A round is a few seconds at K = 1, where one stray process moves a single
+    run by 10-20 %."""
     tables: dict[str, dict[str, dict[str, float]]] = {name: {} for name in args.methods}
     base = open_engine(model, 1, args.threads, args.gpu)
     for k in args.concurrency:
         reqs = prompts(base, 2 * k)
-        for name in args.methods:
-            spec = METHODS[name]
-            seq = one_by_one(base, reqs, args.tokens, spec) if args.sequential else None
-            with open_engine(model, k, args.threads, args.gpu) as engine:
-                together(engine, prompts(engine, 1), 8, spec)  # warm-up allocations
-                par = together(engine, reqs, args.tokens, spec)
-            row = {"slots_tok_s": par["tok_s"], "steps": par["steps"]}
-            if seq is not None:
-                row |= {"sequential_tok_s": seq["tok_s"], "ratio": par["tok_s"] / seq["tok_s"]}
-            tables[name][str(k)] = row
-            print(f"{name:7s} K={k}: slots {par['tok_s']:6.1f} tok/s"
-                  + (f", sequential {seq['tok_s']:6.1f} ({row['ratio']:.2f}x)" if seq else ""),
-                  file=sys.stderr, flush=True)
-        if server:
-            rates = _server_rates(args, model, server, k, reqs)
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.methods}
+        served: dict[str, list[float]] = {}
+        errors: dict[str, str] = {}
+        for rep in range(args.reps):
             for name in args.methods:
-                srv = rates.get(SERVER_SPEC[name][1], {}) if name in SERVER_SPEC else {}
-                row = tables[name][str(k)]
-                if "tok_s" in srv:
-                    row["server_tok_s"] = srv["tok_s"]
-                    row["slots_vs_server"] = row["slots_tok_s"] / srv["tok_s"]
-                elif srv:
-                    row["server_error"] = srv["error"]
-            print(f"llama-server -np {k}: " + ", ".join(
-                f"{spec} {r.get('tok_s', float('nan')):6.1f}" for spec, r in rates.items()),
-                file=sys.stderr, flush=True)
+                spec = METHODS[name]
+                seq = one_by_one(base, reqs, args.tokens, spec) if args.sequential else None
+                with open_engine(model, k, args.threads, args.gpu) as engine:
+                    together(engine, prompts(engine, 1), 8, spec)  # warm-up allocations
+                    par = together(engine, reqs, args.tokens, spec)
+                row = {"slots_tok_s": par["tok_s"], "steps": par["steps"]}
+                if seq is not None:
+                    row |= {"sequential_tok_s": seq["tok_s"],
+                            "ratio": par["tok_s"] / seq["tok_s"]}
+                runs[name].append(row)
+                print(f"[{rep + 1}/{args.reps}] {name:7s} K={k}: slots {par['tok_s']:6.1f} tok/s"
+                      + (f", sequential {seq['tok_s']:6.1f}" if seq else ""),
+                      file=sys.stderr, flush=True)
+            if server:
+                rates = _server_rates(args, model, server, k, reqs)
+                for spec_type, r in rates.items():
+                    if "tok_s" in r:
+                        served.setdefault(spec_type, []).append(r["tok_s"])
+                    else:
+                        errors[spec_type] = str(r["error"])
+                print(f"[{rep + 1}/{args.reps}] llama-server -np {k}: " + ", ".join(
+                    f"{spec} {r.get('tok_s', float('nan')):6.1f}" for spec, r in rates.items()),
+                    file=sys.stderr, flush=True)
+        for name in args.methods:
+            row = _median_row(runs[name])
+            srv = served.get(SERVER_SPEC[name][1], []) if name in SERVER_SPEC else []
+            if srv:
+                row["server_tok_s"] = statistics.median(srv)
+                row["slots_vs_server"] = row["slots_tok_s"] / row["server_tok_s"]
+            elif name in SERVER_SPEC and SERVER_SPEC[name][1] in errors:
+                row["server_error"] = errors[SERVER_SPEC[name][1]]  # type: ignore[assignment]
+            tables[name][str(k)] = row
     base.close()
     plain = tables.get("plain", {})
     for rows in tables.values():
@@ -316,6 +335,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads, both sides")
     ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
                     help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="interleaved rounds per K (medians are reported)")
     ap.add_argument("--ttft-trials", type=int, default=10)
     ap.add_argument("--sequential", action="store_true",
                     help="also run the 2K requests one at a time on one slot (slots vs sequential)")
