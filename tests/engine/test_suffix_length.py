@@ -14,7 +14,7 @@ import pytest
 
 from shared.protocol import SpecMethod
 from worker.engine.draft_cost import RISE, RowCosts, calibrated_widths
-from worker.engine.draft_length_policy import best_draft_length
+from worker.engine.draft_length_policy import PLAIN_MARGIN, best_draft_length
 
 from .conftest import open_engine
 
@@ -46,6 +46,17 @@ def test_cpu_costs_demand_confidence() -> None:
     assert best_draft_length([0.999] * 16, GEMMA_CPU) == 16
     # Coin-toss continuations (CSV values after a repeated key) are never drafted.
     assert best_draft_length([0.5] * 16, GEMMA_CPU) == 0
+
+
+def test_a_draft_must_beat_a_plain_step_by_the_margin() -> None:
+    """Estimated chances of the drafts chosen err high, so a bet that promises less than
+    PLAIN_MARGIN over a plain step is not taken; one that promises more is."""
+    two_rows = 1.5  # a second row at half a decode
+    barely = two_rows * 1.05 - 1.0  # a token likely enough to be worth 5 % over plain
+    assert PLAIN_MARGIN > 0.05
+    assert best_draft_length([barely], [0.0, 1.0, two_rows]) == 0
+    clear = two_rows * (1.0 + 2 * PLAIN_MARGIN) - 1.0
+    assert best_draft_length([clear], [0.0, 1.0, two_rows]) == 1
 
 
 def test_an_unlikely_token_ends_the_draft_before_it() -> None:
