@@ -11,7 +11,7 @@ import pytest
 
 from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import VerifyOutcome
-from worker.engine.proposers.output_cache import OutputCache
+from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
 from worker.engine.proposers.token_index import TokenIndex
 
@@ -27,7 +27,7 @@ def _tokens(n: int, seed: int, vocab: int = 262_144) -> list[int]:
 
 
 def _record(cache: OutputCache, tokens: list[int]) -> int:
-    entry = cache.open()
+    entry = cache.open(Origin.of(tokens, 0))
     cache.extend(entry, tokens)
     return entry
 
@@ -134,6 +134,26 @@ def test_a_repeated_request_drafts_its_earlier_output_from_the_first_step() -> N
     repeat = SuffixProposer(shared)
     repeat.start(prompt)
     assert repeat.propose(prompt, 6, 0.0).tokens == [7, 3, 9, 1, 4, 4]
+
+
+def test_another_request_ending_alike_is_not_answered_with_the_earlier_answer() -> None:
+    """Two prompts that end with the same 40 tokens (the same code after different
+    instructions): the second does not draft the first's answer at its first step, as a
+    repeat would, but does draft from it once its own output starts the same way."""
+    shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7))
+    code = [300 + i for i in range(40)]
+    earlier = SuffixProposer(shared)
+    earlier.start([1, 2, *code])
+    _commit(earlier, [1, 2, *code], [7, 3, 9, 1, 4, 4, 8, 2, 6, 5])
+    other = SuffixProposer(shared)
+    history = [5, 6, *code]
+    other.start(history)
+    assert other.propose(history, 6, 0.0).tokens == []
+    _commit(other, history, [7, 3])
+    assert other.propose(history, 6, 0.0).tokens == [9, 1, 4, 4, 8, 2]
+    repeat = SuffixProposer(shared)
+    repeat.start([1, 2, *code])
+    assert repeat.propose([1, 2, *code], 6, 0.0).tokens == [7, 3, 9, 1, 4, 4]
 
 
 def test_a_request_whose_drafts_keep_failing_drafts_less_and_recovers() -> None:

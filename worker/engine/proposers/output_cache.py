@@ -15,7 +15,8 @@ being recorded. The bound is what the fitter counts for the cache (``lookup_cach
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import count
 
 from shared.logs import get_logger
@@ -27,6 +28,19 @@ log = get_logger("engine.output_cache")
 DEFAULT_CACHE_BYTES = 32 * 1024 * 1024
 #: At most this many outputs are kept (each costs a few dict probes per draft step).
 MAX_ENTRIES = 64
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Which request an output answers: a hash of its whole prompt, and how many of the
+    prompt's last tokens the entry starts with before the output (its lead-in)."""
+
+    prompt: int
+    lead_in: int
+
+    @classmethod
+    def of(cls, prompt: Sequence[int], lead_in: int) -> Origin:
+        return cls(hash(tuple(prompt)), min(lead_in, len(prompt)))
 
 
 class OutputCache:
@@ -41,16 +55,23 @@ class OutputCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[int, TokenIndex] = OrderedDict()
         self._bytes: dict[int, int] = {}
+        self._origins: dict[int, Origin] = {}
         self._ids = count()
         self.evictions = 0
 
-    def open(self) -> int:
-        """Start recording a new output; returns its id (evicting to make room for it)."""
+    def open(self, origin: Origin) -> int:
+        """Start recording a new output of the request ``origin`` describes; returns its id
+        (evicting to make room for it)."""
         entry = next(self._ids)
         self._entries[entry] = TokenIndex()
         self._bytes[entry] = 0
+        self._origins[entry] = origin
         self._evict(keep=entry)
         return entry
+
+    def origin(self, entry: int) -> Origin:
+        """The request output ``entry`` was written for (a cached entry's)."""
+        return self._origins[entry]
 
     def extend(self, entry: int, tokens: Iterable[int]) -> None:
         """Append generated ``tokens`` to output ``entry`` (ignored once it was evicted)."""
@@ -96,3 +117,4 @@ class OutputCache:
     def _drop(self, entry: int) -> None:
         del self._entries[entry]
         del self._bytes[entry]
+        del self._origins[entry]

@@ -39,7 +39,7 @@ from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import best_draft_length, expected_rate
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
-from worker.engine.proposers.output_cache import OutputCache
+from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
 
 #: The walk stops once the chance that the whole draft so far is accepted falls below this.
@@ -82,6 +82,7 @@ class SuffixProposer:
         self._shared = shared
         self._local = TokenIndex()
         self._entry: int | None = None
+        self._origin = Origin(0, 0)
         self._chosen = Candidate(OWN)
         self._proposed_at = 0.0
         self._records = (RequestRecord(), RequestRecord())
@@ -89,9 +90,14 @@ class SuffixProposer:
     def start(self, prompt: Sequence[int]) -> None:
         """Index the prompt and open this output's cache entry. The entry starts with the
         prompt's last :data:`LEAD_IN` tokens, so a repeat of this request matches its own
-        output from the first step (the tail then spans prompt and output)."""
+        output from the first step (the tail then spans prompt and output). Only a repeat:
+        a request whose prompt merely ends the same way (the same code after another
+        instruction) is not answered with the earlier answer's start (:meth:`_matches`),
+        which it drafted at 0.99 and had rejected at once (Gemma 270M, "copy this" after
+        "copy this and rename")."""
         self._local = TokenIndex(prompt)
-        self._entry = self._shared.cache.open()
+        self._origin = Origin.of(prompt, LEAD_IN)
+        self._entry = self._shared.cache.open(self._origin)
         self._shared.cache.extend(self._entry, prompt[-LEAD_IN:])
         self._chosen = Candidate(OWN)
         self._records = (RequestRecord(), RequestRecord())
@@ -173,6 +179,9 @@ class SuffixProposer:
             found: list[Occurrence] = []
             for entry, index in cache.others(self._entry):
                 starts = index.occurrences(order, key)
+                origin = cache.origin(entry)
+                if origin.prompt != self._origin.prompt:  # another request's answer
+                    starts = [s for s in starts if s != origin.lead_in]
                 if starts:
                     found += [(index.tokens, s) for s in starts]
                     cache.touch(entry)
