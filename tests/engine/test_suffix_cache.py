@@ -136,6 +136,23 @@ def test_a_repeated_request_drafts_its_earlier_output_from_the_first_step() -> N
     assert repeat.propose(prompt, 6, 0.0).tokens == [7, 3, 9, 1, 4, 4]
 
 
+def test_a_loop_in_the_request_drafts_past_one_period() -> None:
+    """A text that has repeated a 5-token phrase twice drafts on around the loop, as an
+    n-gram lookup over history plus draft does; a cached output does not wrap."""
+    loop = [11, 12, 13, 14, 15]
+    history = [1, 2, *loop, *loop]
+    proposer = SuffixProposer(SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7)))
+    proposer.start(history)
+    assert proposer.propose(history, 12, 0.0).tokens == (loop * 3)[:12]
+    shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7))
+    earlier = SuffixProposer(shared)
+    earlier.start([1, 2])
+    _commit(earlier, [1, 2], [*loop, 99])
+    later = SuffixProposer(shared)
+    later.start([3, 11, 12])
+    assert later.propose([3, 11, 12], 12, 0.0).tokens == [13, 14, 15, 99]
+
+
 def test_another_request_ending_alike_is_not_answered_with_the_earlier_answer() -> None:
     """Two prompts that end with the same 40 tokens (the same code after different
     instructions): the second does not draft the first's answer at its first step, as a
@@ -180,11 +197,12 @@ def test_a_request_whose_drafts_keep_failing_drafts_less_and_recovers() -> None:
     assert widths[0] > 0 and widths[-1] == 0, widths
     fresh = SuffixProposer(shared)
     fresh.start(prompt)
-    assert len(fresh.propose(history, 8, 0.0).tokens) > 0  # the cells alone still draft
-    for _ in range(40):  # plain steps: the record decays back to "as promised"
+    drafted = fresh.propose(history, 8, 0.0).tokens
+    assert len(drafted) > 0  # the cells alone still draft
+    for _ in range(100):  # plain steps: the record decays back to "as promised"
         repeat.propose(history, 0, 0.0)
         verify([], 0)
-    assert len(repeat.propose(history, 8, 0.0).tokens) > 0
+    assert repeat.propose(history, 8, 0.0).tokens == drafted  # as a fresh request would
 
 
 def _greedy(proposer: SuffixProposer, history: list[int], truth: list[int],
