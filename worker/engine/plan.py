@@ -113,7 +113,8 @@ DEFAULT_DRAFT_MAX: int = SpecSettings.model_fields["draft_max"].default
 #: Suffix drafting's width on one slot.
 SUFFIX_DRAFT_MAX = 32
 #: Verify rows one step of a suffix engine is sized for, over all its slots: what eight
-#: slots of the default width verify (so no slot count allocates more outputs than before).
+#: slots of the default width verify (no slot count allocates more output rows than eight such
+#: slots did: 72 MiB of Gemma logits).
 SUFFIX_STEP_ROWS = 8 * (DEFAULT_DRAFT_MAX + 1)
 
 
