@@ -131,19 +131,20 @@ def workloads() -> dict[str, str]:
     """The five kinds of request (prompt texts; Gemma's chat template)."""
     return {
         "copy_rename": chat_turn("Here is some Python code:\n\n```python\n" + CODE + "```\n\n"
-                             "Rewrite the code exactly as it is, but rename the function "
-                             "`merge_intervals` to `coalesce`. Output only the code.",
-                             "```python\n"),
+                                 "Rewrite the code exactly as it is, but rename the function "
+                                 "`merge_intervals` to `coalesce`. Output only the code.",
+                                 "```python\n"),
         "copy": chat_turn("Repeat the following Python code exactly, character for character. "
-                      "Output only the code.\n\n```python\n" + CODE + "```", "```python\n"),
-        "csv_json": chat_turn("Convert these CSV records to a JSON array of objects with the keys "
-                          "id, name, city, age and plan. Output only the JSON.\n\n" + CSV,
-                          "```json\n"),
+                          "Output only the code.\n\n```python\n" + CODE + "```",
+                          "```python\n"),
+        "csv_json": chat_turn("Convert these CSV records to a JSON array of objects with the "
+                              "keys id, name, city, age and plan. Output only the JSON.\n\n"
+                              + CSV, "```json\n"),
         "quote": chat_turn("Here is a document:\n\n" + DOCUMENT + "\n\nQuote, word for word, "
-                       "every sentence of the document that contains a year. Put each quoted "
-                       "sentence on its own line."),
+                           "every sentence of the document that contains a year. Put each "
+                           "quoted sentence on its own line."),
         "prose": chat_turn("Write a long, detailed story about a lighthouse keeper who finds a "
-                       "message in a bottle."),
+                           "message in a bottle."),
     }
 
 

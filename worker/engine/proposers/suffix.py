@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from worker.engine.draft_cost import RowCosts
-from worker.engine.draft_length_policy import best_draft_length, expected_rate
+from worker.engine.draft_length_policy import best_draft_length, expected_tokens
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
 from worker.engine.proposers.output_cache import Origin, OutputCache
@@ -109,11 +109,11 @@ class SuffixProposer:
         if len(self._local) < len(history):  # normally kept in step by observe
             self._local.extend(history[len(self._local):])
         seconds = self._shared.costs.seconds
-        best, best_rate = Candidate(OWN), expected_rate([], seconds)
+        best, best_rate = Candidate(OWN), 0.0
         for source, match in enumerate(self._matches(history)):
             walked = self._walk(source, match, width, p_min)
             keep = best_draft_length(walked.confidences, seconds)
-            rate = expected_rate(walked.confidences[:keep], seconds)
+            rate = expected_tokens(walked.confidences[:keep]) / seconds[keep + 1]
             if keep and rate > best_rate:
                 best = Candidate(source, walked.tokens[:keep], walked.confidences[:keep],
                                  walked.cells[:keep])
@@ -146,10 +146,7 @@ class SuffixProposer:
             outcome.draft[:len(chosen.tokens)] == chosen.tokens)
         for source, record in enumerate(self._records):
             if verified_ours and source == chosen.source:
-                promised, reach = 0.0, 1.0
-                for p in chosen.confidences:
-                    reach *= p
-                    promised += reach
+                promised = expected_tokens(chosen.confidences) - 1.0  # the bonus is not drafted
                 record.record(promised, min(outcome.n_accepted, len(chosen.tokens)))
             else:
                 record.record(0.0, 0)
