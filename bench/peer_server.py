@@ -65,12 +65,18 @@ def llama_server(binary: str, model: str, threads: int, n_ctx: int, parallel: in
         proc.wait(timeout=30)
 
 
+def completion(url: str, ids: list[int], tokens: int,
+               timeout: float = 600.0) -> dict[str, object]:
+    """One greedy completion of exactly ``tokens`` tokens: llama-server's whole answer, its
+    own ``timings`` and the generated ``tokens`` included."""
+    return post(url + "/completion", {"prompt": ids, "n_predict": tokens, "temperature": 0.0,
+                                      "top_k": 1, "cache_prompt": False, "ignore_eos": True,
+                                      "return_tokens": True}, timeout)
+
+
 def complete(url: str, ids: list[int], tokens: int, timeout: float = 600.0) -> dict[str, object]:
     """One greedy completion of exactly ``tokens`` tokens; llama-server's own timings."""
-    out = post(url + "/completion", {"prompt": ids, "n_predict": tokens, "temperature": 0.0,
-                                     "top_k": 1, "cache_prompt": False, "ignore_eos": True},
-               timeout)
-    timings = out["timings"]
+    timings = completion(url, ids, tokens, timeout)["timings"]
     assert isinstance(timings, dict)
     return timings
 

