@@ -56,6 +56,7 @@ from prompts import MERGE_INTERVALS, chat_turn  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
+from worker.engine.prefix_cache import common_prefix  # noqa: E402
 from worker.engine.slot import Phase, SlotRequest  # noqa: E402
 from worker.fitter import FitError, fit_worker  # noqa: E402
 from worker.launch import EngineCapacity  # noqa: E402
@@ -122,10 +123,10 @@ def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeE
 
 
 def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
-             spec: SpecSettings) -> dict[str, float]:
+             spec: SpecSettings) -> tuple[dict[str, float], list[list[int]]]:
     """The requests on one engine, as many at a time as it has slots (a freed slot takes
     the next request before the next step); aggregate generated tok/s, and each request's
-    tokens (``outputs``, in request order)."""
+    tokens in request order."""
     t0 = time.perf_counter()
     waiting, slots, steps = list(reqs), [], 0
     while waiting or engine.active:
@@ -135,8 +136,8 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
         steps += 1
     wall = time.perf_counter() - t0
     generated = sum(len(s.generated) for s in slots)
-    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps,
-            "outputs": [list(s.generated) for s in slots]}  # type: ignore[dict-item]
+    rates = {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps}
+    return rates, [list(s.generated) for s in slots]
 
 
 def one_by_one(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
@@ -153,16 +154,16 @@ SERVER_TIMEOUT_S = 300.0
 
 
 def server_together(url: str, reqs: list[list[int]], tokens: int,
-                    clients: int) -> dict[str, float]:
+                    clients: int) -> tuple[dict[str, float], list[list[int]]]:
     """``clients`` concurrent clients send ``reqs`` (each its next one when answered);
-    aggregate tok/s and each request's tokens (``outputs``)."""
+    aggregate tok/s and each request's tokens."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         answers = list(pool.map(lambda p: completion(url, p, tokens, SERVER_TIMEOUT_S), reqs))
     wall = time.perf_counter() - t0
-    generated = sum(int(a["timings"]["predicted_n"]) for a in answers)  # type: ignore[index]
-    return {"tok_s": generated / wall, "generated": generated, "wall_s": wall,
-            "outputs": [a["tokens"] for a in answers]}  # type: ignore[dict-item]
+    generated = sum(int(a["timings"]["predicted_n"]) for a in answers)  # type: ignore[index, misc]
+    return ({"tok_s": generated / wall, "generated": generated, "wall_s": wall},
+            [a["tokens"] for a in answers])  # type: ignore[misc]
 
 
 def same_text(ours: list[list[int]], theirs: list[list[int]]) -> float:
@@ -171,26 +172,25 @@ def same_text(ours: list[list[int]], theirs: list[list[int]]) -> float:
     servers batch rows differently), and a ratio between them is only a like-for-like one
     as far as the texts are the same: a request one server writes as a copy and the other
     does not is drafted at a different rate by any drafter."""
-    shares = []
-    for a, b in zip(ours, theirs, strict=True):
-        n = min(len(a), len(b))
-        parted = next((i for i in range(n) if a[i] != b[i]), n)
-        shares.append(parted / n if n else 1.0)
-    return statistics.fmean(shares)
+    return statistics.fmean(common_prefix(a, b) / max(1, min(len(a), len(b)))
+                            for a, b in zip(ours, theirs, strict=True))
 
 
 def _server_rates(args: argparse.Namespace, model: str, server: str, k: int,
-                  reqs: list[list[int]]) -> dict[str, dict[str, float]]:
-    """llama-server ``-np k`` under each spec type the methods compare with, run once each."""
+                  reqs: list[list[int]],
+                  ) -> tuple[dict[str, dict[str, float]], dict[str, list[list[int]]]]:
+    """llama-server ``-np k`` under each spec type the methods compare with, run once each:
+    the rates per spec type, and the texts of those that answered."""
     rates: dict[str, dict[str, float]] = {}
+    texts: dict[str, list[list[int]]] = {}
     for spec in dict.fromkeys(SERVER_SPEC[m] for m in args.methods if m in SERVER_SPEC):
         try:
             with llama_server(server, model, args.threads, N_CTX * k, k, spec) as url:
                 complete(url, reqs[0], 8, SERVER_TIMEOUT_S)  # warm-up
-                rates[spec[1]] = server_together(url, reqs, args.tokens, k)
+                rates[spec[1]], texts[spec[1]] = server_together(url, reqs, args.tokens, k)
         except (OSError, RuntimeError) as exc:  # urllib's errors are OSErrors
             rates[spec[1]] = {"error": f"{type(exc).__name__}: {exc}"}  # type: ignore[dict-item]
-    return rates
+    return rates, texts
 
 
 def _median_row(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -218,8 +218,7 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                 seq = one_by_one(base, reqs, args.tokens, spec) if args.sequential else None
                 with open_engine(model, k, args.threads, args.gpu) as engine:
                     together(engine, prompts(engine, 1), 8, spec)  # warm-up allocations
-                    par = together(engine, reqs, args.tokens, spec)
-                outputs[name] = par["outputs"]  # type: ignore[assignment]
+                    par, outputs[name] = together(engine, reqs, args.tokens, spec)
                 row = {"slots_tok_s": par["tok_s"], "steps": par["steps"]}
                 if seq is not None:
                     row |= {"sequential_tok_s": seq["tok_s"],
@@ -229,17 +228,16 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                       + (f", sequential {seq['tok_s']:6.1f}" if seq else ""),
                       file=sys.stderr, flush=True)
             if server:
-                rates = _server_rates(args, model, server, k, reqs)
+                rates, texts = _server_rates(args, model, server, k, reqs)
                 for spec_type, r in rates.items():
                     if "tok_s" in r:
                         served.setdefault(spec_type, []).append(r["tok_s"])
                     else:
                         errors[spec_type] = str(r["error"])
                 for name, ours in outputs.items():
-                    peer = rates.get(SERVER_SPEC[name][1], {}) if name in SERVER_SPEC else {}
-                    if "outputs" in peer:
-                        alike.setdefault(name, []).append(
-                            same_text(ours, peer["outputs"]))  # type: ignore[arg-type]
+                    theirs = texts.get(SERVER_SPEC[name][1]) if name in SERVER_SPEC else None
+                    if theirs is not None:
+                        alike.setdefault(name, []).append(same_text(ours, theirs))
                 print(f"[{rep + 1}/{args.reps}] llama-server -np {k}: " + ", ".join(
                     f"{spec} {r.get('tok_s', float('nan')):6.1f}" for spec, r in rates.items()),
                     file=sys.stderr, flush=True)
