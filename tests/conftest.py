@@ -14,7 +14,8 @@ or one that runs a single short process stays fast.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sys
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import CodeType
 from typing import Any
@@ -57,6 +58,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _uses(item) & SLOW_USES or item.get_closest_marker("gemma") is not None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    """A failed test's report carries the log tails of the worker fleets running then
+    (``service.workers.Fleet.running``): they are all a CI run leaves of what a worker did."""
+    outcome = yield
+    report = outcome.get_result()
+    workers = sys.modules.get("service.workers")
+    if report.failed and report.when == "call" and workers is not None:
+        for fleet in workers.Fleet.running:
+            for name, text in fleet.log_tails():
+                report.sections.append((f"worker {name}: log tail", text))
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 from helpers import SPECFLEET
 
@@ -22,6 +23,11 @@ CTX = 512
 
 class Fleet:
     """Starts and stops real worker processes for one test."""
+
+    #: Fleets with processes started and not yet stopped: a failing test's report carries
+    #: the tail of each one's worker logs (tests/conftest.py), which go with the temporary
+    #: directory otherwise (a CI run shows a stream's timeout and nothing of the worker's).
+    running: ClassVar[list[Fleet]] = []
 
     def __init__(self, settings: Settings, model: Path, logs: Path) -> None:
         self.settings = settings
@@ -48,6 +54,8 @@ class Fleet:
         cmd = [SPECFLEET, "worker", "--model", str(self.model), "--model-name", MODEL_NAME,
                "--name", name, "--threads", "1", *args]
         log = (self.logs / f"{name}.log").open("ab")
+        if self not in Fleet.running:
+            Fleet.running.append(self)
         self.procs[name] = subprocess.Popen(cmd, env=self.env(step_delay, extra_env or {}),
                                             stdout=log, stderr=subprocess.STDOUT)
         if wait:
@@ -90,5 +98,17 @@ class Fleet:
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text()
 
+    def log_tails(self, chars: int = 6000) -> list[tuple[str, str]]:
+        """Each worker's name (and whether it runs) with the last ``chars`` of its log."""
+        tails = []
+        for name, proc in self.procs.items():
+            path = self.logs / f"{name}.log"
+            text = path.read_text(errors="replace")[-chars:] if path.exists() else ""
+            state = "running" if proc.poll() is None else f"exited {proc.returncode}"
+            tails.append((f"{name} ({state}, pid {proc.pid})", text))
+        return tails
+
     def stop_all(self) -> None:
         stop_processes(self.procs.values())
+        if self in Fleet.running:
+            Fleet.running.remove(self)
