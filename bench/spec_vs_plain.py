@@ -55,8 +55,6 @@ from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.plan import default_draft_max  # noqa: E402
-from worker.engine.proposers.output_cache import OutputCache  # noqa: E402
-from worker.engine.proposers.suffix import SuffixShared  # noqa: E402
 from worker.launch import EngineCapacity  # noqa: E402
 
 N_CTX = 4096
@@ -169,9 +167,7 @@ def run_ours(engine: SpeculativeEngine, ids: list[int], tokens: int,
 def forget(engine: SpeculativeEngine) -> None:
     """Cold drafter state: an empty output cache and fresh calibration (row costs kept)."""
     assert engine.suffix is not None
-    old = engine.suffix
-    engine.suffix = SuffixShared(old.costs, OutputCache(old.cache.max_bytes,
-                                                        old.cache.max_entries))
+    engine.suffix = engine.suffix.cold()
 
 
 # -- the run -------------------------------------------------------------------------------

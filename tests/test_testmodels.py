@@ -64,6 +64,31 @@ def greedy_on(model: Model, prompt: list[int], n: int) -> tuple[list[int], np.nd
     return tokens, np.array(margins)
 
 
+def test_context_margins_are_each_tokens_lead_over_the_best_other(
+        tiny_models: TinyModels) -> None:
+    """``Context.margins`` (what the suffix drafter marks near-ties with) against numpy on
+    the same rows of one batched decode: the argmax leads by the top-2 gap, the runner-up
+    trails by it, and token 0 and the last id (the slices' edges) are handled."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    with Model(ModelSpec(str(tiny_models.dense))) as model, \
+            Context(model, ContextSpec(n_ctx=256, n_batch=32, n_threads=2)) as ctx:
+        batch = Batch(32)
+        try:
+            ctx.decode(batch.set(prompt, 0, logits=True))
+            rows = np.array([ctx.logits(i) for i in range(len(prompt))])
+            order = np.argsort(rows, axis=1)
+            best, second = order[:, -1].tolist(), order[:, -2].tolist()
+            gaps = rows[np.arange(len(prompt)), best] - rows[np.arange(len(prompt)), second]
+            assert ctx.margins(0, best) == pytest.approx(gaps.tolist())
+            assert ctx.margins(0, second) == pytest.approx((-gaps).tolist())
+            edges = [0, model.n_vocab - 1]
+            expected = [float(rows[i, t] - np.delete(rows[i], t).max())
+                        for i, t in enumerate(edges)]
+            assert ctx.margins(0, edges) == pytest.approx(expected)
+        finally:
+            batch.close()
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_models_decode_deterministically(tiny_models: TinyModels, name: str) -> None:
     path = getattr(tiny_models, name)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 import tracemalloc
+from dataclasses import replace
 
 import pytest
 
 from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import VerifyOutcome
+from worker.engine.proposers.confidence import FRAGILE_MARGIN
 from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
 from worker.engine.proposers.token_index import TokenIndex
@@ -245,3 +247,43 @@ def test_a_request_drafts_its_own_structure_where_the_cache_outvotes_it() -> Non
                  for j in range(done, done + len(draft)) if j % 4 == 3]
     assert at_values[0] == (60, False), steps  # the cache's majority first
     assert sum(ok for _, ok in at_values) >= 9, steps
+
+
+def test_a_repeat_drafts_its_earlier_output_only_up_to_a_near_tie() -> None:
+    """The earlier run chose its 4th token by a hair (a margin below ``FRAGILE_MARGIN``): a
+    repeat's verify, batched otherwise, may choose the other token there and part from the
+    cached answer. With rows that cost 0.6 of a decode its draft stops before that token; the
+    same output recorded with firm margins is drafted past it. The calibration then learns
+    how such tokens went: where rows are free the repeats draft through it, and after forty
+    that kept it, the dear rows' draft goes past it too."""
+    prompt = [300 + i for i in range(40)]
+    written = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 11, 12]
+    near_tie = 3
+
+    def recorded(rows: list[float], margins: list[float]) -> SuffixShared:
+        shared = SuffixShared(RowCosts(rows), OutputCache(max_bytes=10**7),
+                              margins=lambda row0, tokens: margins[:len(tokens)])
+        earlier = SuffixProposer(shared)
+        earlier.start(prompt)
+        _commit(earlier, list(prompt), written)
+        return shared
+
+    def repeat(shared: SuffixShared) -> tuple[SuffixProposer, list[int]]:
+        proposer = SuffixProposer(shared)
+        proposer.start(prompt)
+        return proposer, proposer.propose(prompt, 10, 0.0).tokens
+
+    firm = [5.0] * len(written)
+    past = repeat(recorded(DEAR_ROWS, firm))[1]
+    assert past == written[:len(past)] and len(past) > near_tie + 1
+    shaky = [*firm[:near_tie], FRAGILE_MARGIN / 3, *firm[near_tie + 1:]]
+    dear = recorded(DEAR_ROWS, shaky)
+    assert repeat(dear)[1] == written[:near_tie]
+
+    free = replace(dear, costs=RowCosts(FREE_ROWS))
+    for _ in range(40):
+        proposer, draft = repeat(free)
+        assert draft == written[:10]
+        proposer.observe(VerifyOutcome(len(prompt) - 1, prompt[-1], draft, 10, written[10]))
+    learned = repeat(replace(free, costs=RowCosts(DEAR_ROWS)))[1]
+    assert learned == written[:len(learned)] and len(learned) > near_tie + 1

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.engine import SpeculativeEngine
-from worker.engine.proposers.output_cache import OutputCache
-from worker.engine.proposers.suffix import SuffixShared
+from worker.engine.proposers import output_cache
+from worker.engine.proposers.suffix import LEAD_IN
 
 from .conftest import (
     N_MAX,
@@ -88,6 +89,32 @@ def test_cached_outputs_speed_up_a_repeat_and_never_leak(request: pytest.Fixture
     assert other.tokens != subject.reference
 
 
+def test_the_cache_marks_an_outputs_near_ties_from_the_targets_own_rows(
+        dense_suffix: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the engine records as fragile is where the target's lead over its runner-up was
+    small: the verify rows' margins against the logprobs of the same text. The tiny model's
+    leads are all wide (above 0.5), so the bound is moved to their median here: half of the
+    output is then fragile, and exactly that half."""
+    engine = dense_suffix.engine
+    cold(engine)
+    spec = SpecSettings(method=SpecMethod.SUFFIX, draft_max=N_MAX)
+    result = engine.generate(PROMPT, TOKENS, spec, logprobs=2)
+    leads = [lp.logprob - max(a.logprob for a in lp.top_logprobs if a.token != lp.token)
+             for lp in result.logprobs]
+    bound = float(np.median(leads))
+    assert engine.suffix is not None
+    monkeypatch.setattr(output_cache, "FRAGILE_MARGIN", bound)
+    cold(engine)
+    again = engine.generate(PROMPT, TOKENS, spec)
+    assert again.tokens == result.tokens == dense_suffix.reference
+    cache = engine.suffix.cache
+    entry, _ = next(cache.others(None))  # the newest output: this one's
+    lead_in = len(PROMPT[-LEAD_IN:])      # the entry starts with the prompt's tail
+    fragile = {i - lead_in for i in cache.fragile(entry) if i - lead_in < len(again.tokens)}
+    assert fragile == {i for i, lead in enumerate(leads) if lead < bound}
+    assert 0 < len(fragile) < len(leads)
+
+
 def test_suffix_needs_an_engine_loaded_for_it(dense_model: Path) -> None:
     """A request may narrow, never widen: suffix on an n-gram engine names the fix."""
     with open_engine(dense_model, SpecMethod.NGRAM) as engine:
@@ -120,4 +147,4 @@ def test_mtp_suffix_drafts_with_the_head_where_lookup_has_nothing(
 def cold(engine: SpeculativeEngine) -> None:
     """Forget every earlier output and calibration (the measured row costs stay)."""
     assert engine.suffix is not None
-    engine.suffix = SuffixShared(engine.suffix.costs, OutputCache(engine.suffix.cache.max_bytes))
+    engine.suffix = engine.suffix.cold()

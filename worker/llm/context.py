@@ -7,6 +7,7 @@ field added here changes both at once.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import llama_cpp
@@ -151,6 +152,19 @@ class Context:
     def argmax(self, row: int) -> int:
         """Greedy token of output row ``row``: argmax straight on the view, no copy."""
         return int(np.argmax(self.logits(row)))
+
+    def margins(self, row0: int, tokens: Sequence[int]) -> list[float]:
+        """How far each token's logit led the best other one, at output rows ``row0..``
+        (``tokens[i]`` at row ``row0 + i``; negative where another token led). Two max passes
+        over slices of the view per row, no copy (~0.03 ms on a 262k vocabulary)."""
+        out = []
+        for i, token in enumerate(tokens):
+            z = self.logits(row0 + i)
+            left, right = z[:token], z[token + 1:]
+            rival = max(float(left.max()) if left.size else -np.inf,
+                        float(right.max()) if right.size else -np.inf)
+            out.append(float(z[token]) - rival)
+        return out
 
     # -- hidden states (MTP hand-over) -----------------------------------------------------
     def expose_hidden(self, masked: bool) -> None:

@@ -12,6 +12,17 @@ after a repeated key) stops being drafted. The source is part of the cell becaus
 fail differently: a cached output is the measured case of a confident wrong guess (a repeat
 whose output left it), and its failures must not teach the request's own structure to stop
 drafting, nor its own successes vouch for the cache.
+
+A cached token can also be *fragile*: the target chose it over its runner-up by less than
+:data:`FRAGILE_MARGIN` (``OutputCache`` keeps where). A batched verify is not bit-identical
+to the decode that wrote the earlier output, so at such a near-tie a repeat of the same
+request can choose the other token and write on from there: on Gemma 270M Q4_K_M every
+parting of a repeat from its first output, and of speculative from plain greedy, measured
+on the five bench workloads fell on a token whose margin was below 0.26 (0.009-0.256), while
+1-2 % of tokens are that close. Such a token is a cell of its own, guessed at
+:data:`FRAGILE_PRIOR` of the count estimate and then calibrated like any other, so a draft
+of the cached answer is costed as what it is: likely to part there, with every token after
+it conditional on that.
 """
 
 from __future__ import annotations
@@ -25,23 +36,33 @@ PRIOR_OCCURRENCES = 1.0
 PRIOR_TRIALS = 4.0
 #: A cell's trials are halved beyond this, so it follows a change of traffic.
 MAX_TRIALS = 256.0
+#: A committed token whose logit led the best other one by less than this is fragile (the
+#: partings measured fell at margins of 0.009-0.256; 1-2 % of Gemma's tokens are below 0.3).
+FRAGILE_MARGIN = 0.3
+#: A fragile token's first guess, as a share of its count estimate: about half of the
+#: near-ties met on the bench workloads' repeats went the other way.
+FRAGILE_PRIOR = 0.5
 
-Cell = tuple[int, int, int, int]
+Cell = tuple[int, int, int, int, int]
 
 
-def evidence_cell(depth: int, support: int, agree: int, shared: bool) -> Cell:
-    """The bucket of (source, depth, support, agreement) a candidate's outcome is counted in."""
+def evidence_cell(depth: int, support: int, agree: int, shared: bool,
+                  fragile: bool) -> Cell:
+    """The bucket of (source, depth, support, agreement, fragility) a candidate's outcome is
+    counted in."""
     share = agree / support
     agreement = 0 if share >= 1.0 else 1 if share >= 0.75 else 2 if share >= 0.5 else 3
     return (int(shared), min(depth.bit_length(), len(DEPTH_PRIOR)) - 1,
-            min(support.bit_length(), 4), agreement)
+            min(support.bit_length(), 4), agreement, int(fragile))
 
 
-def count_estimate(depth: int, support: int, agree: int) -> float:
+def count_estimate(depth: int, support: int, agree: int, fragile: bool) -> float:
     """``(agree + k q) / (support + k)``: the share of occurrences that went on this way,
-    shrunk towards the depth prior ``q`` by ``k`` pseudo-occurrences."""
+    shrunk towards the depth prior ``q`` by ``k`` pseudo-occurrences (times
+    :data:`FRAGILE_PRIOR` for a fragile token)."""
     prior = DEPTH_PRIOR[min(depth.bit_length(), len(DEPTH_PRIOR)) - 1]
-    return (agree + PRIOR_OCCURRENCES * prior) / (support + PRIOR_OCCURRENCES)
+    guess = (agree + PRIOR_OCCURRENCES * prior) / (support + PRIOR_OCCURRENCES)
+    return guess * FRAGILE_PRIOR if fragile else guess
 
 
 class AcceptanceStats:
@@ -50,11 +71,11 @@ class AcceptanceStats:
     def __init__(self) -> None:
         self._cells: dict[Cell, list[float]] = {}
 
-    def confidence(self, depth: int, support: int, agree: int,
-                   shared: bool) -> tuple[float, Cell]:
+    def confidence(self, depth: int, support: int, agree: int, shared: bool,
+                   fragile: bool) -> tuple[float, Cell]:
         """The calibrated acceptance probability of a candidate, and its cell."""
-        cell = evidence_cell(depth, support, agree, shared)
-        guess = count_estimate(depth, support, agree)
+        cell = evidence_cell(depth, support, agree, shared, fragile)
+        guess = count_estimate(depth, support, agree, fragile)
         hits, trials = self._cells.get(cell, (0.0, 0.0))
         return (hits + PRIOR_TRIALS * guess) / (trials + PRIOR_TRIALS), cell
 

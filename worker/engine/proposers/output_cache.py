@@ -10,16 +10,21 @@ Memory is bounded in bytes (accounted by :meth:`TokenIndex.nbytes`, checked agai
 allocation in the tests) and in entries (each is probed once per draft step); the least
 recently used output is evicted first, and an output that alone would exceed the bound stops
 being recorded. The bound is what the fitter counts for the cache (``lookup_cache``).
+
+Each entry also keeps where its output is *fragile*: the positions of tokens the target chose
+by a margin below :data:`~worker.engine.proposers.confidence.FRAGILE_MARGIN`, where a repeat
+may part from it (``confidence.py``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count
 
 from shared.logs import get_logger
+from worker.engine.proposers.confidence import FRAGILE_MARGIN
 from worker.engine.proposers.token_index import TokenIndex
 
 log = get_logger("engine.output_cache")
@@ -28,6 +33,8 @@ log = get_logger("engine.output_cache")
 DEFAULT_CACHE_BYTES = 32 * 1024 * 1024
 #: At most this many outputs are kept (each costs a few dict probes per draft step).
 MAX_ENTRIES = 64
+#: Bytes accounted per fragile position (a set entry and its int, with room to spare).
+BYTES_PER_FRAGILE = 96
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class OutputCache:
         self._entries: OrderedDict[int, TokenIndex] = OrderedDict()
         self._bytes: dict[int, int] = {}
         self._origins: dict[int, Origin] = {}
+        self._fragile: dict[int, set[int]] = {}
         self._ids = count()
         self.evictions = 0
 
@@ -66,6 +74,7 @@ class OutputCache:
         self._entries[entry] = TokenIndex()
         self._bytes[entry] = 0
         self._origins[entry] = origin
+        self._fragile[entry] = set()
         self._evict(keep=entry)
         return entry
 
@@ -73,13 +82,20 @@ class OutputCache:
         """The request output ``entry`` was written for (a cached entry's)."""
         return self._origins[entry]
 
-    def extend(self, entry: int, tokens: Iterable[int]) -> None:
-        """Append generated ``tokens`` to output ``entry`` (ignored once it was evicted)."""
+    def fragile(self, entry: int) -> set[int]:
+        """The positions in ``entry``'s tokens where its output is fragile."""
+        return self._fragile[entry]
+
+    def extend(self, entry: int, tokens: Sequence[int], margins: Sequence[float] = ()) -> None:
+        """Append generated ``tokens`` to output ``entry`` (ignored once it was evicted), with
+        the target's margin for each where known (the prompt's lead-in has none)."""
         index = self._entries.get(entry)
         if index is None:
             return
+        fragile = self._fragile[entry]
+        fragile.update(len(index) + i for i, m in enumerate(margins) if m < FRAGILE_MARGIN)
         index.extend(tokens)
-        self._bytes[entry] = index.nbytes()
+        self._bytes[entry] = index.nbytes() + BYTES_PER_FRAGILE * len(fragile)
         self._entries.move_to_end(entry)
         if self._bytes[entry] > self.max_bytes:
             self._drop(entry)  # alone larger than the whole cache: not worth keeping
@@ -118,3 +134,4 @@ class OutputCache:
         del self._entries[entry]
         del self._bytes[entry]
         del self._origins[entry]
+        del self._fragile[entry]

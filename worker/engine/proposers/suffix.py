@@ -26,13 +26,16 @@ was drafted and rejected over and over while its own records agreed with what it
 
 It learns as it goes: every verify's outcome calibrates the confidences, its duration
 re-measures the row cost, and its committed tokens extend both the request's index and the
-cache entry of this output. Those three live as long as the engine (:class:`SuffixShared`).
+cache entry of this output, with the target's margin for each (read from the verify's rows):
+where that was a near-tie a later repeat may part from this output, and a draft across it
+is costed as fragile (``confidence.py``). Those live as long as the engine
+(:class:`SuffixShared`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 
 from worker.engine.draft_cost import RowCosts
@@ -48,6 +51,17 @@ MIN_REACH = 0.02
 LEAD_IN = max(ORDERS)
 
 
+#: The target's margin for each committed token at its verify rows (``Context.margins``):
+#: ``(row0, tokens) -> margins``, read while the verify's outputs are still there.
+MarginReader = Callable[[int, Sequence[int]], list[float]]
+
+
+def no_margins(row0: int, tokens: Sequence[int]) -> list[float]:
+    """A drafter state without a target to read (tests of the drafter alone): nothing is
+    known to be fragile."""
+    return []
+
+
 @dataclass
 class SuffixShared:
     """What every suffix drafter of one engine (one model, one device) shares."""
@@ -55,14 +69,26 @@ class SuffixShared:
     costs: RowCosts
     cache: OutputCache
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    margins: MarginReader = no_margins
+
+    def cold(self) -> SuffixShared:
+        """This state with nothing learned from traffic, as a fresh worker starts: an empty
+        output cache of the same bounds and fresh calibration (row costs and margins kept)."""
+        return replace(self, cache=OutputCache(self.cache.max_bytes, self.cache.max_entries),
+                       stats=AcceptanceStats())
 
 
-#: One occurrence being walked: the sequence it is in and where its continuation starts.
-Occurrence = tuple[list[int], int]
+#: Positions of a sequence that are fragile (:data:`~.confidence.FRAGILE_MARGIN`).
+Fragile = set[int] | frozenset[int]
+#: One occurrence being walked: the sequence it is in, where its continuation starts, and
+#: where that sequence is fragile (only a cached output knows: the request's own text is
+#: matched in other contexts than it was written in).
+Occurrence = tuple[list[int], int, Fragile]
 #: A source's match: the context length matched and the occurrences found at it.
 Match = tuple[int, list[Occurrence]]
 #: The sources a draft comes from: the request's own prompt and output, other outputs.
 OWN, SHARED = 0, 1
+_FIRM: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -153,7 +179,7 @@ class SuffixProposer:
         committed = [*outcome.accepted, outcome.bonus]
         self._local.extend(committed)
         if self._entry is not None:
-            shared.cache.extend(self._entry, committed)
+            shared.cache.extend(self._entry, committed, shared.margins(outcome.row0, committed))
         self._chosen = Candidate(OWN)
 
     # -- internals -------------------------------------------------------------------------
@@ -168,7 +194,7 @@ class SuffixProposer:
             if key is not None:
                 starts = self._local.occurrences(order, key)
                 if starts:
-                    own = (ORDERS[order], [(self._local.tokens, s) for s in starts])
+                    own = (ORDERS[order], [(self._local.tokens, s, _FIRM) for s in starts])
                     break
         for order, key in enumerate(keys):
             if key is None:
@@ -180,7 +206,7 @@ class SuffixProposer:
                 if origin.prompt != self._origin.prompt:  # another request's answer
                     starts = [s for s in starts if s != origin.lead_in]
                 if starts:
-                    found += [(index.tokens, s) for s in starts]
+                    found += [(index.tokens, s, cache.fragile(entry)) for s in starts]
                     cache.touch(entry)
             if found:
                 return own, (ORDERS[order], found)
@@ -194,7 +220,8 @@ class SuffixProposer:
         text repeats with period ``k``, so the draft repeats it (as an n-gram lookup over
         history plus draft does; llama-server's ngram-mod drafts 48-64 tokens of a loop).
         Without it a looping story drafted one period at a time (Gemma 270M: 15 of the 32
-        its confidences paid for, at 1.00 acceptance). A cached output ends where it ends."""
+        its confidences paid for, at 1.00 acceptance). A cached output ends where it ends.
+        A token that any agreeing occurrence holds at a fragile position is drafted as fragile."""
         depth, occurrences = match
         stats = self._shared.stats
         scale = self._records[source].scale()
@@ -204,7 +231,8 @@ class SuffixProposer:
         for i in range(width):
             counts: dict[int, int] = {}
             going: list[tuple[Occurrence, int]] = []
-            for seq, start in occurrences:
+            for occurrence in occurrences:
+                seq, start, _ = occurrence
                 j = start + i
                 if j < len(seq):
                     t = seq[j]
@@ -213,12 +241,13 @@ class SuffixProposer:
                 else:
                     continue
                 counts[t] = counts.get(t, 0) + 1
-                going.append(((seq, start), t))
+                going.append((occurrence, t))
             if not counts:
                 break
             token = max(counts, key=counts.__getitem__)  # ties: the most recent occurrence
+            fragile = any(start + i in shaky for (_, start, shaky), t in going if t == token)
             p, cell = stats.confidence(depth + i, sum(counts.values()), counts[token],
-                                       source == SHARED)
+                                       source == SHARED, fragile)
             p *= scale
             reach *= p
             if p < p_min or reach < MIN_REACH:
