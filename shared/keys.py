@@ -118,6 +118,14 @@ class Keys:
         """A worker's registration (JSON ``WorkerInfo``), expiring without heartbeats."""
         return f"{self.prefix}:worker:{name}"
 
+    def rq_worker(self, name: str) -> str:
+        """The name a worker has in rq's own records (``rq:worker:<it>``, its command channel
+        ``rq:pubsub:<it>``, the jobs and executions it ran): rq's keys carry no deployment
+        prefix, so a bare name would be one record and one channel for the same worker name
+        of every deployment on the Redis (an rq ``shutdown`` sent to one stopped both, and
+        each start retired the other's record as stale)."""
+        return f"{self.prefix}:{name}"
+
     def inflight(self, name: str) -> str:
         """List of the jobs a worker has taken: a job id moves here from its queue atomically
         (``LMOVE``) and leaves when its run ends, so a worker killed at any instant leaves

@@ -126,7 +126,8 @@ def test_workers_listen_for_cancels_and_rq_commands(acl: AclDeployment) -> None:
     listening = [c for c in acl.admin.client_list() if c["user"] == worker_user]
     assert sum(int(c["psub"]) for c in listening) == len(acl.workers)
     channels = {c.decode() for c in acl.admin.pubsub_channels("rq:pubsub:*")}
-    assert {f"rq:pubsub:{name}" for name in acl.workers} <= channels
+    assert {f"rq:pubsub:{acl.fleet.settings.keys.rq_worker(name)}" for name in acl.workers} <= (
+        channels)
     acl.assert_no_denials()
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import signal
 import time
+from pathlib import Path
 
 from rq.command import send_shutdown_command, send_stop_job_command
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator, JobHandle
 from shared.protocol import JobStatus, ProgressEvent, TokenEvent
+from shared.settings import Settings
 
+from .conftest import _delete_namespace
 from .workers import MODEL_NAME, Fleet
 
 REQUEST = {"model": MODEL_NAME, "prompt_tokens": [9, 8, 7], "max_tokens": 60,
@@ -79,6 +82,33 @@ def test_rq_commands_reach_the_worker(fleet: Fleet, coordinator: Coordinator) ->
             break
     send_stop_job_command(coordinator.connection, handle.job_id, serializer=JSONSerializer)
     assert handle.result(timeout=30).status is JobStatus.CANCELLED
-    send_shutdown_command(coordinator.connection, "w1")
+    send_shutdown_command(coordinator.connection, coordinator.keys.rq_worker("w1"))
     assert _wait_exit(fleet, "w1") == 0
     assert not coordinator.registry.is_alive("w1")
+
+
+def test_rq_commands_reach_only_their_own_deployments_worker(
+        fleet: Fleet, coordinator: Coordinator, settings: Settings, dense_model: Path,
+        tmp_path: Path) -> None:
+    """Two deployments (prefixes) on one Redis, each with a worker named w1: rq's records
+    carry no prefix, so each worker is known to rq by its deployment's name for it. An rq
+    ``shutdown`` for one stops that one; the other keeps its rq record and serves on (with
+    bare names the command stopped both, and each start retired the other's record)."""
+    other_settings = settings.model_copy(update={"prefix": f"{settings.prefix}x"})
+    other = Fleet(other_settings, dense_model, tmp_path / "other")
+    (tmp_path / "other").mkdir()
+    try:
+        fleet.start("w1")
+        other.start("w1")
+        conn = coordinator.connection
+        mine, theirs = (f"rq:worker:{s.keys.rq_worker('w1')}" for s in (settings, other_settings))
+        assert conn.exists(mine) and conn.exists(theirs)
+        send_shutdown_command(conn, coordinator.keys.rq_worker("w1"))
+        assert _wait_exit(fleet, "w1") == 0
+        time.sleep(1.0)  # a command that reached the other worker too has stopped it by now
+        assert other.alive("w1") and conn.exists(theirs)
+        result = Coordinator(other_settings).submit(REQUEST).result(timeout=30)
+        assert result.status is JobStatus.FINISHED and result.worker == "w1"
+    finally:
+        other.stop_all()
+        _delete_namespace(conn, other_settings.prefix)

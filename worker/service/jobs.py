@@ -88,6 +88,11 @@ class WorkerRuntime:
     def keys(self) -> Keys:
         return self.settings.keys
 
+    @property
+    def rq_name(self) -> str:
+        """This worker's name in rq's records (:meth:`Keys.rq_worker`)."""
+        return self.keys.rq_worker(self.worker_name)
+
     def writer(self, job_id: str, attempt: int) -> EventWriter:
         """The event writer of one attempt of one job, with this worker's stream bounds."""
         return EventWriter.for_job(self.connection, self.settings, job_id, attempt)

@@ -132,7 +132,7 @@ class ServingLoop:
             self._ride(lambda: self.intake.release(job.id), "intake.release")
             return
         ttl = int(job.timeout or rt.settings.job_timeout_seconds) + 60
-        execution = self._ride(lambda: mark_started(conn, job, rt.worker_name, ttl),
+        execution = self._ride(lambda: mark_started(conn, job, rt.rq_name, ttl),
                                "job.start")
         self._set_state(WorkerStatus.BUSY)
         run: JobRun | None = None
@@ -150,7 +150,7 @@ class ServingLoop:
             if run is not None and not isinstance(exc, RequestRejected):
                 run.fail(exc)
             self._end(job, partial(mark_failed, job=job, execution=execution, error=exc,
-                                   worker_name=rt.worker_name))
+                                   worker_name=rt.rq_name))
             if run is not None:
                 run.close()
             self._log_crash(job.id, exc)
@@ -174,7 +174,7 @@ class ServingLoop:
             for r in list(self._running.values()):
                 r.run.fail(exc)
                 self._close(r, partial(mark_failed, job=r.job, execution=r.execution,
-                                       error=exc, worker_name=rt.worker_name))
+                                       error=exc, worker_name=rt.rq_name))
             self._log_crash(None, exc)
             return
         for update in updates:
@@ -205,7 +205,7 @@ class ServingLoop:
             return
         self._close(r, lambda pipe: mark_finished(pipe, r.job, r.execution, final,
                                                   rt.settings.result_ttl_seconds,
-                                                  rt.worker_name))
+                                                  rt.rq_name))
 
     def _close(self, r: _Running, record: Callable[[Pipeline], None],
                release: bool = True) -> None:
@@ -235,7 +235,7 @@ class ServingLoop:
 
             def record() -> None:
                 with rt.connection.pipeline() as pipe:
-                    mark_failed(pipe, poisoned, None, reason, rt.worker_name)
+                    mark_failed(pipe, poisoned, None, reason, rt.rq_name)
                     pipe.execute()
             try:
                 self._ride(record, "job.refuse")

@@ -100,7 +100,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     loop = ServingLoop(runtime, JobIntake(connection, keys, name, options.model_name,
                                           tiers.queues(), runtime.n_ctx), prefixes)
     presence = RqPresence.start(
-        connection, name, queues, on_shutdown=loop.stopping.set,
+        connection, runtime.rq_name, queues, on_shutdown=loop.stopping.set,
         on_stop_job=lambda job_id: request_cancel(connection, keys, job_id,
                                                   settings.stream_ttl_seconds))
     loop.presence = presence
