@@ -285,7 +285,7 @@ def test_same_seed_same_tokens_across_engines_and_beside_other_slots(
 
     model = str(soft_engine.config.model_path)
     config = EngineConfig(model, n_ctx=512, n_threads=1, slots=3, row_budget=True,
-                          capacity=soft_engine.config.capacity)
+                          capacity=soft_engine.config.capacity, per_sequence_kv=True)
     with SpeculativeEngine(config) as busy:
         others = [busy.admit(SlotRequest(PROMPT, 70, spec, SamplingParams(temperature=1.3,
                                                                          seed=s)))
