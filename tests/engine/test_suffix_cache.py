@@ -14,7 +14,7 @@ from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import VerifyOutcome
 from worker.engine.proposers.confidence import FRAGILE_MARGIN
 from worker.engine.proposers.output_cache import Origin, OutputCache
-from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
+from worker.engine.proposers.suffix import SuffixProposer, SuffixShared, no_ends
 from worker.engine.proposers.token_index import TokenIndex
 
 #: Verify rows that cost nothing extra: the drafter drafts whatever has any chance.
@@ -287,3 +287,33 @@ def test_a_repeat_drafts_its_earlier_output_only_up_to_a_near_tie() -> None:
         proposer.observe(VerifyOutcome(len(prompt) - 1, prompt[-1], draft, 10, written[10]))
     learned = repeat(replace(free, costs=RowCosts(DEAR_ROWS)))[1]
     assert learned == written[:len(learned)] and len(learned) > near_tie + 1
+
+
+def test_the_requests_own_text_drafts_no_end_of_generation() -> None:
+    """A story that quotes the user's last words: in the prompt they are followed by the
+    chat template's end of turn, which the answer does not write there. The request's own
+    text drafts the quote and stops before the end; a cached output that ended there
+    drafts its end (a repeat ends there too)."""
+    end, turn = 900, [901, 902]
+    words = [50, 51, 52, 53, 54, 55]
+    prompt = [10, 11, *words, end, *turn]
+
+    def own_draft(ends: bool) -> list[int]:
+        shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7),
+                              ends=(lambda t: t == end) if ends else no_ends)
+        proposer = SuffixProposer(shared)
+        proposer.start(prompt)
+        history = [*prompt, 60, 61, *words[:4]]
+        return proposer.propose(history, 8, 0.0).tokens
+
+    assert own_draft(ends=False)[:3] == [*words[4:], end]  # what the lookup alone says
+    assert own_draft(ends=True) == words[4:]
+
+    shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7),
+                          ends=lambda t: t == end)
+    earlier = SuffixProposer(shared)
+    earlier.start([20, 21])
+    _commit(earlier, [20, 21], [*words, end])
+    repeat = SuffixProposer(shared)
+    repeat.start([20, 21])
+    assert repeat.propose([20, 21], 8, 0.0).tokens == [*words, end]

@@ -34,12 +34,13 @@ def uses_suffix(method: SpecMethod) -> bool:
 def make_suffix_shared(method: SpecMethod, target: Context, batch: Batch, draft_max: int,
                        cache_bytes: int) -> SuffixShared | None:
     """The suffix drafters' engine-wide state, when ``method`` drafts by suffix lookup: the
-    row costs are timed on the idle ``target`` (so: at load, before any generation), and the
-    margins of committed tokens are read from its verify rows."""
+    row costs are timed on the idle ``target`` (so: at load, before any generation), the
+    margins of committed tokens are read from its verify rows, and its vocabulary says which
+    tokens end a generation."""
     if not uses_suffix(method):
         return None
     return SuffixShared(RowCosts.measure(target, batch, draft_max + 1), OutputCache(cache_bytes),
-                        margins=target.margins)
+                        margins=target.margins, ends=target.model.is_eog)
 
 
 def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: MtpProposer | None,

@@ -62,6 +62,12 @@ def no_margins(row0: int, tokens: Sequence[int]) -> list[float]:
     return []
 
 
+def no_ends(token: int) -> bool:
+    """A drafter state without a vocabulary (tests of the drafter alone): no token ends a
+    generation."""
+    return False
+
+
 @dataclass
 class SuffixShared:
     """What every suffix drafter of one engine (one model, one device) shares."""
@@ -70,6 +76,9 @@ class SuffixShared:
     cache: OutputCache
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     margins: MarginReader = no_margins
+    #: Whether a token ends a generation (``Model.is_eog``): the request's own text never
+    #: drafts one (:meth:`SuffixProposer._walk`).
+    ends: Callable[[int], bool] = no_ends
 
     def cold(self) -> SuffixShared:
         """This state with nothing learned from traffic, as a fresh worker starts: an empty
@@ -221,7 +230,14 @@ class SuffixProposer:
         history plus draft does; llama-server's ngram-mod drafts 48-64 tokens of a loop).
         Without it a looping story drafted one period at a time (Gemma 270M: 15 of the 32
         its confidences paid for, at 1.00 acceptance). A cached output ends where it ends.
-        A token that any agreeing occurrence holds at a fragile position is drafted as fragile."""
+        A token that any agreeing occurrence holds at a fragile position is drafted as fragile.
+
+        The request's own text stops before a token that ends a generation: its output holds
+        none, so one comes from the prompt, where it ends a turn of the chat template, and an
+        answer that quotes the user's last words goes on after them (Gemma 270M, a story
+        quoting "finds a message in a bottle.": 13 tokens of template drafted at 0.99 and
+        rejected at once, and the request's record then kept it from drafting for about
+        twenty verifies). A cached output may draft its own end: a repeat ends there too."""
         depth, occurrences = match
         stats = self._shared.stats
         scale = self._records[source].scale()
@@ -245,6 +261,8 @@ class SuffixProposer:
             if not counts:
                 break
             token = max(counts, key=counts.__getitem__)  # ties: the most recent occurrence
+            if source == OWN and self._shared.ends(token):
+                break
             fragile = any(start + i in shaky for (_, start, shaky), t in going if t == token)
             p, cell = stats.confidence(depth + i, sum(counts.values()), counts[token],
                                        source == SHARED, fragile)
