@@ -4,6 +4,7 @@ decode's fixed cost."""
 
 from __future__ import annotations
 
+from worker.engine.draft_length_policy import PLAIN_MARGIN
 from worker.engine.row_budget import FIRST_GUESS, plan_widths, reach
 from worker.engine.telemetry import SpecCounters
 
@@ -13,11 +14,24 @@ def linear(fixed: float, per_row: float, rows: int) -> list[float]:
 
 
 def test_likely_rows_are_taken_and_unlikely_ones_trimmed() -> None:
-    # Four slots on a decode whose fixed cost equals one row: a row must beat 4/5.
+    # Four slots on a decode whose fixed cost equals one row: a row must beat 4/5, and the
+    # step must beat a plain one by the margin.
     costs = linear(1.0, 1.0, 40)
-    assert plan_widths([[0.9] * 5] * 4, costs) == [5, 5, 5, 5]
+    assert plan_widths([[0.95] * 5] * 4, costs) == [5, 5, 5, 5]
     assert plan_widths([[0.5] * 5] * 4, costs) == [0, 0, 0, 0]
-    assert plan_widths([[0.95, 0.95, 0.3], [0.5], [], [0.99]], costs) == [2, 0, 0, 1]
+    assert plan_widths([[0.99, 0.99, 0.99, 0.3], [0.5], [], [0.99, 0.99]], costs) == [3, 0, 0, 2]
+
+
+def test_a_step_drafts_only_when_it_beats_a_plain_step_by_the_margin() -> None:
+    """The rows chosen are the likeliest-looking of all slots' drafts, so their chances err
+    high (the optimizer's curse, as for one slot's length): a step whose drafts promise
+    less than ``PLAIN_MARGIN`` more tokens per second than its plain rows verifies none.
+    Four slots, fixed cost one row: 20 rows at 0.9 promise 22 tokens for 25 rows' time
+    against 4 for 5 (1.10x, not more); at 0.95, 23 for 25 (1.15x)."""
+    costs = linear(1.0, 1.0, 40)
+    assert PLAIN_MARGIN == 0.1
+    assert plan_widths([[0.9] * 5] * 4, costs) == [0, 0, 0, 0]
+    assert plan_widths([[0.95] * 5] * 4, costs) == [5, 5, 5, 5]
 
 
 def test_one_slot_on_a_weight_bound_decode_drafts_even_unsure_rows() -> None:

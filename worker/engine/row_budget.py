@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from worker.engine.draft_length_policy import PLAIN_MARGIN
 from worker.engine.proposers.base import Draft
 from worker.engine.telemetry import SpecCounters
 
@@ -74,7 +75,10 @@ def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float]) -> l
     keeps its plain row (that token always comes). A slot's row m only counts when its rows
     before it are accepted, so its chances are made non-increasing and taken in order; for
     each total R the likeliest ``R - slots`` draft rows are the best R rows, and the R with
-    the most tokens per second wins (ties: fewer rows). The cost table is searched whole, not
+    the most tokens per second wins (ties: fewer rows) if it beats the plain rows alone by
+    :data:`~worker.engine.draft_length_policy.PLAIN_MARGIN`: the rows taken are the
+    likeliest-looking of every slot's draft, so their chances err high as one slot's do. The
+    cost table is searched whole, not
     climbed row by row, so a tile step in the costs (rows 5..8 costing what 8 do) cannot stop
     the search at its foot.
 
@@ -97,7 +101,7 @@ def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float]) -> l
     rows.sort()
     del rows[len(costs) - 1 - slots:]
     tokens = float(slots)
-    best, best_rate = 0, tokens / costs[slots]
+    best, best_rate = 0, (1.0 + PLAIN_MARGIN) * tokens / costs[slots]
     for k, (gain, _, _) in enumerate(rows, start=1):
         tokens -= gain
         rate = tokens / costs[slots + k]
