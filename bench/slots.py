@@ -202,7 +202,9 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
     """For each K, ``--reps`` rounds of every method on the same 2K requests back to back,
     then llama-server on them (so load drift hits them alike); each figure is the median of
     its rounds. A round is a few seconds at K = 1, where one stray process moves a single
-    run by 10-20 %."""
+    run by 10-20 %. Our methods run in the opposite order every other round: on a host that
+    slows through a run (llama-server plain at K = 1: 52 / 44 / 40 tok/s in run J's rounds),
+    a fixed order favoured whichever ran first."""
     tables: dict[str, dict[str, dict[str, float]]] = {name: {} for name in args.methods}
     base = open_engine(model, 1, args.threads, args.gpu)
     for k in args.concurrency:
@@ -213,7 +215,7 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
         errors: dict[str, str] = {}
         for rep in range(args.reps):
             outputs: dict[str, list[list[int]]] = {}
-            for name in args.methods:
+            for name in args.methods if rep % 2 == 0 else args.methods[::-1]:
                 spec = METHODS[name]
                 seq = one_by_one(base, reqs, args.tokens, spec) if args.sequential else None
                 with open_engine(model, k, args.threads, args.gpu) as engine:
