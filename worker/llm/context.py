@@ -156,7 +156,7 @@ class Context:
     def margins(self, row0: int, tokens: Sequence[int]) -> list[float]:
         """How far each token's logit led the best other one, at output rows ``row0..``
         (``tokens[i]`` at row ``row0 + i``; negative where another token led). Two max passes
-        over slices of the view per row, no copy (~0.03 ms on a 262k vocabulary)."""
+        over slices of the view per row, no copy (0.04 ms a token on a 262k vocabulary)."""
         out = []
         for i, token in enumerate(tokens):
             z = self.logits(row0 + i)

@@ -35,6 +35,7 @@ is costed as fragile (``confidence.py``). Those live as long as the engine
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from time import perf_counter
 
@@ -88,7 +89,7 @@ class SuffixShared:
 
 
 #: Positions of a sequence that are fragile (:data:`~.confidence.FRAGILE_MARGIN`).
-Fragile = set[int] | frozenset[int]
+Fragile = AbstractSet[int]
 #: One occurrence being walked: the sequence it is in, where its continuation starts, and
 #: where that sequence is fragile (only a cached output knows: the request's own text is
 #: matched in other contexts than it was written in).
