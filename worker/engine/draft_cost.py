@@ -8,6 +8,10 @@ spikes only ever add time) and is then re-measured for free by the verify decode
 runs anyway: each observation pulls its row count's entry down at once when it is faster and
 up only by a fraction :data:`RISE` when it is slower, so one spike barely moves it while a
 lasting change of load, context length or clock is followed within a few dozen steps.
+
+Steps of several slots are costed apart (:class:`StepCosts`): their rows attend what every
+slot has cached, so a step costs more than the table timed on an empty context, the more the
+wider it is, and the table has to follow that for every width at once.
 """
 
 from __future__ import annotations
@@ -62,11 +66,57 @@ class RowCosts:
             seconds[rows] = min(seconds[rows], seconds[rows + 1])
         return cls(seconds)
 
+    def observe(self, rows: int, seconds: float) -> None:
+        """A verify decode of ``rows`` rows just took ``seconds``."""
+        if not 0 < rows < len(self.seconds) or seconds <= 0.0:
+            return
+        current = self.seconds[rows]
+        self.seconds[rows] = seconds if seconds < current else current + RISE * (seconds - current)
+
+    def relative(self) -> list[float]:
+        """Costs as multiples of a one-row decode (what logs and docs show)."""
+        one = self.seconds[1]
+        return [round(s / one, 2) for s in self.seconds]
+
+
+#: Each observed step's weight in the load fit decays by this factor per later step: the fit
+#: follows about the last fifty steps.
+DECAY = 0.98
+#: The fit's slope is shrunk to 0 by this many (rows^2 x steps): while the steps seen all had
+#: one width, the load adds the same seconds to every row count.
+SLOPE_PRIOR = 64.0
+#: A prediction is never below this share of the idle table (the load fit may go negative
+#: when the host got faster after load, never so far as a free row).
+FLOOR = 0.5
+
+
+class StepCosts:
+    """``seconds[r]``: the current cost of a verify step of ``r`` rows over several slots
+    (``seconds[0] = 0``), for the row budget (:mod:`worker.engine.row_budget`).
+
+    The table is timed at load on an empty context; a real step's rows attend every slot's
+    cached cells and its mask spans them, so it runs dearer, and the more rows the more so:
+    Gemma 270M Q4_K_M with 8 slots of 150-600 cached tokens, 8 rows +5-25 %, 24 rows
+    +10-40 % (median of 7 decodes each, ``kvcost`` in docs/benchmarks.md). Following each
+    row count's own observations (as :class:`RowCosts` does for one slot) left the plain
+    step's entry current, since it runs every step, and the wide entries at their idle cost,
+    since each width runs now and then: drafting looked 15-35 % cheaper than it ran, against
+    the plain rows it displaced. So the idle table keeps its shape (the CPU's tile steps)
+    and every observed step, whatever its width, refines one line for what the load adds:
+    ``extra = a + b * rows``, least squares over the recent steps (weights decay by
+    :data:`DECAY` a step), the slope shrunk towards 0 (:data:`SLOPE_PRIOR`) and never below
+    it (more rows never cost less).
+    """
+
+    def __init__(self, idle: list[float]) -> None:
+        self.idle = RowCosts(idle).seconds
+        self.seconds = list(self.idle)
+        # Decayed sums of weight, rows, extra seconds, rows^2, rows x extra.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
     @classmethod
-    def measure_steps(cls, target: Context, batch: Batch, slots: int,
-                      draft_max: int) -> RowCosts:
-        """Costs of verify decodes of 1 .. ``slots`` x (``draft_max`` + 1) rows, for the row
-        budget of steps with several slots (:mod:`worker.engine.row_budget`).
+    def measure(cls, target: Context, batch: Batch, slots: int, draft_max: int) -> StepCosts:
+        """Idle costs of verify decodes of 1 .. ``slots`` x (``draft_max`` + 1) rows.
 
         A wide table is not timed row by row at load (520 rows for 8 slots of 64 drafts):
         every count up to :data:`TILE` x 2 is, then every multiple of :data:`TILE`, and a
@@ -84,13 +134,24 @@ class RowCosts:
         return cls(seconds)
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A verify decode of ``rows`` rows just took ``seconds``."""
-        if not 0 < rows < len(self.seconds) or seconds <= 0.0:
+        """A step of ``rows`` rows just took ``seconds``: refit the load and the table."""
+        if not 0 < rows < len(self.idle) or seconds <= 0.0:
             return
-        current = self.seconds[rows]
-        self.seconds[rows] = seconds if seconds < current else current + RISE * (seconds - current)
+        extra = seconds - self.idle[rows]
+        self._w = DECAY * self._w + 1.0
+        self._x = DECAY * self._x + rows
+        self._y = DECAY * self._y + extra
+        self._xx = DECAY * self._xx + rows * rows
+        self._xy = DECAY * self._xy + rows * extra
+        a, b = self.load()
+        self.seconds = [0.0] + [max(FLOOR * s, s + a + b * r)
+                                for r, s in enumerate(self.idle[1:], start=1)]
 
-    def relative(self) -> list[float]:
-        """Costs as multiples of a one-row decode (what logs and docs show)."""
-        one = self.seconds[1]
-        return [round(s / one, 2) for s in self.seconds]
+    def load(self) -> tuple[float, float]:
+        """The fitted extra seconds of a step, ``(a, b)`` in ``a + b * rows``."""
+        if self._w == 0.0:
+            return 0.0, 0.0
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        spread = self._xx - self._w * mean_x * mean_x
+        slope = max(0.0, (self._xy - self._w * mean_x * mean_y) / (spread + SLOPE_PRIOR))
+        return mean_y - slope * mean_x, slope
