@@ -137,6 +137,10 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
     wall = time.perf_counter() - t0
     generated = sum(len(s.generated) for s in slots)
     rates = {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps}
+    if engine.step_costs is not None and engine.step_costs.predicted:
+        # How far the row budget's step costs were off (1: exact; above 1: dearer than it
+        # planned with).
+        rates["step_cost_ratio"] = engine.step_costs.observed / engine.step_costs.predicted
     return rates, [list(s.generated) for s in slots]
 
 
@@ -222,6 +226,8 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                     together(engine, prompts(engine, 1), 8, spec)  # warm-up allocations
                     par, outputs[name] = together(engine, reqs, args.tokens, spec)
                 row = {"slots_tok_s": par["tok_s"], "steps": par["steps"]}
+                if "step_cost_ratio" in par:
+                    row["step_cost_ratio"] = par["step_cost_ratio"]
                 if seq is not None:
                     row |= {"sequential_tok_s": seq["tok_s"],
                             "ratio": par["tok_s"] / seq["tok_s"]}

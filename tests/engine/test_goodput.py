@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from helpers import PROMPT
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.draft_cost import FLOOR, StepCosts
+from worker.engine.draft_cost import RowCosts
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.proposers.base import Draft
 from worker.engine.row_budget import draft_chances, plan_widths
@@ -76,43 +75,6 @@ def test_likeliest_rows_first_and_a_slot_s_rows_in_order() -> None:
     assert plan_widths([[0.99]] * 3, [0.0, 1.0, 2.0]) == [0, 0, 0]  # table too short
 
 
-def test_step_costs_follow_the_load_at_every_width_from_whatever_width_runs() -> None:
-    """Under load a step costs more than its idle entry, the more the wider it is. Plain
-    steps run every step and drafting ones now and then, yet every row count is priced at
-    the load they measure, a width never run (32) included: a table that followed each
-    width's own observations kept the seldom-run widths at their idle cost, so drafting
-    looked cheaper than it ran."""
-    idle = [0.0] + [10.0 + 2.0 * r for r in range(1, 41)]
-    costs = StepCosts(idle)
-    assert costs.seconds == idle
-    for step in range(200):
-        rows = 20 if step % 5 == 0 else 8
-        costs.observe(rows, idle[rows] + 1.0 + 0.5 * rows)
-    for rows in (8, 20, 32, 40):  # within the slope's shrinkage (SLOPE_PRIOR)
-        assert costs.seconds[rows] == pytest.approx(idle[rows] + 1.0 + 0.5 * rows, rel=0.01)
-    for _ in range(500):  # the load lifts: the fit follows it back down
-        costs.observe(8, idle[8])
-    assert costs.seconds[32] == pytest.approx(idle[32], rel=0.01)
-
-
-def test_step_costs_shift_every_width_alike_while_one_width_runs() -> None:
-    """Only plain steps seen: no slope can be told, so the load adds the same seconds to
-    every row count; and a host faster than at load never makes a row nearly free."""
-    idle = [0.0] + [10.0 + 2.0 * r for r in range(1, 41)]
-    costs = StepCosts(idle)
-    for _ in range(100):
-        costs.observe(8, idle[8] + 3.0)
-    assert costs.seconds[1:] == pytest.approx([s + 3.0 for s in idle[1:]], rel=1e-3)
-    for _ in range(300):
-        costs.observe(8, 0.1)
-    assert costs.seconds[1] == pytest.approx(FLOOR * idle[1])
-    assert all(c >= FLOOR * s for c, s in zip(costs.seconds[1:], idle[1:], strict=True))
-    costs.observe(41, 1.0)  # rows never measured are ignored, not invented
-    assert len(costs.seconds) == 41
-    with pytest.raises(ValueError):
-        StepCosts([0.0, 0.0])
-
-
 def test_a_drafter_s_own_confidences_are_the_chances() -> None:
     counters = SpecCounters()
     assert draft_chances(Draft([1, 2, 3], confidences=[0.9, 0.5, 1.0]), counters) == [
@@ -135,7 +97,7 @@ def test_the_engine_verifies_what_the_step_costs_pay_for(dense_model: Path) -> N
         rows = len(engine.step_costs.seconds) - 1
 
         def drafted(costs: list[float]) -> int:
-            engine.step_costs = StepCosts(costs)
+            engine.step_costs = RowCosts(costs)
             slots = [engine.admit(SlotRequest(prompt, 24, spec)) for _ in range(4)]
             while engine.active:
                 engine.step()

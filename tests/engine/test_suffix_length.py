@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod
-from worker.engine.draft_cost import RISE, RowCosts, calibrated_widths
+from worker.engine.draft_cost import FLOOR, RowCosts, calibrated_widths
 from worker.engine.draft_length_policy import PLAIN_MARGIN, best_draft_length
 
 from .conftest import open_engine
@@ -69,17 +69,44 @@ def test_length_is_bounded_by_the_measured_rows() -> None:
     assert best_draft_length([1.0] * 40, FLAT) == len(FLAT) - 2
 
 
-def test_row_costs_follow_faster_at_once_and_slower_slowly() -> None:
-    costs = RowCosts([0.0, 1.0, 2.0])
-    costs.observe(1, 0.5)
-    assert costs.seconds[1] == 0.5
-    costs.observe(1, 10.5)  # one spike barely moves it
-    assert costs.seconds[1] == pytest.approx(0.5 + RISE * 10.0)
-    for _ in range(200):  # a lasting slowdown is followed
-        costs.observe(2, 4.0)
-    assert costs.seconds[2] == pytest.approx(4.0, rel=1e-3)
-    costs.observe(5, 1.0)  # rows never measured are ignored, not invented
-    assert len(costs.seconds) == 3
+def test_row_costs_follow_the_load_at_every_width_from_whatever_width_runs() -> None:
+    """Under load a verify costs more than its idle entry, the more the wider it is. Plain
+    verifies run every step and drafting ones now and then, yet every row count is priced at
+    the load they measure, a width never run (32) included: a table that followed each
+    width's own observations kept the seldom-run widths at their idle cost, so drafting
+    looked cheaper than it ran."""
+    idle = [0.0] + [10.0 + 2.0 * r for r in range(1, 41)]
+    costs = RowCosts(idle)
+    assert costs.seconds == idle
+    for step in range(200):
+        rows = 20 if step % 5 == 0 else 8
+        costs.observe(rows, idle[rows] + 1.0 + 0.5 * rows)
+    for rows in (8, 20, 32, 40):  # within the slope's shrinkage (SLOPE_PRIOR)
+        assert costs.seconds[rows] == pytest.approx(idle[rows] + 1.0 + 0.5 * rows, rel=0.01)
+    for _ in range(500):  # the load lifts: the fit follows it back down
+        costs.observe(8, idle[8])
+    assert costs.seconds[32] == pytest.approx(idle[32], rel=0.01)
+
+
+def test_row_costs_shift_every_width_alike_while_one_width_runs() -> None:
+    """Only plain steps seen: no slope can be told, so the load adds the same seconds to
+    every row count; and a host faster than at load never makes a row nearly free."""
+    idle = [0.0] + [10.0 + 2.0 * r for r in range(1, 41)]
+    costs = RowCosts(idle)
+    costs.observe(8, idle[8] + 3.0)
+    # What the step took against what the table said before learning from it.
+    assert (costs.observed, costs.predicted) == (idle[8] + 3.0, idle[8])
+    for _ in range(99):
+        costs.observe(8, idle[8] + 3.0)
+    assert costs.seconds[1:] == pytest.approx([s + 3.0 for s in idle[1:]], rel=1e-3)
+    costs.observe(8, idle[8] + 100.0)  # one spike moves it by a share of its weight
+    assert costs.seconds[8] < idle[8] + 3.0 + 100.0 * 0.05
+    for _ in range(300):
+        costs.observe(8, 0.1)
+    assert costs.seconds[1] == pytest.approx(FLOOR * idle[1])
+    assert all(c >= FLOOR * s for c, s in zip(costs.seconds[1:], idle[1:], strict=True))
+    costs.observe(41, 1.0)  # rows never measured are ignored, not invented
+    assert len(costs.seconds) == 41
     with pytest.raises(ValueError):
         RowCosts([0.0, 0.0])
 

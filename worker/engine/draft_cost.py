@@ -3,15 +3,13 @@
 The draft-length decision weighs expected accepted tokens against verify rows, so it needs
 the price of a row where the engine runs: on a CPU with Gemma's 262k-vocabulary output layer
 a second row nearly doubles a decode, on a GPU rows are nearly free. The table starts from
-decodes timed at load (the minimum over :data:`CALIBRATION_REPS` interleaved repeats: load
-spikes only ever add time) and is then re-measured for free by the verify decodes the engine
-runs anyway: each observation pulls its row count's entry down at once when it is faster and
-up only by a fraction :data:`RISE` when it is slower, so one spike barely moves it while a
-lasting change of load, context length or clock is followed within a few dozen steps.
-
-Steps of several slots are costed apart (:class:`StepCosts`): their rows attend what every
-slot has cached, so a step costs more than the table timed on an empty context, the more the
-wider it is, and the table has to follow that for every width at once.
+decodes timed at load on an empty context (the minimum over :data:`CALIBRATION_REPS`
+interleaved repeats: load spikes only ever add time), which gives its shape (the CPU's tile
+steps). A real verify runs dearer than that, the wider the more so: its rows attend what is
+cached (one slot of 200-300 tokens: 1 row +5 %, 16 rows +20-30 %; 8 slots of 150-600
+tokens: 6-39 % at 8-32 rows). So every verify the engine runs anyway, whatever its width,
+refits one line for what the load adds (:meth:`RowCosts.observe`), and every width is priced
+at the current load, the widths seldom run included.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ from worker.llm import Batch, Context
 
 #: Timing repeats per row count at load.
 CALIBRATION_REPS = 3
-#: How far a slower observation moves its entry (a faster one replaces it).
-RISE = 0.05
 #: Rows the CPU backend's quantized matrix products take at once (a verify's width is
 #: costed in these steps beyond the narrow counts).
 TILE = 4
@@ -34,31 +30,56 @@ WIDE_STEP = 8
 def calibrated_widths(max_rows: int) -> list[int]:
     """Row counts timed at load: all narrow ones (where tile effects make neighbours differ
     most), then a sparse ladder, so a capacity of 64 drafts costs a few seconds, not tens; the
-    counts between get the next wider one's cost until a verify of that width measures them."""
+    counts between get the next wider one's cost (an upper bound)."""
     ladder = range(NARROW_ROWS + WIDE_STEP, max_rows + WIDE_STEP, WIDE_STEP)
     return [*range(1, min(NARROW_ROWS, max_rows) + 1), *(min(w, max_rows) for w in ladder)]
 
 
-class RowCosts:
-    """``seconds[r]``: the current cost of an ``r``-row verify decode (``seconds[0] = 0``).
+#: Each observed verify's weight in the load fit decays by this factor per later one: the fit
+#: follows about the last fifty.
+DECAY = 0.98
+#: The fit's slope is shrunk to 0 by this many (rows^2 x verifies): while the verifies seen
+#: all had one width, the load adds the same seconds to every row count.
+SLOPE_PRIOR = 64.0
+#: A prediction is never below this share of the idle table (the load fit may go negative
+#: when the host got faster after load, never so far as a free row).
+FLOOR = 0.5
 
-    One instance per engine, shared by every generation: what one request measured serves the
-    next.
+
+class RowCosts:
+    """``seconds[r]``: the current cost of an ``r``-row verify decode (``seconds[0] = 0``):
+    the idle table timed at load plus what the current load adds, fitted online.
+
+    One instance per engine and use (one slot's verifies: the suffix drafter's; steps of
+    several slots: the row budget's), shared by every generation: what one request measured
+    serves the next. Following each row count's own observations instead (as this table did
+    before) left the plain width's entry current, since it runs every step, and the wide
+    ones near their idle cost, since each runs now and then: drafting looked cheaper than it
+    ran, by 20-30 % at one slot and 15-53 % at eight, against the plain rows it displaced.
+    The load's line is ``extra = a + b * rows``, least squares over the recent verifies
+    (weights decay by :data:`DECAY` a verify), the slope shrunk towards 0
+    (:data:`SLOPE_PRIOR`) and never below it (more rows never cost less).
     """
 
-    def __init__(self, seconds: list[float]) -> None:
-        if len(seconds) < 2 or seconds[0] != 0.0 or min(seconds[1:]) <= 0.0:
-            raise ValueError(f"row costs must be [0, positive...], got {seconds}")
-        self.seconds = list(seconds)
+    def __init__(self, idle: list[float]) -> None:
+        if len(idle) < 2 or idle[0] != 0.0 or min(idle[1:]) <= 0.0:
+            raise ValueError(f"row costs must be [0, positive...], got {idle}")
+        self.idle = list(idle)
+        self.seconds = list(idle)
+        # Decayed sums of weight, rows, extra seconds, rows^2, rows x extra.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        #: Seconds the observed verifies took, and what the table said each would take before
+        #: it learned from it: how far the costs the drafts were planned with were off.
+        self.observed = self.predicted = 0.0
 
     @classmethod
     def measure(cls, target: Context, batch: Batch, max_rows: int) -> RowCosts:
         """Time 1..``max_rows``-row decodes on an idle ``target`` (it is cleared afterwards).
 
-        A row count timed during a spike would look dearer than a wider verify, never be
-        chosen, and so never be re-measured; since more rows are never cheaper to compute, no
-        entry is kept above the next wider one (tile effects make a few widths slightly
-        cheaper than their narrower neighbours: those are re-measured as soon as they run).
+        A row count timed during a spike would look dearer than a wider verify and never be
+        chosen; since more rows are never cheaper to compute, no entry is kept above the next
+        wider one (tile effects make a few widths slightly cheaper than their narrower
+        neighbours, which then cost what the wider one does).
         """
         seconds = measure_costs(target, batch, max_rows, CALIBRATION_REPS,
                                 calibrated_widths(max_rows))
@@ -66,56 +87,9 @@ class RowCosts:
             seconds[rows] = min(seconds[rows], seconds[rows + 1])
         return cls(seconds)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A verify decode of ``rows`` rows just took ``seconds``."""
-        if not 0 < rows < len(self.seconds) or seconds <= 0.0:
-            return
-        current = self.seconds[rows]
-        self.seconds[rows] = seconds if seconds < current else current + RISE * (seconds - current)
-
-    def relative(self) -> list[float]:
-        """Costs as multiples of a one-row decode (what logs and docs show)."""
-        one = self.seconds[1]
-        return [round(s / one, 2) for s in self.seconds]
-
-
-#: Each observed step's weight in the load fit decays by this factor per later step: the fit
-#: follows about the last fifty steps.
-DECAY = 0.98
-#: The fit's slope is shrunk to 0 by this many (rows^2 x steps): while the steps seen all had
-#: one width, the load adds the same seconds to every row count.
-SLOPE_PRIOR = 64.0
-#: A prediction is never below this share of the idle table (the load fit may go negative
-#: when the host got faster after load, never so far as a free row).
-FLOOR = 0.5
-
-
-class StepCosts:
-    """``seconds[r]``: the current cost of a verify step of ``r`` rows over several slots
-    (``seconds[0] = 0``), for the row budget (:mod:`worker.engine.row_budget`).
-
-    The table is timed at load on an empty context; a real step's rows attend every slot's
-    cached cells and its mask spans them, so it runs dearer, and the more rows the more so:
-    Gemma 270M Q4_K_M with 8 slots of 150-600 cached tokens, 8 rows +5-25 %, 24 rows
-    +10-40 % (median of 7 decodes each, ``kvcost`` in docs/benchmarks.md). Following each
-    row count's own observations (as :class:`RowCosts` does for one slot) left the plain
-    step's entry current, since it runs every step, and the wide entries at their idle cost,
-    since each width runs now and then: drafting looked 15-35 % cheaper than it ran, against
-    the plain rows it displaced. So the idle table keeps its shape (the CPU's tile steps)
-    and every observed step, whatever its width, refines one line for what the load adds:
-    ``extra = a + b * rows``, least squares over the recent steps (weights decay by
-    :data:`DECAY` a step), the slope shrunk towards 0 (:data:`SLOPE_PRIOR`) and never below
-    it (more rows never cost less).
-    """
-
-    def __init__(self, idle: list[float]) -> None:
-        self.idle = RowCosts(idle).seconds
-        self.seconds = list(self.idle)
-        # Decayed sums of weight, rows, extra seconds, rows^2, rows x extra.
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-
     @classmethod
-    def measure(cls, target: Context, batch: Batch, slots: int, draft_max: int) -> StepCosts:
+    def measure_steps(cls, target: Context, batch: Batch, slots: int,
+                      draft_max: int) -> RowCosts:
         """Idle costs of verify decodes of 1 .. ``slots`` x (``draft_max`` + 1) rows.
 
         A wide table is not timed row by row at load (520 rows for 8 slots of 64 drafts):
@@ -134,9 +108,11 @@ class StepCosts:
         return cls(seconds)
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A step of ``rows`` rows just took ``seconds``: refit the load and the table."""
+        """A verify of ``rows`` rows just took ``seconds``: refit the load and the table."""
         if not 0 < rows < len(self.idle) or seconds <= 0.0:
             return
+        self.observed += seconds
+        self.predicted += self.seconds[rows]
         extra = seconds - self.idle[rows]
         self._w = DECAY * self._w + 1.0
         self._x = DECAY * self._x + rows
@@ -148,10 +124,15 @@ class StepCosts:
                                 for r, s in enumerate(self.idle[1:], start=1)]
 
     def load(self) -> tuple[float, float]:
-        """The fitted extra seconds of a step, ``(a, b)`` in ``a + b * rows``."""
+        """The fitted extra seconds of a verify, ``(a, b)`` in ``a + b * rows``."""
         if self._w == 0.0:
             return 0.0, 0.0
         mean_x, mean_y = self._x / self._w, self._y / self._w
         spread = self._xx - self._w * mean_x * mean_x
         slope = max(0.0, (self._xy - self._w * mean_x * mean_y) / (spread + SLOPE_PRIOR))
         return mean_y - slope * mean_x, slope
+
+    def relative(self) -> list[float]:
+        """Costs as multiples of a one-row decode (what logs and docs show)."""
+        one = self.seconds[1]
+        return [round(s / one, 2) for s in self.seconds]

@@ -28,7 +28,7 @@ from worker.engine.config import (
     target_spec,
 )
 from worker.engine.constraint.matcher import compile_constraint
-from worker.engine.draft_cost import StepCosts
+from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
 from worker.engine.logprobs import make_logprobs
 from worker.engine.plan import ModelFacts, plan_engine
@@ -109,8 +109,8 @@ class SpeculativeEngine:
                           else list(range(self.draft_max + 1)))
             self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
                                              self.draft_max, config.lookup_cache_bytes)
-            self.step_costs = (StepCosts.measure(self.target, self.verifier.batch,
-                                                config.slots, self.draft_max)
+            self.step_costs = (RowCosts.measure_steps(self.target, self.verifier.batch,
+                                                     config.slots, self.draft_max)
                                if config.row_budget and config.slots > 1 and self.draft_max
                                else None)
         except BaseException:
