@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod
-from worker.engine.draft_cost import FLOOR, RowCosts, calibrated_widths
+from worker.engine.draft_cost import FLOOR, RESIDUAL_RATE, RowCosts, calibrated_widths
 from worker.engine.draft_length_policy import PLAIN_MARGIN, best_draft_length
 
 from .conftest import open_engine
@@ -99,8 +99,11 @@ def test_row_costs_shift_every_width_alike_while_one_width_runs() -> None:
     for _ in range(99):
         costs.observe(8, idle[8] + 3.0)
     assert costs.seconds[1:] == pytest.approx([s + 3.0 for s in idle[1:]], rel=1e-3)
-    costs.observe(8, idle[8] + 100.0)  # one spike moves it by a share of its weight
-    assert costs.seconds[8] < idle[8] + 3.0 + 100.0 * 0.05
+    # One spike moves the line by its weight (1 in about 50) and its width's residual by
+    # RESIDUAL_RATE of the rest; the other widths only by the line.
+    costs.observe(8, idle[8] + 100.0)
+    assert costs.seconds[8] < idle[8] + 3.0 + 100.0 * (0.03 + RESIDUAL_RATE)
+    assert costs.seconds[20] < idle[20] + 3.0 + 100.0 * 0.03
     for _ in range(300):
         costs.observe(8, 0.1)
     assert costs.seconds[1] == pytest.approx(FLOOR * idle[1])
@@ -109,6 +112,22 @@ def test_row_costs_shift_every_width_alike_while_one_width_runs() -> None:
     assert len(costs.seconds) == 41
     with pytest.raises(ValueError):
         RowCosts([0.0, 0.0])
+
+
+def test_a_width_that_runs_is_priced_at_what_it_ran() -> None:
+    """The load's line is one for all widths, but the tile steps move with the context: a
+    width that keeps running off the line (33 rows as cheap as the line's 25) is priced at
+    what it ran, the others stay on the line."""
+    idle = [0.0] + [10.0 + 2.0 * r for r in range(1, 41)]
+    costs = RowCosts(idle)
+    for step in range(300):
+        rows = 1 if step % 2 else 25
+        costs.observe(rows, idle[rows] + 0.5 * rows)
+        if step % 10 == 0:
+            costs.observe(33, idle[25] + 0.5 * 25)
+    assert costs.seconds[33] == pytest.approx(idle[25] + 0.5 * 25, rel=0.03)
+    assert costs.seconds[29] > costs.seconds[33]
+    assert costs.seconds[25] == pytest.approx(idle[25] + 0.5 * 25, rel=0.03)
 
 
 def test_calibration_times_narrow_widths_and_a_sparse_ladder(dense_model: Path) -> None:
