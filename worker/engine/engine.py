@@ -110,7 +110,7 @@ class SpeculativeEngine:
             self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
                                              self.draft_max, config.lookup_cache_bytes)
             self.step_costs = (RowCosts.measure_steps(self.target, self.verifier.batch,
-                                                     config.slots, self.draft_max)
+                                                      config.slots, self.draft_max)
                                if config.row_budget and config.slots > 1 and self.draft_max
                                else None)
         except BaseException:
