@@ -12,7 +12,7 @@ import pytest
 
 from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import VerifyOutcome
-from worker.engine.proposers.confidence import FRAGILE_MARGIN
+from worker.engine.proposers.confidence import FRAGILE_MARGIN, NEAR_TIE_MARGIN
 from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared, no_ends
 from worker.engine.proposers.token_index import TokenIndex
@@ -250,10 +250,12 @@ def test_a_request_drafts_its_own_structure_where_the_cache_outvotes_it() -> Non
 
 
 def test_a_repeat_drafts_its_earlier_output_only_up_to_a_near_tie() -> None:
-    """The earlier run chose its 4th token by a hair (a margin below ``FRAGILE_MARGIN``): a
+    """The earlier run chose its 4th token by a hair (a margin below ``NEAR_TIE_MARGIN``): a
     repeat's verify, batched otherwise, may choose the other token there and part from the
     cached answer. With rows that cost 0.6 of a decode its draft stops before that token; the
-    same output recorded with firm margins is drafted past it. The calibration then learns
+    same output recorded with firm margins is drafted past it. Where rows cost half that, a
+    token that was fragile but not that close is drafted past too (most repeats keep those)
+    and the near-tie still is not. The calibration then learns
     how such tokens went: where rows are free the repeats draft through it, and after forty
     that kept it, the dear rows' draft goes past it too."""
     prompt = [300 + i for i in range(40)]
@@ -276,9 +278,16 @@ def test_a_repeat_drafts_its_earlier_output_only_up_to_a_near_tie() -> None:
     firm = [5.0] * len(written)
     past = repeat(recorded(DEAR_ROWS, firm))[1]
     assert past == written[:len(past)] and len(past) > near_tie + 1
-    shaky = [*firm[:near_tie], FRAGILE_MARGIN / 3, *firm[near_tie + 1:]]
+    shaky = [*firm[:near_tie], NEAR_TIE_MARGIN / 3, *firm[near_tie + 1:]]
     dear = recorded(DEAR_ROWS, shaky)
     assert repeat(dear)[1] == written[:near_tie]
+    # Chosen by a margin below FRAGILE_MARGIN but not a near-tie: most repeats keep it, so
+    # where rows cost 0.3 of a decode the draft goes past it (and still not past a near-tie).
+    cheaper = [0.0] + [1.0 + 0.3 * (r - 1) for r in range(1, 18)]
+    close = [*firm[:near_tie], (NEAR_TIE_MARGIN + FRAGILE_MARGIN) / 2, *firm[near_tie + 1:]]
+    kept = repeat(recorded(cheaper, close))[1]
+    assert kept == written[:len(kept)] and len(kept) > near_tie + 1
+    assert repeat(recorded(cheaper, shaky))[1] == written[:near_tie]
 
     free = replace(dear, costs=RowCosts(FREE_ROWS))
     for _ in range(40):

@@ -15,7 +15,7 @@ import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.engine import SpeculativeEngine
-from worker.engine.proposers import output_cache
+from worker.engine.proposers import confidence
 from worker.engine.proposers.suffix import LEAD_IN
 
 from .conftest import (
@@ -92,26 +92,30 @@ def test_cached_outputs_speed_up_a_repeat_and_never_leak(request: pytest.Fixture
 def test_the_cache_marks_an_outputs_near_ties_from_the_targets_own_rows(
         dense_suffix: Subject, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the engine records as fragile is where the target's lead over its runner-up was
-    small: the verify rows' margins against the logprobs of the same text. The tiny model's
-    leads are all wide (above 0.5), so the bound is moved to their median here: half of the
-    output is then fragile, and exactly that half."""
+    small, and how small: the verify rows' margins against the logprobs of the same text. The
+    tiny model's leads are all wide (above 0.5), so the bounds are moved to their quartiles
+    here: half of the output is then fragile, exactly that half, and its closer half
+    near-ties."""
     engine = dense_suffix.engine
     cold(engine)
     spec = SpecSettings(method=SpecMethod.SUFFIX, draft_max=N_MAX)
     result = engine.generate(PROMPT, TOKENS, spec, logprobs=2)
     leads = [lp.logprob - max(a.logprob for a in lp.top_logprobs if a.token != lp.token)
              for lp in result.logprobs]
-    bound = float(np.median(leads))
+    near, bound = (float(q) for q in np.quantile(leads, [0.25, 0.5]))
     assert engine.suffix is not None
-    monkeypatch.setattr(output_cache, "FRAGILE_MARGIN", bound)
+    monkeypatch.setattr(confidence, "FRAGILE_MARGIN", bound)
+    monkeypatch.setattr(confidence, "NEAR_TIE_MARGIN", near)
     cold(engine)
     again = engine.generate(PROMPT, TOKENS, spec)
     assert again.tokens == result.tokens == dense_suffix.reference
     cache = engine.suffix.cache
     entry, _ = next(cache.others(None))  # the newest output: this one's
     lead_in = len(PROMPT[-LEAD_IN:])      # the entry starts with the prompt's tail
-    fragile = {i - lead_in for i in cache.fragile(entry) if i - lead_in < len(again.tokens)}
-    assert fragile == {i for i, lead in enumerate(leads) if lead < bound}
+    fragile = {i - lead_in: level for i, level in cache.fragile(entry).items()
+               if i - lead_in < len(again.tokens)}
+    assert fragile == {i: 2 if lead < near else 1 for i, lead in enumerate(leads) if lead < bound}
+    assert 1 in fragile.values() and 2 in fragile.values()
     assert 0 < len(fragile) < len(leads)
 
 

@@ -14,15 +14,17 @@ whose output left it), and its failures must not teach the request's own structu
 drafting, nor its own successes vouch for the cache.
 
 A cached token can also be *fragile*: the target chose it over its runner-up by less than
-:data:`FRAGILE_MARGIN` (``OutputCache`` keeps where). A batched verify is not bit-identical
-to the decode that wrote the earlier output, so at such a near-tie a repeat of the same
-request can choose the other token and write on from there: on Gemma 270M Q4_K_M every
-parting of a repeat from its first output, and of speculative from plain greedy, measured
-on the five bench workloads fell on a token whose margin was below 0.26 (0.009-0.256), while
-1-2 % of tokens are that close. Such a token is a cell of its own, guessed at
-:data:`FRAGILE_PRIOR` of the count estimate and then calibrated like any other, so a draft
-of the cached answer is costed as what it is: likely to part there, with every token after
-it conditional on that.
+:data:`FRAGILE_MARGIN` (``OutputCache`` keeps where, and how close). A batched verify is not
+bit-identical to the decode that wrote the earlier output, so at such a near-tie a repeat of
+the same request can choose the other token and write on from there: on Gemma 270M Q4_K_M,
+over the five bench workloads, the partings of a repeat from its first output (and of
+speculative from plain greedy) fell on tokens whose margin was below 0.26 (0.001-0.256),
+all but one of 15 in a later count (0.58), while 1-2 % of tokens are that close. How close
+matters: at a token below :data:`NEAR_TIE_MARGIN` four repeats in ten parted, between it
+and :data:`FRAGILE_MARGIN` one in ten. Such a token is a cell of its own per
+:func:`fragility`, guessed at its :data:`FRAGILE_PRIOR` share of the count estimate and then
+calibrated like any other, so a draft of the cached answer is costed as what it is: likely
+to part there, with every token after it conditional on that.
 """
 
 from __future__ import annotations
@@ -39,30 +41,41 @@ MAX_TRIALS = 256.0
 #: A committed token whose logit led the best other one by less than this is fragile (the
 #: partings measured fell at margins of 0.009-0.256; 1-2 % of Gemma's tokens are below 0.3).
 FRAGILE_MARGIN = 0.3
-#: A fragile token's first guess, as a share of its count estimate: about half of the
-#: near-ties met on the bench workloads' repeats went the other way.
-FRAGILE_PRIOR = 0.5
+#: A fragile token closer than this is a near-tie. Gemma 270M Q4_K_M, the five
+#: ``spec_vs_plain`` workloads each written and then repeated, six rounds: of the first
+#: output's tokens below 0.1 the repeat reached, it kept 14 of 24; of those between 0.1 and
+#: 0.3, 37 of 41 (and one parting of the 15 fell above 0.3, at 0.58).
+NEAR_TIE_MARGIN = 0.1
+#: A token's first guess, as a share of its count estimate, by :func:`fragility` (firm,
+#: fragile, a near-tie): what those repeats kept.
+FRAGILE_PRIOR = (1.0, 0.9, 0.6)
 
 Cell = tuple[int, int, int, int, int]
 
 
+def fragility(margin: float) -> int:
+    """How likely a repeat is to part at a token the target chose by ``margin``: 0 firm, 1
+    fragile (below :data:`FRAGILE_MARGIN`), 2 a near-tie (below :data:`NEAR_TIE_MARGIN`)."""
+    return 2 if margin < NEAR_TIE_MARGIN else 1 if margin < FRAGILE_MARGIN else 0
+
+
 def evidence_cell(depth: int, support: int, agree: int, shared: bool,
-                  fragile: bool) -> Cell:
-    """The bucket of (source, depth, support, agreement, fragility) a candidate's outcome is
-    counted in."""
+                  fragile: int) -> Cell:
+    """The bucket of (source, depth, support, agreement, :func:`fragility`) a candidate's
+    outcome is counted in."""
     share = agree / support
     agreement = 0 if share >= 1.0 else 1 if share >= 0.75 else 2 if share >= 0.5 else 3
     return (int(shared), min(depth.bit_length(), len(DEPTH_PRIOR)) - 1,
-            min(support.bit_length(), 4), agreement, int(fragile))
+            min(support.bit_length(), 4), agreement, fragile)
 
 
-def count_estimate(depth: int, support: int, agree: int, fragile: bool) -> float:
+def count_estimate(depth: int, support: int, agree: int, fragile: int) -> float:
     """``(agree + k q) / (support + k)``: the share of occurrences that went on this way,
-    shrunk towards the depth prior ``q`` by ``k`` pseudo-occurrences (times
-    :data:`FRAGILE_PRIOR` for a fragile token)."""
+    shrunk towards the depth prior ``q`` by ``k`` pseudo-occurrences (times the
+    :data:`FRAGILE_PRIOR` of its :func:`fragility`)."""
     prior = DEPTH_PRIOR[min(depth.bit_length(), len(DEPTH_PRIOR)) - 1]
     guess = (agree + PRIOR_OCCURRENCES * prior) / (support + PRIOR_OCCURRENCES)
-    return guess * FRAGILE_PRIOR if fragile else guess
+    return guess * FRAGILE_PRIOR[fragile]
 
 
 class AcceptanceStats:
@@ -72,7 +85,7 @@ class AcceptanceStats:
         self._cells: dict[Cell, list[float]] = {}
 
     def confidence(self, depth: int, support: int, agree: int, shared: bool,
-                   fragile: bool) -> tuple[float, Cell]:
+                   fragile: int) -> tuple[float, Cell]:
         """The calibrated acceptance probability of a candidate, and its cell."""
         cell = evidence_cell(depth, support, agree, shared, fragile)
         guess = count_estimate(depth, support, agree, fragile)

@@ -13,18 +13,18 @@ being recorded. The bound is what the fitter counts for the cache (``lookup_cach
 
 Each entry also keeps where its output is *fragile*: the positions of tokens the target chose
 by a margin below :data:`~worker.engine.proposers.confidence.FRAGILE_MARGIN`, where a repeat
-may part from it (``confidence.py``).
+may part from it, and how close each was (:func:`~worker.engine.proposers.confidence.fragility`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 
 from shared.logs import get_logger
-from worker.engine.proposers.confidence import FRAGILE_MARGIN
+from worker.engine.proposers.confidence import fragility
 from worker.engine.proposers.token_index import TokenIndex
 
 log = get_logger("engine.output_cache")
@@ -33,7 +33,7 @@ log = get_logger("engine.output_cache")
 DEFAULT_CACHE_BYTES = 32 * 1024 * 1024
 #: At most this many outputs are kept (each costs a few dict probes per draft step).
 MAX_ENTRIES = 64
-#: Bytes accounted per fragile position (a set entry and its int, with room to spare).
+#: Bytes accounted per fragile position (a dict entry and its int, with room to spare).
 BYTES_PER_FRAGILE = 96
 
 
@@ -63,7 +63,7 @@ class OutputCache:
         self._entries: OrderedDict[int, TokenIndex] = OrderedDict()
         self._bytes: dict[int, int] = {}
         self._origins: dict[int, Origin] = {}
-        self._fragile: dict[int, set[int]] = {}
+        self._fragile: dict[int, dict[int, int]] = {}
         self._ids = count()
         self.evictions = 0
 
@@ -74,7 +74,7 @@ class OutputCache:
         self._entries[entry] = TokenIndex()
         self._bytes[entry] = 0
         self._origins[entry] = origin
-        self._fragile[entry] = set()
+        self._fragile[entry] = {}
         self._evict(keep=entry)
         return entry
 
@@ -82,8 +82,9 @@ class OutputCache:
         """The request output ``entry`` was written for (a cached entry's)."""
         return self._origins[entry]
 
-    def fragile(self, entry: int) -> set[int]:
-        """The positions in ``entry``'s tokens where its output is fragile."""
+    def fragile(self, entry: int) -> Mapping[int, int]:
+        """The positions in ``entry``'s tokens where its output is fragile, and the
+        :func:`~worker.engine.proposers.confidence.fragility` of each."""
         return self._fragile[entry]
 
     def extend(self, entry: int, tokens: Sequence[int], margins: Sequence[float] = ()) -> None:
@@ -93,7 +94,9 @@ class OutputCache:
         if index is None:
             return
         fragile = self._fragile[entry]
-        fragile.update(len(index) + i for i, m in enumerate(margins) if m < FRAGILE_MARGIN)
+        for i, margin in enumerate(margins):
+            if level := fragility(margin):
+                fragile[len(index) + i] = level
         index.extend(tokens)
         self._bytes[entry] = index.nbytes() + BYTES_PER_FRAGILE * len(fragile)
         self._entries.move_to_end(entry)

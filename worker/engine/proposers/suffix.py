@@ -34,8 +34,7 @@ is costed as fragile (``confidence.py``). Those live as long as the engine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from time import perf_counter
 
@@ -88,8 +87,8 @@ class SuffixShared:
                        stats=AcceptanceStats())
 
 
-#: Positions of a sequence that are fragile (:data:`~.confidence.FRAGILE_MARGIN`).
-Fragile = AbstractSet[int]
+#: Positions of a sequence that are fragile, and how fragile (:func:`~.confidence.fragility`).
+Fragile = Mapping[int, int]
 #: One occurrence being walked: the sequence it is in, where its continuation starts, and
 #: where that sequence is fragile (only a cached output knows: the request's own text is
 #: matched in other contexts than it was written in).
@@ -98,7 +97,7 @@ Occurrence = tuple[list[int], int, Fragile]
 Match = tuple[int, list[Occurrence]]
 #: The sources a draft comes from: the request's own prompt and output, other outputs.
 OWN, SHARED = 0, 1
-_FIRM: frozenset[int] = frozenset()
+_FIRM: Fragile = {}
 
 
 @dataclass
@@ -231,7 +230,8 @@ class SuffixProposer:
         history plus draft does; llama-server's ngram-mod drafts 48-64 tokens of a loop).
         Without it a looping story drafted one period at a time (Gemma 270M: 15 of the 32
         its confidences paid for, at 1.00 acceptance). A cached output ends where it ends.
-        A token that any agreeing occurrence holds at a fragile position is drafted as fragile.
+        A token is drafted as fragile as the most fragile position an agreeing occurrence
+        holds it at.
 
         The request's own text stops before a token that ends a generation: its output holds
         none, so one comes from the prompt, where it ends a turn of the chat template, and an
@@ -264,7 +264,8 @@ class SuffixProposer:
             token = max(counts, key=counts.__getitem__)  # ties: the most recent occurrence
             if source == OWN and self._shared.ends(token):
                 break
-            fragile = any(start + i in shaky for (_, start, shaky), t in going if t == token)
+            fragile = max((shaky.get(start + i, 0) for (_, start, shaky), t in going
+                           if t == token), default=0)
             p, cell = stats.confidence(depth + i, sum(counts.values()), counts[token],
                                        source == SHARED, fragile)
             p *= scale
