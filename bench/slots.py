@@ -17,7 +17,11 @@ at or above 1 at every load). ``--deterministic`` runs every engine in determini
 - llama-server built from the same llama.cpp (``--llama-server PATH`` or
   ``$SPECFLEET_LLAMA_SERVER``; skipped with a message when absent): ``-np K`` with K
   concurrent clients sending the same 2K requests; ``--spec-type none`` beside plain,
-  ``ngram-mod`` beside the default drafter and n-gram. ``same_text_as_server`` is how much
+  ``ngram-mod`` beside the default drafter and n-gram; each round's aggregate is also
+  divided by its peer's of the same round (minutes apart, so load drift cancels):
+  ``rounds_ahead_of_server`` of ``rounds_vs_server`` are above 1, ranging from
+  ``round_vs_server_min`` to ``_max``; a median ratio within a few per cent of 1 is a tie
+  unless the rounds agree. ``same_text_as_server`` is how much
   of the outputs the two wrote alike (:func:`same_text`): where it is low, a ratio compares
   different texts.
 
@@ -216,6 +220,9 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.methods}
         served: dict[str, list[float]] = {}
         alike: dict[str, list[float]] = {}  # per method, per round: same_text vs its peer
+        # Per method, per round: its aggregate over its peer's in the same round. Paired
+        # rounds ran minutes apart, not a whole run, so load drift cancels in them.
+        paired: dict[str, list[float]] = {}
         errors: dict[str, str] = {}
         for rep in range(args.reps):
             outputs: dict[str, list[list[int]]] = {}
@@ -246,6 +253,8 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                     theirs = texts.get(SERVER_SPEC[name][1]) if name in SERVER_SPEC else None
                     if theirs is not None:
                         alike.setdefault(name, []).append(same_text(ours, theirs))
+                        peer = rates[SERVER_SPEC[name][1]]["tok_s"]
+                        paired.setdefault(name, []).append(runs[name][-1]["slots_tok_s"] / peer)
                 print(f"[{rep + 1}/{args.reps}] llama-server -np {k}: " + ", ".join(
                     f"{spec} {r.get('tok_s', float('nan')):6.1f}" for spec, r in rates.items()),
                     file=sys.stderr, flush=True)
@@ -256,6 +265,10 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                 row["server_tok_s"] = statistics.median(srv)
                 row["slots_vs_server"] = row["slots_tok_s"] / row["server_tok_s"]
                 row["same_text_as_server"] = statistics.median(alike[name])
+                row["rounds_ahead_of_server"] = sum(r > 1.0 for r in paired[name])
+                row["rounds_vs_server"] = len(paired[name])
+                row["round_vs_server_min"] = min(paired[name])
+                row["round_vs_server_max"] = max(paired[name])
             elif name in SERVER_SPEC and SERVER_SPEC[name][1] in errors:
                 row["server_error"] = errors[SERVER_SPEC[name][1]]  # type: ignore[assignment]
             tables[name][str(k)] = row
@@ -347,16 +360,26 @@ def _cell(row: dict[str, float], key: str, fmt: str = ".1f") -> str:
     return format(v, fmt) if isinstance(v, float) else "-"
 
 
+def _ahead(row: dict[str, float]) -> str:
+    """"a/n (lo-hi)": rounds of n where the method's aggregate beat its peer's of the same
+    round, and the range of those per-round ratios."""
+    if "rounds_vs_server" not in row:
+        return "-"
+    return (f"{row['rounds_ahead_of_server']:.0f}/{row['rounds_vs_server']:.0f} "
+            f"({row['round_vs_server_min']:.2f}-{row['round_vs_server_max']:.2f})")
+
+
 def markdown(summary: dict[str, object]) -> str:
     lines = ["| method | K | slots tok/s | vs plain | llama-server -np K tok/s (its peer) "
-             "| vs llama-server plain | vs its peer | same text as its peer |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| vs llama-server plain | vs its peer | rounds ahead of its peer "
+             "| same text as its peer |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in summary["throughput"].items():  # type: ignore[union-attr, attr-defined]
         for k, r in rows.items():
             lines.append(f"| {name} | {k} | {_cell(r, 'slots_tok_s')} | "
                          f"{_cell(r, 'vs_plain', '.2f')} | {_cell(r, 'server_tok_s')} | "
                          f"{_cell(r, 'vs_server_plain', '.2f')} | "
-                         f"{_cell(r, 'slots_vs_server', '.2f')} | "
+                         f"{_cell(r, 'slots_vs_server', '.2f')} | {_ahead(r)} | "
                          f"{_cell(r, 'same_text_as_server', '.2f')} |")
     return "\n".join(lines)
 
