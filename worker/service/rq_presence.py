@@ -24,10 +24,6 @@ from shared.replies import text
 
 log = get_logger("worker")
 
-#: How long :meth:`RqPresence.stop` waits for the command thread to end (it wakes at once on
-#: its unsubscribe reply; past this the thread keeps its connection and dies with the process).
-COMMAND_THREAD_JOIN_S = 5.0
-
 
 class ContextTiers:
     """The context tiers of a model this worker serves: every tier up to its own per-slot
@@ -117,23 +113,6 @@ class RqPresence(SimpleWorker):
         return presence
 
     def stop(self) -> None:
-        """Leave rq's command channel, then rq's registry.
-
-        Not rq's ``unsubscribe``: it sends UNSUBSCRIBE before it stops the thread, so the
-        thread can take the reply, read on (a 60 s wait), outlive the 1 s join, and have its
-        connection closed and handed back to the pool under it. The next command taken from
-        the pool (``register_death``) then shared a socket with that thread and waited for
-        a reply the thread had read: a shut-down worker that never exited (seen twice in one
-        CI run, 2 cores under the suite's load). Here the thread's loop is stopped first, so
-        the UNSUBSCRIBE reply ends it and it closes its own connection; one that does not end
-        in time keeps its connection."""
-        thread = self.pubsub_thread
-        if thread is not None:
-            thread.stop()
-            self.pubsub.unsubscribe()
-            thread.join(timeout=COMMAND_THREAD_JOIN_S)
-            if thread.is_alive():
-                log.warning("worker.rq_command_thread_alive", worker=self.name,
-                            waited_s=COMMAND_THREAD_JOIN_S)
-            self.pubsub_thread = None
+        """Leave rq's registry and its command channel."""
+        self.unsubscribe()
         self.register_death()
