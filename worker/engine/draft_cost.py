@@ -23,9 +23,10 @@ CALIBRATION_REPS = 3
 #: costed in these steps beyond the narrow counts).
 TILE = 4
 #: Every row count up to this is timed at load; wider ones at the multiples of
-#: :data:`WIDE_STEP` (whole tiles) and the capacity.
+#: :data:`WIDE_STEP` and the capacity.
 NARROW_ROWS = 17
-WIDE_STEP = 8
+#: The wide ladder's step: whole tiles, so every count it times ends a tile.
+WIDE_STEP = 2 * TILE
 
 
 def calibrated_widths(max_rows: int) -> list[int]:
