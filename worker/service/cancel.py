@@ -23,9 +23,7 @@ from redis import Redis
 from shared import redis_faults
 from shared.cancel import is_cancelled
 from shared.keys import Keys
-from shared.logs import get_logger
-
-log = get_logger("cancel")
+from worker.service.channels import ChannelListener
 
 
 class JobCancel:
@@ -66,10 +64,9 @@ class CancelWatch:
         self._keys = keys
         self.poll_seconds = poll_seconds
         self._jobs: dict[str, JobCancel] = {}
-        self._pubsub = connection.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.psubscribe(**{keys.cancel("*"): self._on_message})
-        self._thread = self._pubsub.run_in_thread(sleep_time=1.0, daemon=True,
-                                                  exception_handler=self._on_error)
+        # a Redis hiccup is waited out by the listener; the key poll covers the gap
+        self._listener = ChannelListener(connection, "cancel", self._on_message,
+                                         patterns=[keys.cancel("*")])
 
     def begin(self, job_id: str) -> JobCancel:
         """Watch ``job_id`` from now on (its first check reads the key)."""
@@ -86,9 +83,7 @@ class CancelWatch:
         return is_cancelled(self._conn, self._keys, job_id)
 
     def close(self) -> None:
-        self._thread.stop()
-        self._thread.join(timeout=2)
-        self._pubsub.close()
+        self._listener.close()
 
     def _on_message(self, message: dict[str, Any]) -> None:
         channel = message["channel"]
@@ -97,8 +92,3 @@ class CancelWatch:
         for flag in list(self._jobs.values()):
             if self._keys.cancel(flag.job_id) == channel:
                 flag.hit.set()
-
-    def _on_error(self, exc: BaseException, pubsub: Any, thread: Any) -> None:
-        """Keep listening through a Redis hiccup (the key poll covers the gap)."""
-        log.warning("cancel.listener_error", error=repr(exc))
-        time.sleep(1.0)

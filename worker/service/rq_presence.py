@@ -21,6 +21,7 @@ from shared.keys import Keys
 from shared.logs import get_logger
 from shared.registry import FleetRegistry
 from shared.replies import text
+from worker.service.channels import ChannelListener
 
 log = get_logger("worker")
 
@@ -85,6 +86,19 @@ class RqPresence(SimpleWorker):
         super().__init__(queues, name=name, connection=connection, serializer=JSONSerializer)
         self._on_shutdown = on_shutdown
         self._on_stop_job = on_stop_job
+        self._commands: ChannelListener | None = None
+
+    def subscribe(self) -> None:
+        """Listen on rq's command channel with a :class:`ChannelListener`, not rq's own
+        ``run_in_thread`` one, whose unsubscribe can leave ``register_death`` waiting on a
+        connection the listener still reads (``channels.py``)."""
+        self._commands = ChannelListener(self.connection, "rq-commands", self.handle_payload,
+                                         channels=[self.pubsub_channel_name])
+
+    def unsubscribe(self) -> None:
+        if self._commands is not None:
+            self._commands.close()
+            self._commands = None
 
     def handle_payload(self, message: dict[str, object]) -> None:
         payload = parse_payload(message)

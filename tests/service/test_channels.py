@@ -1,0 +1,101 @@
+"""ChannelListener on a real Redis: messages arrive, a close is prompt and never hands the
+listener's connection to anyone else, and a restarted Redis is listened to again."""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from pathlib import Path
+
+from redis import Redis
+
+from shared.redis_client import connect
+from shared.settings import Settings
+from worker.service.channels import ChannelListener, Message
+
+from .private_redis import RedisServer
+
+
+def _channel() -> str:
+    return f"t{uuid.uuid4().hex[:12]}:listener"
+
+
+def test_channel_and_pattern_messages_arrive_and_a_failing_handler_does_not_end_it(
+        settings: Settings) -> None:
+    conn = connect(settings.redis_url)
+    channel = _channel()
+    heard: queue.Queue[Message] = queue.Queue()
+
+    def on_message(message: Message) -> None:
+        if message["data"] == b"boom":
+            raise ValueError("a payload the handler refuses")
+        heard.put(message)
+
+    listener = ChannelListener(conn, "test", on_message, channels=[channel],
+                               patterns=[f"{channel}:*"])
+    try:
+        # subscribed before the constructor returned: nothing published now is missed
+        assert conn.publish(channel, b"boom") == 1
+        conn.publish(channel, b"one")
+        conn.publish(f"{channel}:x", b"two")
+        got = [heard.get(timeout=5), heard.get(timeout=5)]
+        assert [(m["type"], m["data"]) for m in got] == [("message", b"one"), ("pmessage", b"two")]
+    finally:
+        assert listener.close() is True
+    assert conn.pubsub_numsub(channel) == [(channel.encode(), 0)]
+
+
+def test_a_close_is_prompt_even_while_the_listener_waits(settings: Settings) -> None:
+    conn = connect(settings.redis_url)
+    listener = ChannelListener(conn, "test", lambda message: None, channels=[_channel()],
+                               poll_seconds=0.5)
+    time.sleep(0.2)  # inside a read
+    started = time.monotonic()
+    assert listener.close(timeout=10) is True
+    # a stop is seen at the end of the current poll, not a 60 s one (rq's listener)
+    assert time.monotonic() - started < 5
+
+
+def test_a_close_that_times_out_leaves_the_pool_to_its_own_commands(
+        settings: Settings) -> None:
+    """The shutdown hang: rq closed its PubSub from the main thread while the listener still
+    read, the pool handed that connection to ``register_death``, and the listener took its
+    reply. A close that times out must leave the listener's connection to the listener."""
+    conn = connect(settings.redis_url)
+    key = f"{_channel()}:count"
+    listener = ChannelListener(conn, "test", lambda message: None, channels=[_channel()],
+                               poll_seconds=2.0)
+    time.sleep(0.2)  # inside a 2 s read
+    assert listener.close(timeout=0.01) is False
+    try:
+        # while the listener's read runs on, every reply reaches the command that asked
+        deadline = time.monotonic() + 2.5
+        expected = 0
+        while time.monotonic() < deadline:
+            expected += 1
+            assert conn.incr(key) == expected
+    finally:
+        conn.delete(key)
+    assert listener.close(timeout=5) is True
+
+
+def test_the_listener_hears_again_after_redis_restarts(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", "--save", "", "--appendonly", "no").start()
+    channel = _channel()
+    heard: queue.Queue[Message] = queue.Queue()
+    listener = ChannelListener(connect(server.url), "test", heard.put, channels=[channel],
+                               poll_seconds=0.2, error_pause_seconds=0.2)
+    try:
+        server.stop()
+        time.sleep(1.0)  # the listener meets the refusal
+        server.start()
+        client: Redis = server.client()
+        deadline = time.monotonic() + 20
+        while client.publish(channel, b"back") == 0:  # resubscribed on reconnect
+            assert time.monotonic() < deadline, "the listener never subscribed again"
+            time.sleep(0.1)
+        assert heard.get(timeout=5)["data"] == b"back"
+    finally:
+        assert listener.close() is True
+        server.kill()
