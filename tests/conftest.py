@@ -64,12 +64,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_makereport(item: pytest.Item,
                               call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     """A failed test's report carries the log tails of the worker fleets running then
-    (``service.workers.Fleet.running``): they are all a CI run leaves of what a worker did."""
+    (``service.workers.Fleet.running``): they are all a CI run leaves of what a worker did.
+    A worker still running when the test failed first dumps its threads' stacks there."""
     outcome = yield
     report = outcome.get_result()
     workers = sys.modules.get("service.workers")
     if report.failed and report.when == "call" and workers is not None:
         for fleet in workers.Fleet.running:
+            fleet.dump_stacks()
             for name, text in fleet.log_tails():
                 report.sections.append((f"worker {name}: log tail", text))
 

@@ -112,3 +112,18 @@ def test_rq_commands_reach_only_their_own_deployments_worker(
     finally:
         other.stop_all()
         _delete_namespace(conn, other_settings.prefix)
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_worker_serves_on(
+        fleet: Fleet, coordinator: Coordinator) -> None:
+    """``kill -USR1`` shows where a worker waits (its serving loop, its heartbeat and its
+    listeners) without stopping it: the next job still finishes."""
+    fleet.start("w1")
+    fleet.kill("w1", signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "loop.py" not in fleet.log("w1") or "heartbeat.py" not in fleet.log("w1"):
+        assert time.monotonic() < deadline, f"no stack dump in the log: {fleet.log('w1')[-2000:]}"
+        time.sleep(0.05)
+    assert "channels.py" in fleet.log("w1")  # the rq-command and cancel listeners
+    assert fleet.alive("w1")
+    assert coordinator.submit(REQUEST).result(timeout=30).status is JobStatus.FINISHED

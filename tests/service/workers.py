@@ -98,6 +98,16 @@ class Fleet:
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text()
 
+    def dump_stacks(self, grace: float = 1.0) -> None:
+        """SIGUSR1 every worker still running: each writes all its threads' stacks to its log
+        and serves on, so a failed test shows where a worker hung (a shutdown that never
+        ended left only its last log line)."""
+        running = [proc for proc in self.procs.values() if proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGUSR1)
+        if running:
+            time.sleep(grace)
+
     def log_tails(self, chars: int = 6000) -> list[tuple[str, str]]:
         """Each worker's name (and whether it runs) with the last ``chars`` of its log."""
         tails = []

@@ -7,11 +7,13 @@ in its in-flight list, and the signals; the serving loop itself is ``loop.py``.
 
 SIGTERM: finish the current job, deregister, exit 0. A second SIGTERM/SIGINT: stop the current
 generation at its next decode step, requeue it at the front (the next attempt runs on another
-worker), deregister, exit 0.
+worker), deregister, exit 0. SIGUSR1: write every thread's stack to stderr and serve on (where
+a worker that does not stop, or does not answer, is waiting).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import socket
@@ -132,6 +134,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     heartbeat.start()
     signal.signal(signal.SIGTERM, loop.request_stop)
     signal.signal(signal.SIGINT, loop.request_stop)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         loop.run()
     except RedisOutage as exc:
