@@ -10,9 +10,10 @@ free prose), each cold and warm:
   table across requests, so every repetition starts a fresh server: its first request is
   *cold*, the same request again *warm*.
 - specfleet in this process: plain, the default drafter (``auto`` on a head-less model:
-  suffix at its default width, 32) and the suffix drafter at N 64; *cold* is the first request on a
-  fresh drafter state (empty output cache, uncalibrated confidences; the row costs measured at
-  load are kept, as a fresh worker measures them at load), *warm* the same request again.
+  suffix at its one-slot default width, 63) and the suffix drafter at N 64; *cold* is the
+  first request on a fresh drafter state (empty output cache, uncalibrated confidences; the
+  row costs measured at load are kept, as a fresh worker measures them at load), *warm* the
+  same request again.
 
 Repetitions are interleaved (every configuration of every workload once per round), so machine
 noise hits all of them alike; the summary is the median per configuration. Both sides get the

@@ -64,16 +64,17 @@ def test_request_defaults_must_fit_the_width() -> None:
 
 
 @pytest.mark.parametrize(("method", "facts", "slots", "width"), [
-    (SpecMethod.AUTO, DENSE, 1, 32), (SpecMethod.SUFFIX, DENSE, 2, 32),
+    (SpecMethod.AUTO, DENSE, 1, 63), (SpecMethod.SUFFIX, DENSE, 2, 32),
     (SpecMethod.AUTO, DENSE, 4, 17), (SpecMethod.SUFFIX, DENSE, 8, 8),
     (SpecMethod.AUTO, HYBRID, 1, 8), (SpecMethod.NGRAM, DENSE, 1, 8),
     (SpecMethod.MTP, HYBRID, 1, 8),
 ])
 def test_an_unset_width_is_the_resolved_methods(method: SpecMethod, facts: ModelFacts,
                                                 slots: int, width: int) -> None:
-    """Suffix drafting gets a wide ceiling (it verifies only what pays), shrunk so a step of
-    every slot stays within the rows eight default-width slots verify; the drafters that
-    fill any width keep the protocol's 8 (auto on a model with a head is mtp+suffix)."""
+    """Suffix drafting gets a wide ceiling (it verifies only what pays): 63 on one slot, a
+    64-row verify of whole tiles; shared by slots, at most 32 and shrunk so a step of every
+    slot stays within the rows eight default-width slots verify; the drafters that fill any
+    width keep the protocol's 8 (auto on a model with a head is mtp+suffix)."""
     plan = plan_engine(EngineConfig("m.gguf", slots=slots, capacity=EngineCapacity(method)),
                        facts)
     assert plan.draft_max == width
