@@ -135,9 +135,8 @@ def default_draft_max(method: SpecMethod, slots: int) -> int:
     :data:`SUFFIX_STEP_ROWS` (2 slots 32, 4 slots 17, 8 slots 8). The other drafters fill
     whatever width they get, so theirs stays the protocol's."""
     if method is SpecMethod.SUFFIX:
-        if slots == 1:
-            return SUFFIX_DRAFT_MAX
-        return min(SUFFIX_SHARED_DRAFT_MAX, SUFFIX_STEP_ROWS // slots - 1)
+        ceiling = SUFFIX_DRAFT_MAX if slots == 1 else SUFFIX_SHARED_DRAFT_MAX
+        return min(ceiling, SUFFIX_STEP_ROWS // slots - 1)
     return DEFAULT_DRAFT_MAX
 
 

@@ -1,15 +1,15 @@
 """A pub/sub listener whose connection only its own thread ever touches.
 
 redis-py's ``run_in_thread`` leaves closing to the caller: rq's ``Worker.unsubscribe`` stops
-the thread, joins it for one second and closes the PubSub from the main thread. A listener
-still inside its 60 s read then holds a connection that the close has handed back to the
-pool; its next read reconnects it, and the next command taken from the pool (rq's
-``register_death``) shares that socket with the listener, which takes the reply. The worker
-then waited out its shutdown forever (seen under a loaded test suite with redis-py 8).
+the thread, joins it for one second and closes the PubSub from the main thread, although the
+listener may still be inside its 60 s read; that connection then goes back to the pool while
+another thread uses it. Under a loaded test suite (redis-py 8) worker shutdowns hung right
+there, after rq's "unsubscribing" line; how the two threads met was not caught (a bare
+reproduction closed cleanly), so the whole pattern is gone rather than one interleaving.
 
 Here a listener's connection is read, and closed, by its own thread alone: it polls in
 short waits so a stop is seen within ``poll_seconds``, and a close that times out leaves the
-connection with the thread (a daemon) instead of releasing it under it.
+connection with the thread (a daemon) instead of closing it under it.
 """
 
 from __future__ import annotations

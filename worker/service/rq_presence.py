@@ -90,12 +90,13 @@ class RqPresence(SimpleWorker):
 
     def subscribe(self) -> None:
         """Listen on rq's command channel with a :class:`ChannelListener`, not rq's own
-        ``run_in_thread`` one, whose unsubscribe can leave ``register_death`` waiting on a
-        connection the listener still reads (``channels.py``)."""
+        ``run_in_thread`` one, whose unsubscribe closes the connection from this thread
+        while the listener may still read it (``channels.py``)."""
         self._commands = ChannelListener(self.connection, "rq-commands", self.handle_payload,
                                          channels=[self.pubsub_channel_name])
 
     def unsubscribe(self) -> None:
+        """Stop the command listener (it closes its own connection)."""
         if self._commands is not None:
             self._commands.close()
             self._commands = None
