@@ -9,6 +9,10 @@ aggregate against plain at the same K (``vs_plain``: what goodput-aware drafting
 at or above 1 at every load). ``--deterministic`` runs every engine in deterministic mode
 (docs/engine.md, "Deterministic mode"): compare its figures with a default run for the mode's cost.
 
+Every round asks its own 2K requests of the task mix (round r's numbered from 2K r + 1;
+``--same-requests``: 1..2K every round): greedy texts part at near-ties, and a single sample
+of texts decides a ratio by which side's text its drafter can copy (:func:`round_requests`).
+
 - ``slots``: one engine with ``slots = K`` serves 2K requests, K at a time: a finished
   request's slot takes the next one at once, as K concurrent clients keep a server busy
   (prefill included: every step mixes prompt chunks into the verify batch). Aggregate =
@@ -34,7 +38,7 @@ Progress goes to stderr, the JSON summary to stdout, ``--markdown`` adds tables.
     ./.venv/bin/python bench/slots.py [--tokens 128] [--concurrency 1,2,4,8] [--reps 3]
         [--threads 2]
         [--methods plain,default,ngram] [--llama-server PATH] [--ttft-trials 10] [--gpu]
-        [--deterministic] [--tasks mixed|copy] [--sequential] [--markdown]
+        [--deterministic] [--tasks mixed|copy] [--same-requests] [--sequential] [--markdown]
 """
 
 from __future__ import annotations
@@ -106,11 +110,26 @@ TASK_SETS = {"mixed": TASKS, "copy": COPY_TASKS}
 CHOSEN_TASKS = [TASKS]
 
 
-def prompts(engine: SpeculativeEngine, k: int) -> list[list[int]]:
-    """K different requests (the tasks cycled, each numbered so no two are identical)."""
+def prompts(engine: SpeculativeEngine, k: int, first: int = 1) -> list[list[int]]:
+    """K different requests, numbered from ``first`` (the tasks cycled, each numbered so no
+    two are identical)."""
     tasks = CHOSEN_TASKS[0]
-    return [engine.model.tokenize(tasks[i % len(tasks)].replace(NUMBER, str(i + 1)),
+    return [engine.model.tokenize(tasks[i % len(tasks)].replace(NUMBER, str(first + i)),
                                   parse_special=True) for i in range(k)]
+
+
+def round_requests(engine: SpeculativeEngine, k: int, rep: int,
+                   same: bool) -> list[list[int]]:
+    """Round ``rep``'s 2K requests: its own sample of the task mix (numbered from
+    ``2K * rep + 1``), or requests 1..2K in every round when ``same``.
+
+    Greedy texts part at near-ties, and which text a request gets decides what any drafter
+    can do with it: on requests 1-4 at K = 2 llama-server's request 1 writes a counting list
+    (its first token a near-tie, margin 0.16) that its request 3 then writes again, drafted
+    115 of 115 from ngram-mod's shared table, while ours writes the code and request 3 counts
+    from scratch. Rounds that each ask other requests of the same tasks average over such
+    draws; one fixed sample measures one draw (run X in docs/benchmarks.md)."""
+    return prompts(engine, 2 * k, 1 if same else 2 * k * rep + 1)
 
 
 #: Every engine of the run is deterministic (``--deterministic``).
@@ -208,15 +227,15 @@ def _median_row(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict[str, object]:
     """For each K, ``--reps`` rounds of every method on the same 2K requests back to back,
-    then llama-server on them (so load drift hits them alike); each figure is the median of
-    its rounds. A round is a few seconds at K = 1, where one stray process moves a single
-    run by 10-20 %. Our methods run in the opposite order every other round: on a host that
-    slows through a run (llama-server plain at K = 1: 52 / 44 / 40 tok/s in run J's rounds),
-    a fixed order favoured whichever ran first."""
+    then llama-server on them (so load drift hits them alike); each round asks its own
+    requests (:func:`round_requests`) and each figure is the median of its rounds. A round
+    is a few seconds at K = 1, where one stray process moves a single run by 10-20 %. Our
+    methods run in the opposite order every other round: on a host that slows through a run
+    (llama-server plain at K = 1: 52 / 44 / 40 tok/s in run J's rounds), a fixed order
+    favoured whichever ran first."""
     tables: dict[str, dict[str, dict[str, float]]] = {name: {} for name in args.methods}
     base = open_engine(model, 1, args.threads, args.gpu)
     for k in args.concurrency:
-        reqs = prompts(base, 2 * k)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.methods}
         served: dict[str, list[float]] = {}
         alike: dict[str, list[float]] = {}  # per method, per round: same_text vs its peer
@@ -225,12 +244,13 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
         paired: dict[str, list[float]] = {}
         errors: dict[str, str] = {}
         for rep in range(args.reps):
+            reqs = round_requests(base, k, rep, args.same_requests)
             outputs: dict[str, list[list[int]]] = {}
             for name in args.methods if rep % 2 == 0 else args.methods[::-1]:
                 spec = METHODS[name]
                 seq = one_by_one(base, reqs, args.tokens, spec) if args.sequential else None
                 with open_engine(model, k, args.threads, args.gpu) as engine:
-                    together(engine, prompts(engine, 1), 8, spec)  # warm-up allocations
+                    together(engine, reqs[:1], 8, spec)  # warm-up allocations
                     par, outputs[name] = together(engine, reqs, args.tokens, spec)
                 row = {"slots_tok_s": par["tok_s"], "steps": par["steps"]}
                 if "step_cost_ratio" in par:
@@ -395,7 +415,10 @@ def main() -> None:
     ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
                     help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
     ap.add_argument("--reps", type=int, default=3,
-                    help="interleaved rounds per K (medians are reported)")
+                    help="interleaved rounds per K (medians are reported), each with its own "
+                         "requests of the task mix")
+    ap.add_argument("--same-requests", action="store_true",
+                    help="every round asks requests 1..2K (one sample of texts)")
     ap.add_argument("--ttft-trials", type=int, default=10)
     ap.add_argument("--sequential", action="store_true",
                     help="also run the 2K requests one at a time on one slot (slots vs sequential)")
@@ -421,7 +444,7 @@ def main() -> None:
     summary: dict[str, object] = {"tokens": args.tokens, "threads": args.threads,
                                   "gpu": args.gpu, "n_ctx_per_slot": N_CTX,
                                   "draft_max": DRAFT_MAX, "deterministic": args.deterministic,
-                                  "tasks": args.tasks}
+                                  "tasks": args.tasks, "same_requests": args.same_requests}
     if "throughput" not in skip:
         summary["throughput"] = throughput(args, model, server)
     if "ttft" not in skip:
