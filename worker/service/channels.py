@@ -70,20 +70,26 @@ class ChannelListener:
     def _run(self, pubsub: Any) -> None:
         try:
             while not self._stop.is_set():
-                try:
-                    message = pubsub.get_message(timeout=self._poll)
-                except Exception as exc:
-                    if redis_faults.classify(exc) is None:
-                        raise
-                    log.warning("listener.redis_error", listener=self.name, error=repr(exc))
-                    self._stop.wait(self._error_pause)
-                    continue
+                message = self._read(pubsub)
                 if message is not None:
                     self._dispatch(message)
         except Exception as exc:
             log.error("listener.failed", listener=self.name, error=repr(exc))
         finally:
             pubsub.close()
+
+    def _read(self, pubsub: Any) -> Message | None:
+        """The next message within one poll, or None; a Redis fault is logged and waited
+        out (anything else is a bug and ends the listener)."""
+        try:
+            message: Message | None = pubsub.get_message(timeout=self._poll)
+        except Exception as exc:
+            if redis_faults.classify(exc) is None:
+                raise
+            log.warning("listener.redis_error", listener=self.name, error=repr(exc))
+            self._stop.wait(self._error_pause)
+            return None
+        return message
 
     def _dispatch(self, message: Message) -> None:
         try:
