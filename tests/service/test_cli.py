@@ -10,14 +10,11 @@ from pathlib import Path
 
 import pytest
 from helpers import specfleet
-from rq.job import Job
-from rq.job import JobStatus as RqStatus
-from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
 from shared.protocol import JobStatus
 
-from .workers import CTX, MODEL_NAME, Fleet
+from .workers import CTX, MODEL_NAME, Fleet, wait_rq_ended
 
 
 def _cli(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
@@ -107,20 +104,11 @@ def test_fleet_and_cancel(fleet: Fleet, coordinator: Coordinator) -> None:
     cancelled = _cli(fleet, "cancel", handle.job_id)
     assert cancelled.returncode == 0 and handle.job_id in cancelled.stdout
     assert handle.result(timeout=30).status is JobStatus.CANCELLED
-    _wait_rq_ended(coordinator, handle.job_id)
+    wait_rq_ended(coordinator, handle.job_id)
     again = _cli(fleet, "cancel", handle.job_id)
     assert again.returncode == 1 and "has already ended (finished)" in again.stderr
     unknown = _cli(fleet, "cancel", "no-such-job")
     assert unknown.returncode == 1 and "no such job: no-such-job" in unknown.stderr
-
-
-def _wait_rq_ended(coordinator: Coordinator, job_id: str, timeout: float = 10.0) -> None:
-    """rq records the job's end just after the worker wrote its final event."""
-    deadline = time.monotonic() + timeout
-    job = Job.fetch(job_id, connection=coordinator.connection, serializer=JSONSerializer)
-    while job.get_status() is not RqStatus.FINISHED:
-        assert time.monotonic() < deadline, f"rq still reports {job.get_status()}"
-        time.sleep(0.05)
 
 
 def test_batch_reports_bad_lines_and_keeps_going(fleet: Fleet, tmp_path: Path) -> None:

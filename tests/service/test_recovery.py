@@ -26,7 +26,7 @@ from shared.redis_client import connect
 from shared.registry import FleetRegistry
 from shared.settings import Settings
 
-from .workers import MODEL_NAME, Fleet
+from .workers import MODEL_NAME, Fleet, wait_rq_ended
 
 REQUEST = {"model": MODEL_NAME, "prompt_tokens": [3, 1, 4, 1, 5], "max_tokens": 48}
 STEP_DELAY = 0.04  # test-only slowing, so that the kill lands mid-generation
@@ -62,6 +62,7 @@ def test_kill_9_mid_generation_ten_times_loses_nothing(fleet: Fleet,
         assert handle.result(timeout=5).attempts == 2
         # A reader replaying both attempts sees the text once, as if nothing had happened.
         assert "".join(coordinator.handle(handle.job_id).text_stream(timeout=5)) == final.text
+        wait_rq_ended(coordinator, handle.job_id)  # rq's record follows the final event
     assert sum(coordinator.queue_depths(MODEL_NAME).values()) == 0
     # Nothing left for rq's own abandoned-job cleanup to fail later.
     for name in coordinator.queue_depths(MODEL_NAME):

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from helpers import SPECFLEET
+from rq.job import Job
+from rq.job import JobStatus as RqStatus
+from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
 from coordinator.processes import stop_processes
@@ -122,3 +125,14 @@ class Fleet:
         stop_processes(self.procs.values())
         if self in Fleet.running:
             Fleet.running.remove(self)
+
+
+def wait_rq_ended(coordinator: Coordinator, job_id: str, timeout: float = 10.0) -> None:
+    """Wait for rq's record of a finished job: the worker writes it (status finished, the
+    run out of the started registry, in one transaction) just after its final event, so a
+    test that has the final event may get there first."""
+    deadline = time.monotonic() + timeout
+    job = Job.fetch(job_id, connection=coordinator.connection, serializer=JSONSerializer)
+    while job.get_status() is not RqStatus.FINISHED:
+        assert time.monotonic() < deadline, f"rq still reports {job.get_status()}"
+        time.sleep(0.05)
