@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from worker.engine.draft_cost import RowCosts
-from worker.engine.proposers.base import VerifyOutcome
+from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.confidence import FRAGILE_MARGIN, NEAR_TIE_MARGIN
 from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared, no_ends
@@ -326,3 +326,39 @@ def test_the_requests_own_text_drafts_no_end_of_generation() -> None:
     repeat = SuffixProposer(shared)
     repeat.start([20, 21])
     assert repeat.propose([20, 21], 8, 0.0).tokens == [*words, end]
+
+
+
+def _again(prompt: list[int], earlier_answer: list[int], written: list[int]) -> Draft:
+    """The first draft of a request for ``prompt`` that has written ``written`` so far, after
+    an earlier request for the same prompt answered ``earlier_answer``."""
+    shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7))
+    earlier = SuffixProposer(shared)
+    earlier.start(prompt)
+    _commit(earlier, list(prompt), list(earlier_answer))
+    again = SuffixProposer(shared)
+    again.start(prompt)
+    history = list(prompt)
+    if written:
+        _commit(again, history, list(written))
+    return again.propose(history, 8, 0.0)
+
+
+def test_a_repeat_of_a_short_prompt_is_as_sure_as_a_repeat_of_a_long_one() -> None:
+    """A repeat matches its earlier answer as a whole request (the same prompt, the same
+    output so far), not as deep as its tail happens to be: a 10-token prompt's repeat drafts
+    the earlier answer with the confidence of a 100-token prompt's, from the first step and
+    after some of it was written, and a repeat that parted from it no longer counts so."""
+    answer = _tokens(40, seed=5)
+    short, long = _tokens(10, seed=6), _tokens(100, seed=7)
+    for after in (0, 3):
+        draft = _again(short, answer, answer[:after])
+        assert draft.tokens == answer[after:after + 8]
+        assert draft.confidences == pytest.approx(_again(long, answer, answer[:after])
+                                                  .confidences)
+    # Parted at its first token, then back on the earlier answer's third: only its 2-token
+    # tail matches there, a weaker guess than the repeat's.
+    in_step = _again(short, answer, answer[:3]).confidences or []
+    parted = _again(short, answer, [answer[0] + 1, *answer[1:3]])
+    assert parted.tokens[:1] == answer[3:4]
+    assert (parted.confidences or [1.0])[0] < in_step[0]

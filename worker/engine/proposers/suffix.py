@@ -8,7 +8,8 @@ row costs nearly a whole decode. This drafter instead
 1. finds, in each of two sources, the longest indexed context
    (:data:`~worker.engine.proposers.token_index.ORDERS`) the tail matches: the request's own
    prompt and output so far, and the worker's recent outputs
-   (:class:`~worker.engine.proposers.output_cache.OutputCache`);
+   (:class:`~worker.engine.proposers.output_cache.OutputCache`); an earlier answer to the
+   same prompt that this output has kept to matches the whole history, however short;
 2. walks the continuations of each source's occurrences at once, as a suffix-tree walk does:
    each step takes the token most of them go on with, counts how many agree, and keeps only
    those; every token gets a calibrated acceptance probability
@@ -118,6 +119,7 @@ class SuffixProposer:
         self._local = TokenIndex()
         self._entry: int | None = None
         self._origin = Origin(0, 0)
+        self._prompt_len = 0
         self._chosen = Candidate(OWN)
         self._proposed_at = 0.0
         self._records = (RequestRecord(), RequestRecord())
@@ -132,6 +134,7 @@ class SuffixProposer:
         "copy this and rename")."""
         self._local = TokenIndex(prompt)
         self._origin = Origin.of(prompt, LEAD_IN)
+        self._prompt_len = len(prompt)
         self._entry = self._shared.cache.open(self._origin)
         self._shared.cache.extend(self._entry, prompt[-LEAD_IN:])
         self._chosen = Candidate(OWN)
@@ -195,7 +198,8 @@ class SuffixProposer:
     def _matches(self, history: Sequence[int]) -> tuple[Match, Match]:
         """Per source (:data:`OWN`, :data:`SHARED`): the longest indexed context length the
         tail matches there and its occurrences (cached outputs most recently used first);
-        ``(0, [])`` where it matches nowhere."""
+        ``(0, [])`` where it matches nowhere. Earlier answers to this same prompt that this
+        output is still in step with come first, matched as a whole request (:meth:`_repeats`)."""
         keys = context_keys(history)
         cache = self._shared.cache
         own: Match = (0, [])
@@ -205,6 +209,9 @@ class SuffixProposer:
                 if starts:
                     own = (ORDERS[order], [(self._local.tokens, s, _FIRM) for s in starts])
                     break
+        repeat = self._repeats(history)
+        if repeat[1]:
+            return own, repeat
         for order, key in enumerate(keys):
             if key is None:
                 continue
@@ -220,6 +227,26 @@ class SuffixProposer:
             if found:
                 return own, (ORDERS[order], found)
         return own, (0, [])
+
+    def _repeats(self, history: Sequence[int]) -> Match:
+        """Earlier answers to this very prompt that this output has kept to so far: the
+        whole history matches each (the same prompt, the same tokens since), so the match
+        counts as deep as the longest context indexed, however short the prompt. The tail
+        lookup alone matched a repeat of a short prompt only as deep as the prompt and guessed
+        it like a coincidence of that length (Gemma 270M, "write a story about ...", 28
+        tokens: 16 deep, 11 drafts at 0.95, where the answer was then accepted 53 drafts at
+        a time). ``(0, [])`` when there is none, or when every such answer ends here."""
+        written = list(history[self._prompt_len:])
+        found: list[Occurrence] = []
+        cache = self._shared.cache
+        for entry, index in cache.others(self._entry):
+            origin = cache.origin(entry)
+            start = origin.lead_in + len(written)
+            if (origin.prompt == self._origin.prompt and start < len(index.tokens)
+                    and index.tokens[origin.lead_in:start] == written):
+                found.append((index.tokens, start, cache.fragile(entry)))
+                cache.touch(entry)
+        return (max(len(history), LEAD_IN), found) if found else (0, [])
 
     def _walk(self, source: int, match: Match, width: int, p_min: float) -> Candidate:
         """Follow the occurrences' continuations token by token, majority first.
