@@ -236,14 +236,17 @@ class SuffixProposer:
         it like a coincidence of that length (Gemma 270M, "write a story about ...", 28
         tokens: 16 deep, 11 drafts at 0.95, where the answer was then accepted 53 drafts at
         a time). ``(0, [])`` when there is none, or when every such answer ends here."""
+        cache = self._shared.cache
+        answers = [(entry, index) for entry, index in cache.others(self._entry)
+                   if cache.origin(entry).prompt == self._origin.prompt]
+        if not answers:
+            return 0, []
         written = list(history[self._prompt_len:])
         found: list[Occurrence] = []
-        cache = self._shared.cache
-        for entry, index in cache.others(self._entry):
-            origin = cache.origin(entry)
-            start = origin.lead_in + len(written)
-            if (origin.prompt == self._origin.prompt and start < len(index.tokens)
-                    and index.tokens[origin.lead_in:start] == written):
+        for entry, index in answers:
+            lead_in = cache.origin(entry).lead_in
+            start = lead_in + len(written)
+            if start < len(index.tokens) and index.tokens[lead_in:start] == written:
                 found.append((index.tokens, start, cache.fragile(entry)))
                 cache.touch(entry)
         return (max(len(history), LEAD_IN), found) if found else (0, [])
