@@ -16,7 +16,9 @@ free prose), each cold and warm:
   same request again.
 
 Repetitions are interleaved (every configuration of every workload once per round), so machine
-noise hits all of them alike; the summary is the median per configuration. Both sides get the
+noise hits all of them alike; the summary is the median per configuration, and the default
+drafter against ngram-mod round by round (the median of the paired ratios, the rounds it
+was ahead in, their range). Both sides get the
 same token ids and the same thread count; rates are decode-phase rates (llama-server's
 ``timings.predicted_per_second``, our ``effective_tokens_per_second``: drafting included,
 prefill excluded). Progress goes to stderr, the JSON summary (medians, ratios to llama-server
@@ -255,7 +257,22 @@ def summarize(results: dict[str, dict[str, list[Result]]]) -> dict[str, object]:
                     m[f"vs_{base}"] = m["tokens_per_second"] / rate if rate else 0.0
         summary[workload] = {name: {k: round(v, 3) for k, v in m.items()}
                              for name, m in medians.items()}
+        for phase in ("cold", "warm"):
+            ours = by_config.get(f"specfleet_default_{phase}")
+            peer = by_config.get(f"server_ngram_mod_{phase}")
+            if ours and peer:
+                summary[workload][f"default_vs_ngram_mod_{phase}"] = paired(ours, peer)
     return summary
+
+
+def paired(ours: list[Result], peer: list[Result]) -> dict[str, float]:
+    """Round by round (each round ran both, back to back): how the two compare, so a median
+    lead is told from one that holds in most rounds."""
+    ratios = [a["tokens_per_second"] / b["tokens_per_second"]
+              for a, b in zip(ours, peer, strict=True) if b["tokens_per_second"]]
+    return {"median": round(statistics.median(ratios), 3),
+            "rounds_ahead": sum(r > 1.0 for r in ratios), "rounds": len(ratios),
+            "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
 
 
 def markdown(summary: dict[str, object], names: list[str]) -> str:
@@ -266,7 +283,7 @@ def markdown(summary: dict[str, object], names: list[str]) -> str:
     base = "vs_server_plain" if "server_plain" in first else "vs_specfleet_plain"
     lines = [f"| ratio ({base[3:]}) | " + " | ".join(names) + " |",
              "|---|" + "---:|" * len(names)]
-    for config in first:
+    for config in (c for c in first if c.startswith(("specfleet", "server"))):
         cells = []
         for w in names:
             entry = summary[w]
@@ -275,6 +292,18 @@ def markdown(summary: dict[str, object], names: list[str]) -> str:
             cells.append(f"{m[base]:.2f} ({m['tokens_per_second']:.0f}, "
                          f"acc {m.get('acceptance', 0):.2f})")
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    for phase in ("cold", "warm"):
+        key = f"default_vs_ngram_mod_{phase}"
+        if key in first:
+            cells = []
+            for w in names:
+                entry = summary[w]
+                assert isinstance(entry, dict)
+                r = entry[key]
+                cells.append(f"{r['median']:.2f} ({r['rounds_ahead']}/{r['rounds']} rounds, "
+                             f"{r['min']:.2f}-{r['max']:.2f})")
+            lines.append(f"| default vs ngram-mod {phase}, round by round | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
