@@ -9,7 +9,8 @@ row costs nearly a whole decode. This drafter instead
    (:data:`~worker.engine.proposers.token_index.ORDERS`) the tail matches: the request's own
    prompt and output so far, and the worker's recent outputs
    (:class:`~worker.engine.proposers.output_cache.OutputCache`); an earlier answer to the
-   same prompt that this output has kept to matches the whole history, however short;
+   same prompt that this output has kept to is a match of the whole request, counted as
+   deep as the longest context, however short the prompt;
 2. walks the continuations of each source's occurrences at once, as a suffix-tree walk does:
    each step takes the token most of them go on with, counts how many agree, and keeps only
    those; every token gets a calibrated acceptance probability
