@@ -301,5 +301,6 @@ def markdown(summary: dict[str, object], names: list[str]) -> str:
               for phase in ("cold", "warm") if (key := f"default_vs_ngram_mod_{phase}") in first]
     return "\n".join(lines)
 
+
 if __name__ == "__main__":
     main()

@@ -328,19 +328,25 @@ def test_the_requests_own_text_drafts_no_end_of_generation() -> None:
     assert repeat.propose([20, 21], 8, 0.0).tokens == [*words, end]
 
 
-
-def _again(prompt: list[int], earlier_answer: list[int], written: list[int]) -> Draft:
-    """The first draft of a request for ``prompt`` that has written ``written`` so far, after
-    an earlier request for the same prompt answered ``earlier_answer``."""
+def _answered(prompt: list[int], answer: list[int]) -> SuffixShared:
+    """Drafter state whose output cache holds ``answer`` to ``prompt``."""
     shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7))
     earlier = SuffixProposer(shared)
     earlier.start(prompt)
-    _commit(earlier, list(prompt), list(earlier_answer))
-    again = SuffixProposer(shared)
+    _commit(earlier, list(prompt), list(answer))
+    return shared
+
+
+def _again(prompt: list[int], earlier_answer: list[int], written: list[int]) -> Draft:
+    """The draft of a request for ``prompt`` once it has written ``written``, after an
+    earlier request for the same prompt answered ``earlier_answer``; it drafts at every step,
+    as the engine asks it to, and commits one token a step."""
+    again = SuffixProposer(_answered(prompt, earlier_answer))
     again.start(prompt)
     history = list(prompt)
-    if written:
-        _commit(again, history, list(written))
+    for token in written:
+        again.propose(history, 8, 0.0)
+        _commit(again, history, [token])
     return again.propose(history, 8, 0.0)
 
 
@@ -356,9 +362,34 @@ def test_a_repeat_of_a_short_prompt_is_as_sure_as_a_repeat_of_a_long_one() -> No
         assert draft.tokens == answer[after:after + 8]
         assert draft.confidences == pytest.approx(_again(long, answer, answer[:after])
                                                   .confidences)
-    # Parted at its first token, then back on the earlier answer's third: only its 2-token
-    # tail matches there, a weaker guess than the repeat's.
+    # Parted at its first token, then back on the earlier answer's second and third: only
+    # its 2-token tail matches there, a weaker guess than the repeat's.
     in_step = _again(short, answer, answer[:3]).confidences or []
     parted = _again(short, answer, [answer[0] + 1, *answer[1:3]])
     assert parted.tokens[:1] == answer[3:4]
     assert (parted.confidences or [1.0])[0] < in_step[0]
+    # Parted late (at its 6th token), then back on the answer for 3 tokens: still parted.
+    late = _again(short, answer, [*answer[:5], answer[5] + 1, *answer[6:9]])
+    assert late.tokens[:1] == answer[9:10]
+    assert (late.confidences or [1.0])[0] < (_again(short, answer, answer[:9]).confidences
+                                             or [0.0])[0]
+
+
+def test_a_drafter_started_again_forgets_which_answers_its_last_request_left() -> None:
+    """A slot's drafter serves request after request: one that parted from the cached answer
+    does not keep the next request for the same prompt from matching it as a whole request
+    (guessed at 0.99, not as the 8-token tail coincidence it also is, 0.875)."""
+    prompt, answer = _tokens(10, seed=8), _tokens(20, seed=9)
+    slot = SuffixProposer(_answered(prompt, answer))
+    slot.start(prompt)
+    history = list(prompt)
+    slot.propose(history, 8, 0.0)
+    _commit(slot, history, [answer[0] + 1])       # parted at once
+    slot.propose(history, 8, 0.0)
+    slot.start(prompt)                            # the next request, the same prompt
+    history = list(prompt)
+    slot.propose(history, 8, 0.0)
+    _commit(slot, history, answer[:1])            # keeps to the answer this time
+    draft = slot.propose(history, 8, 0.0)
+    assert draft.tokens == answer[1:9]
+    assert (draft.confidences or [0.0])[0] == pytest.approx(0.99)

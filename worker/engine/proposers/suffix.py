@@ -121,6 +121,9 @@ class SuffixProposer:
         self._entry: int | None = None
         self._origin = Origin(0, 0)
         self._prompt_len = 0
+        #: Per cached answer to this prompt: how many of this output's tokens it is known to
+        #: equal (None once one differed: an output that parted from it never rejoins it).
+        self._kept: dict[int, int | None] = {}
         self._chosen = Candidate(OWN)
         self._proposed_at = 0.0
         self._records = (RequestRecord(), RequestRecord())
@@ -136,6 +139,7 @@ class SuffixProposer:
         self._local = TokenIndex(prompt)
         self._origin = Origin.of(prompt, LEAD_IN)
         self._prompt_len = len(prompt)
+        self._kept = {}
         self._entry = self._shared.cache.open(self._origin)
         self._shared.cache.extend(self._entry, prompt[-LEAD_IN:])
         self._chosen = Candidate(OWN)
@@ -236,19 +240,28 @@ class SuffixProposer:
         lookup alone matched a repeat of a short prompt only as deep as the prompt and guessed
         it like a coincidence of that length (Gemma 270M, "write a story about ...", 28
         tokens: 16 deep, 11 drafts at 0.95, where the answer was then accepted 53 drafts at
-        a time). ``(0, [])`` when there is none, or when every such answer ends here."""
+        a time). ``(0, [])`` when there is none, or when every such answer ends here.
+
+        Each step compares only the tokens committed since the last (:attr:`_kept`): the
+        history only grows, so the whole output is never compared again."""
         cache = self._shared.cache
-        answers = [(entry, index) for entry, index in cache.others(self._entry)
-                   if cache.origin(entry).prompt == self._origin.prompt]
-        if not answers:
-            return 0, []
-        written = list(history[self._prompt_len:])
+        head, written = self._prompt_len, len(history) - self._prompt_len
         found: list[Occurrence] = []
-        for entry, index in answers:
-            lead_in = cache.origin(entry).lead_in
-            start = lead_in + len(written)
-            if start < len(index.tokens) and index.tokens[lead_in:start] == written:
-                found.append((index.tokens, start, cache.fragile(entry)))
+        for entry, index in cache.others(self._entry):
+            origin = cache.origin(entry)
+            kept = self._kept.get(entry, 0)
+            if origin.prompt != self._origin.prompt or kept is None:
+                continue
+            # An answer still being written (another slot's) is compared as far as it goes.
+            lead_in = origin.lead_in
+            end = min(written, len(index.tokens) - lead_in)
+            theirs = index.tokens[lead_in + kept:lead_in + end]
+            if theirs != list(history[head + kept:head + end]):
+                self._kept[entry] = None
+                continue
+            self._kept[entry] = end
+            if lead_in + written < len(index.tokens):  # it goes on past this output
+                found.append((index.tokens, lead_in + written, cache.fragile(entry)))
                 cache.touch(entry)
         return (max(len(history), LEAD_IN), found) if found else (0, [])
 
