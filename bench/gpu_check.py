@@ -6,8 +6,9 @@ failure and exits non-zero if any check failed.
 
 - ``environment``: llama.cpp's GPU offload, NVML's devices (index, name, UUID, memory), the
   CUDA ordering variables.
-- ``fit-vs-nvml``: ``specfleet fit --device cuda:N --json`` on Gemma 3 270M for every GPU; the
-  free memory it measured must be NVML's for that index (the fitter reads NVML by index).
+- ``fit-vs-nvml``: ``specfleet fit --device cuda:N --json`` on the model (Gemma 3 270M unless
+  ``--model``) for every GPU; the free memory it measured must be NVML's for that index (the
+  fitter reads NVML by index).
 - ``pinning``: a worker started with ``--device cuda:N`` must allocate on NVML device N (its
   pid in ``nvidia-smi --query-compute-apps``, matched by UUID). CUDA numbers devices fastest
   first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, NVML by PCI bus: on a mixed-GPU host the two
@@ -17,15 +18,24 @@ failure and exits non-zero if any check failed.
   checkpoints with no host fallback, and produce exactly the tokens of ``--checkpoint host``.
 - ``sampling``: speculative sampling on the device: MTP sampled with a seed repeats its
   tokens, n-gram speculation gives plain sampling's tokens with the same seed.
+- ``greedy``: greedy speculation on the device keeps plain decoding's tokens: MTP, n-gram
+  and suffix drafting on the tiny hybrid (F32, wide margins) give plain's tokens exactly,
+  on one slot and with four requests at once (batched verifies of several sequences).
+- ``deterministic``: ``--deterministic`` on a GPU worker is refused before it loads, with the
+  message naming the CPU backend (docs/engine.md, "Deterministic mode").
 - ``service``: a worker fitted to the GPU by the fitter (no ``--ctx``) serves a batch through
   Redis; every job finishes; the registration says the device; SIGTERM drains and exits 0.
-- ``slots``: ``bench/slots.py --gpu`` (the multi-slot bench), its markdown tables appended.
+- ``slots``: ``bench/slots.py --gpu`` (the multi-slot bench, on Gemma), its markdown tables
+  appended.
+
+``--model tiny`` runs the model checks (fit, pinning, service) on the project's tiny dense
+model instead of Gemma, for a host that cannot fetch Gemma (skip ``slots`` there).
 
 ``--device cpu`` runs the same plumbing on a host without a GPU (NVML checks skipped): that is
 how the script itself is tested where no GPU is lent.
 
     python bench/gpu_check.py --report gpu-report.md [--device cuda] [--skip slots]
-        [--jobs 16] [--tokens 128] [--threads 4] [--logs DIR]
+        [--model gemma|tiny|PATH] [--jobs 16] [--tokens 128] [--threads 4] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -83,7 +93,8 @@ class Context:
     args: argparse.Namespace
     work: Path
     redis_url: str
-    gemma: Path
+    #: The dense model of the fit, pinning and service checks.
+    model: Path
     hybrid: Path
     gpus: list[dict[str, Any]]
 
@@ -162,7 +173,7 @@ def check_environment(ctx: Context, check: Check) -> None:
 
 def check_fit_vs_nvml(ctx: Context, check: Check) -> None:
     for device in ctx.devices():
-        done = _specfleet("fit", "--model", str(ctx.gemma), "--device", device, "--json")
+        done = _specfleet("fit", "--model", str(ctx.model), "--device", device, "--json")
         check.require(done.returncode == 0, f"specfleet fit --device {device}"
                       + ("" if done.returncode == 0 else f": {done.stderr.strip()[-300:]}"))
         if done.returncode != 0:
@@ -189,7 +200,7 @@ def check_pinning(ctx: Context, check: Check) -> None:
         return
     for device in ctx.devices():
         index = int(device.split(":")[1])
-        with worker(ctx, f"pin{index}", ctx.gemma, device, "--ctx", "2048",
+        with worker(ctx, f"pin{index}", ctx.model, device, "--ctx", "2048",
                     prefix=f"gpucheck-{uuid.uuid4().hex[:8]}") as (proc, _):
             apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid",
                                    "--format=csv,noheader"], capture_output=True, text=True,
@@ -263,13 +274,63 @@ def check_sampling(ctx: Context, check: Check) -> None:
                   "n-gram speculative sampling gives plain sampling's tokens")
 
 
+def check_greedy(ctx: Context, check: Check) -> None:
+    """Greedy speculation on the device against plain decoding on the device, token for token.
+
+    A GPU's kernels are chosen by batch shape, so a batched verify is not bit-identical to a
+    one-row decode; the tiny hybrid is F32 with margins far wider than that noise, so any
+    difference here is a rollback or bookkeeping fault, not rounding."""
+    device = ctx.devices()[0]
+    prompts = [[1 + (i * 13 + j * 5) % 90 for j in range(14)] for i in range(4)]
+    methods = {"plain": "none", "mtp": "mtp", "ngram": "ngram", "suffix": "suffix"}
+    with worker(ctx, "greedy", ctx.hybrid, device, "--ctx", "1024", "--slots", "4",
+                "--draft-max", "8", prefix=f"gpucheck-{uuid.uuid4().hex[:8]}") as (_, coordinator):
+        runs = {name: _run_jobs(coordinator, "greedy", prompts, ctx.args.tokens,
+                                {"method": method}) for name, method in methods.items()}
+        # One request at a time: each verify holds one sequence's draft only.
+        single = [_run_jobs(coordinator, "greedy", [p], ctx.args.tokens, {"method": "mtp"})[0]
+                  for p in prompts]
+    tokens = {name: [r.tokens for r in rs] for name, rs in runs.items()}
+    check.figures = {name: {"acceptance": round(sum(r.telemetry.accepted for r in rs)
+                                                / max(1, sum(r.telemetry.drafted for r in rs)), 3),
+                            "tokens": sum(len(r.tokens) for r in rs)}
+                     for name, rs in runs.items() if name != "plain"}
+    check.require(all(r.status is JobStatus.FINISHED for rs in runs.values() for r in rs),
+                  "every job finished")
+    for name in methods:
+        if name != "plain":
+            check.require(tokens[name] == tokens["plain"],
+                          f"{name}, 4 requests at once, gives plain's tokens")
+    check.require([r.tokens for r in single] == tokens["plain"],
+                  "mtp, one request at a time, gives plain's tokens")
+
+
+def check_deterministic(ctx: Context, check: Check) -> None:
+    """The flag is refused where it cannot be kept, before the worker loads anything."""
+    device = ctx.devices()[0]
+    if device == "cpu":
+        check.status = "skipped"
+        check.notes.append("the CPU backend keeps deterministic mode (tests/engine)")
+        return
+    started = time.monotonic()
+    done = _specfleet("worker", "--model", str(ctx.hybrid), "--device", device,
+                      "--deterministic", timeout=120,
+                      env={"REDIS_URL": ctx.redis_url, "SPECFLEET_PREFIX": "gpucheck-det"})
+    check.figures = {"exit_code": done.returncode,
+                     "seconds": round(time.monotonic() - started, 2),
+                     "stderr_tail": done.stderr.strip()[-300:]}
+    check.require(done.returncode != 0, f"--device {device} --deterministic is refused")
+    check.require("--device cpu" in done.stderr, "the message names the CPU backend")
+
+
 def check_service(ctx: Context, check: Check) -> None:
     device = ctx.devices()[0]
     prefix = f"gpucheck-{uuid.uuid4().hex[:8]}"
-    with worker(ctx, "service", ctx.gemma, device, prefix=prefix) as (proc, coordinator):
+    with worker(ctx, "service", ctx.model, device, prefix=prefix) as (proc, coordinator):
         info = coordinator.registry.live_workers("service")[0]
         started = time.monotonic()
-        results = _run_jobs(coordinator, "service", [[2, 1596, 4086, 576, 9620]] * ctx.args.jobs,
+        # Ids every model here has (the tiny ones have 256 tokens).
+        results = _run_jobs(coordinator, "service", [[2, 16, 40, 57, 96]] * ctx.args.jobs,
                             ctx.args.tokens, {"method": "ngram"})
         elapsed = time.monotonic() - started
         proc.send_signal(signal.SIGTERM)
@@ -302,7 +363,8 @@ def check_slots(ctx: Context, check: Check) -> None:
 CHECKS: dict[str, Callable[[Context, Check], None]] = {
     "environment": check_environment, "fit-vs-nvml": check_fit_vs_nvml,
     "pinning": check_pinning, "device-checkpoint": check_device_checkpoint,
-    "sampling": check_sampling, "service": check_service, "slots": check_slots,
+    "sampling": check_sampling, "greedy": check_greedy, "deterministic": check_deterministic,
+    "service": check_service, "slots": check_slots,
 }
 
 
@@ -327,6 +389,8 @@ def main() -> int:
                     help="cuda: every GPU NVML sees; cpu: the plumbing only")
     ap.add_argument("--skip", default="", help=f"comma list of checks to skip: {list(CHECKS)}")
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--model", default="gemma",
+                    help="fit/pinning/service model: gemma, tiny (the tiny dense) or a path")
     ap.add_argument("--jobs", type=int, default=16, help="jobs in the service batch")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per job")
     ap.add_argument("--logs", type=Path, help="keep the workers' logs in this directory")
@@ -339,7 +403,10 @@ def main() -> int:
         work = args.logs or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         gpus = nvml_devices() if args.device == "cuda" else []
-        ctx = Context(args, work, url, gemma_q4_path(), build_tiny_models(work).hybrid, gpus)
+        tiny = build_tiny_models(work)
+        model = {"gemma": gemma_q4_path, "tiny": lambda: tiny.dense}.get(
+            args.model, lambda: Path(args.model))()
+        ctx = Context(args, work, url, model, tiny.hybrid, gpus)
         for name, run in CHECKS.items():
             check = Check(name)
             checks.append(check)

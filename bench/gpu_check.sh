@@ -8,6 +8,15 @@
 #   GPU_CHECK_VENV=.venv-cuda   the CUDA virtual env (built or reused)
 #   GPU_CHECK_SKIP=slots        checks to skip, comma-separated
 #   CUDA_ARCHITECTURES=90       compile for these SM versions (default: the GPUs present)
+#   GPU_CHECK_CMAKE_ARGS=...    more CMake flags for the CUDA build (-DGGML_CUDA_FA=OFF: a
+#                               build minutes shorter, no flash-attention kernels)
+#   GPU_CHECK_ARGS=...          more arguments for bench/gpu_check.py (--model tiny, --jobs 8)
+# An air-gapped host (no package index) installs from what it is given:
+#   GPU_CHECK_LLAMA_SRC=PATH    llama-cpp-python's source (its sdist, .tar.gz or unpacked) to
+#                               build instead of downloading the pin
+#   GPU_CHECK_WHEELS=DIR        the dependencies as wheels, installed with no index; the venv
+#                               then also sees python3's packages (a GPU image's numpy, cmake,
+#                               scikit-build-core: the build's own requirements)
 #
 # Needs: nvidia-smi and the driver, the CUDA toolkit (nvcc), python3 >= 3.11 with venv, a C++
 # toolchain and cmake, and Redis (REDIS_URL, 127.0.0.1:6379 or a redis-server binary).
@@ -31,18 +40,50 @@ if [ -z "${REDIS_URL:-}" ] && ! command -v redis-server >/dev/null \
   need "no Redis: set REDIS_URL, run one on 127.0.0.1:6379 or install redis-server"
 fi
 
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+  [ -d "$GPU_CHECK_WHEELS" ] || need "GPU_CHECK_WHEELS=$GPU_CHECK_WHEELS is not a directory"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv --system-site-packages "$venv"
+    # python3 may itself be a venv's (a GPU image's): its packages are not the "system" ones.
+    purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
+    python3 -c "$purelib" >"$("$venv/bin/python" -c "$purelib")/_host_packages.pth"
+  fi
+  pip_offline=(--no-index --find-links "$GPU_CHECK_WHEELS")
+else
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+  pip_offline=()
+fi
 # The one pin, read from pyproject.toml; rebuilt unless this env already offloads to the GPU.
 pin="$(grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)"
-if ! "$venv/bin/python" -c 'import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())' 2>/dev/null; then
-  echo "gpu_check: building $pin with CUDA (several minutes)" >&2
-  CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF${CUDA_ARCHITECTURES:+ -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES}" \
-    "$venv/bin/python" -m pip install --no-cache-dir --force-reinstall --no-deps "$pin"
+source="$pin"
+build_args=()
+if [ -n "${GPU_CHECK_LLAMA_SRC:-}" ]; then
+  [ -e "$GPU_CHECK_LLAMA_SRC" ] || need "GPU_CHECK_LLAMA_SRC=$GPU_CHECK_LLAMA_SRC does not exist"
+  source="$GPU_CHECK_LLAMA_SRC"
+  # No index to fetch build requirements from: the venv's own (scikit-build-core, cmake).
+  build_args=(--no-build-isolation)
 fi
-"$venv/bin/python" -m pip install -q -e '.[dev,demo,cuda]'
+if ! "$venv/bin/python" -c 'import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())' 2>/dev/null; then
+  echo "gpu_check: building $pin with CUDA from $source (several minutes)" >&2
+  started=$SECONDS
+  CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF${CUDA_ARCHITECTURES:+ -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES} ${GPU_CHECK_CMAKE_ARGS:-}" \
+    CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+    "$venv/bin/python" -m pip install --no-cache-dir --force-reinstall --no-deps \
+    "${pip_offline[@]}" "${build_args[@]}" "$source"
+  echo "gpu_check: CUDA build took $((SECONDS - started)) s" >&2
+fi
+if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+  # The GPU checks need the service, not the dev tools: no index means no test extras.
+  "$venv/bin/python" -m pip install -q "${pip_offline[@]}" "$GPU_CHECK_WHEELS"/*.whl
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
+else
+  "$venv/bin/python" -m pip install -q -e '.[dev,demo,cuda]'
+fi
 
 status=0
-"$venv/bin/python" bench/gpu_check.py --report "$report" --skip "${GPU_CHECK_SKIP:-}" || status=$?
+# shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of arguments
+"$venv/bin/python" bench/gpu_check.py --report "$report" --skip "${GPU_CHECK_SKIP:-}" \
+  ${GPU_CHECK_ARGS:-} || status=$?
 echo "gpu_check: report written to $report" >&2
 exit "$status"
