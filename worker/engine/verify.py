@@ -88,6 +88,7 @@ class Verifier:
             rows.append(batch.add([job.last, *job.draft.tokens], job.pos0, True, seq=job.seq))
         td = perf_counter()
         self.target.decode(batch)
+        self.target.synchronize()  # else a GPU's decode time is only its kernel launches
         decode = perf_counter() - td
         alone = len(jobs) == 1 and not chunks
         outcomes = [self._accept(job, row0, alone) for job, row0 in zip(jobs, rows, strict=True)]

@@ -36,6 +36,7 @@ def measure_costs(target: Context, batch: Batch, max_rows: int, reps: int = REPS
             target.clear()
             t0 = perf_counter()
             target.decode(batch.set([0] * rows, 0, True))
+            target.synchronize()  # a GPU's decode returns before its work is done
             costs[rows] = min(costs[rows], perf_counter() - t0)
     target.clear()
     for rows in range(max_rows - 1, 0, -1):

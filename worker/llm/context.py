@@ -129,6 +129,15 @@ class Context:
                 llama_cpp.llama_memory_seq_rm(self.mem, seq, pos, -1)
             batch.drop(len(pads))
 
+    def synchronize(self) -> None:
+        """Wait until the last decode has finished on the device.
+
+        On an asynchronous backend (CUDA) ``llama_decode`` only queues the work and returns
+        (llama.cpp leaves the wait to whoever reads the outputs), so a decode timed without
+        this measures the kernel launches, not the compute. On the CPU backend the decode has
+        finished already and this returns at once."""
+        llama_cpp.llama_synchronize(self.ptr)
+
     def logits(self, row: int) -> np.ndarray:
         """Logits of output row ``row`` of the last decode (a view; copy to keep)."""
         ptr = llama_cpp.llama_get_logits_ith(self.ptr, row)
