@@ -25,6 +25,9 @@ failure and exits non-zero if any check failed.
   message naming the CPU backend (docs/engine.md, "Deterministic mode").
 - ``service``: a worker fitted to the GPU by the fitter (no ``--ctx``) serves a batch through
   Redis; every job finishes; the registration says the device; SIGTERM drains and exits 0.
+- ``decode-timing``: ``bench/decode_timing.py --gpu`` on the tiny models: a decode timed
+  queued against finished, and steady decoding at a constant width against varying widths
+  (CUDA graphs); figures only, for the row-cost tables' model of the device.
 - ``slots``: ``bench/slots.py --gpu`` (the multi-slot bench, on Gemma), its markdown tables
   appended.
 
@@ -349,6 +352,18 @@ def check_service(ctx: Context, check: Check) -> None:
     check.require(code == 0 and not left, "SIGTERM drained, deregistered and exited 0")
 
 
+def check_decode_timing(ctx: Context, check: Check) -> None:
+    argv = [sys.executable, str(ROOT / "bench" / "decode_timing.py"), "--model", "tiny",
+            "--threads", str(ctx.args.threads)]
+    if ctx.args.device != "cpu":
+        argv.append("--gpu")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    check.require(done.returncode == 0, "bench/decode_timing.py"
+                  + ("" if done.returncode == 0 else f": {done.stderr.strip()[-300:]}"))
+    if done.returncode == 0:
+        check.figures = json.loads(done.stdout)["models"]
+
+
 def check_slots(ctx: Context, check: Check) -> None:
     argv = [sys.executable, str(ROOT / "bench" / "slots.py"), "--tokens", "64", "--markdown",
             "--threads", str(ctx.args.threads)]
@@ -364,7 +379,7 @@ CHECKS: dict[str, Callable[[Context, Check], None]] = {
     "environment": check_environment, "fit-vs-nvml": check_fit_vs_nvml,
     "pinning": check_pinning, "device-checkpoint": check_device_checkpoint,
     "sampling": check_sampling, "greedy": check_greedy, "deterministic": check_deterministic,
-    "service": check_service, "slots": check_slots,
+    "service": check_service, "decode-timing": check_decode_timing, "slots": check_slots,
 }
 
 
