@@ -352,26 +352,27 @@ def check_service(ctx: Context, check: Check) -> None:
     check.require(code == 0 and not left, "SIGTERM drained, deregistered and exited 0")
 
 
-def check_decode_timing(ctx: Context, check: Check) -> None:
-    argv = [sys.executable, str(ROOT / "bench" / "decode_timing.py"), "--model", "tiny",
+def _bench(ctx: Context, check: Check, script: str, *args: str,
+           timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``bench/<script>`` on the checked device (``--gpu`` unless a cpu run)."""
+    argv = [sys.executable, str(ROOT / "bench" / script), *args,
             "--threads", str(ctx.args.threads)]
     if ctx.args.device != "cpu":
         argv.append("--gpu")
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    check.require(done.returncode == 0, "bench/decode_timing.py"
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    check.require(done.returncode == 0, f"bench/{script}"
                   + ("" if done.returncode == 0 else f": {done.stderr.strip()[-300:]}"))
+    return done
+
+
+def check_decode_timing(ctx: Context, check: Check) -> None:
+    done = _bench(ctx, check, "decode_timing.py", "--model", "tiny", timeout=600)
     if done.returncode == 0:
         check.figures = json.loads(done.stdout)["models"]
 
 
 def check_slots(ctx: Context, check: Check) -> None:
-    argv = [sys.executable, str(ROOT / "bench" / "slots.py"), "--tokens", "64", "--markdown",
-            "--threads", str(ctx.args.threads)]
-    if ctx.args.device != "cpu":
-        argv.append("--gpu")
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
-    check.require(done.returncode == 0, "bench/slots.py"
-                  + ("" if done.returncode == 0 else f": {done.stderr.strip()[-300:]}"))
+    done = _bench(ctx, check, "slots.py", "--tokens", "64", "--markdown", timeout=3600)
     check.figures["output"] = done.stdout
 
 
