@@ -83,6 +83,8 @@ class ServingLoop:
         self.presence: SimpleWorker | None = None
         self.stopping = threading.Event()
         self._running: dict[int, _Running] = {}
+        #: Signals received and not yet logged (see :meth:`request_stop`).
+        self._signals: list[tuple[int, bool]] = []
 
     @property
     def current_jobs(self) -> list[str]:
@@ -94,6 +96,7 @@ class ServingLoop:
         the outage deadline (the held jobs stay in the in-flight list for recovery)."""
         engine = self.runtime.engine
         while not (self.stopping.is_set() and not self._running):
+            self._log_signals()
             while (engine.free_slots and not self.stopping.is_set()
                    and not self.runtime.lost.is_set()):
                 taken = self._ride(lambda: self.intake.take(block=not self._running),
@@ -105,17 +108,31 @@ class ServingLoop:
                 self._step()
             elif self.runtime.lost.is_set():
                 self.runtime.lost.clear()  # every stale run has stood down
+        self._log_signals()
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
-        """SIGTERM/SIGINT: the first finishes the running jobs; a second interrupts them."""
-        if self.stopping.is_set() and self._running:
-            log.warning("worker.interrupting", worker=self.runtime.worker_name,
-                        jobs=self.current_jobs)
+        """SIGTERM/SIGINT: the first finishes the running jobs; a second interrupts them.
+
+        No logging here: a handler runs between two bytecodes of the main thread, which may
+        be writing a log line under the stream's (non-reentrant) lock, and a log call here
+        then waits for that lock forever (a SIGTERM that never drained, seen in the suite).
+        The serving loop logs the signal at its next pass."""
+        interrupt = self.stopping.is_set() and bool(self._running)
+        self._signals.append((signum, interrupt))
+        if interrupt:
             self.runtime.interrupt.set()
-            return
-        log.info("worker.stopping", worker=self.runtime.worker_name, signal=signum,
-                 jobs=self.current_jobs)
-        self.stopping.set()
+        else:
+            self.stopping.set()
+
+    def _log_signals(self) -> None:
+        while self._signals:
+            signum, interrupt = self._signals.pop(0)
+            if interrupt:
+                log.warning("worker.interrupting", worker=self.runtime.worker_name,
+                            signal=signum, jobs=self.current_jobs)
+            else:
+                log.info("worker.stopping", worker=self.runtime.worker_name, signal=signum,
+                         jobs=self.current_jobs)
 
     # -- a job enters a slot ---------------------------------------------------------------
     def _start(self, taken: Taken) -> None:
