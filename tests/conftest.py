@@ -26,9 +26,10 @@ from worker.testmodels import TinyModels, build_tiny_models, gemma
 
 #: Names whose use makes a test slow: they start worker processes (``Fleet``, ``live_run``),
 #: a gateway process (``Gateway``), a Redis replica group with a sentinel, load Gemma 3 270M,
-#: or draw a statistical sample of thousands of generations (``plain_sample``).
+#: draw a statistical sample of thousands of generations (``plain_sample``), or run a bench
+#: script end to end (``run_bench``).
 SLOW_USES = frozenset({"Fleet", "Gateway", "live_run", "sentinel_group", "gemma_path",
-                       "gemma_f16_path", "plain_sample"})
+                       "gemma_f16_path", "plain_sample", "run_bench"})
 
 
 def _names(code: CodeType) -> Iterator[str]:

@@ -33,6 +33,13 @@ def specfleet(*args: str, env: Mapping[str, str] | None = None, stdin: str | Non
                           text=True, timeout=timeout)
 
 
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``bench/SCRIPT ARGS`` with the tests' interpreter, text output captured."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / script
+    return subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def greedy(engine: SpeculativeEngine, n_tokens: int, prompt: list[int] = PROMPT) -> list[int]:
     """Plain one-token-at-a-time greedy continuation: the reference of every exactness check."""
     return engine.generate(prompt, n_tokens, SpecSettings(method=SpecMethod.NONE)).tokens
