@@ -49,28 +49,27 @@ if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
     python3 -c "$purelib" >"$("$venv/bin/python" -c "$purelib")/_host_packages.pth"
   fi
   pip_offline=(--no-index --find-links "$GPU_CHECK_WHEELS")
+  # No index to fetch build requirements from: python3's own (scikit-build-core, cmake).
+  build_args=(--no-build-isolation)
 else
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
   pip_offline=()
+  build_args=()
 fi
 # The one pin, read from pyproject.toml; rebuilt unless this env already offloads to the GPU.
 pin="$(grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)"
-source="$pin"
-build_args=()
-if [ -n "${GPU_CHECK_LLAMA_SRC:-}" ]; then
-  [ -e "$GPU_CHECK_LLAMA_SRC" ] || need "GPU_CHECK_LLAMA_SRC=$GPU_CHECK_LLAMA_SRC does not exist"
-  source="$GPU_CHECK_LLAMA_SRC"
-  # No index to fetch build requirements from: the venv's own (scikit-build-core, cmake).
-  build_args=(--no-build-isolation)
+llama_source="${GPU_CHECK_LLAMA_SRC:-$pin}"
+if [ -n "${GPU_CHECK_LLAMA_SRC:-}" ] && [ ! -e "$GPU_CHECK_LLAMA_SRC" ]; then
+  need "GPU_CHECK_LLAMA_SRC=$GPU_CHECK_LLAMA_SRC does not exist"
 fi
 if ! "$venv/bin/python" -c 'import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())' 2>/dev/null; then
-  echo "gpu_check: building $pin with CUDA from $source (several minutes)" >&2
+  echo "gpu_check: building $pin with CUDA from $llama_source (several minutes)" >&2
   started=$SECONDS
   CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF${CUDA_ARCHITECTURES:+ -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES} ${GPU_CHECK_CMAKE_ARGS:-}" \
     CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     "$venv/bin/python" -m pip install --no-cache-dir --force-reinstall --no-deps \
-    "${pip_offline[@]}" "${build_args[@]}" "$source"
+    "${pip_offline[@]}" "${build_args[@]}" "$llama_source"
   echo "gpu_check: CUDA build took $((SECONDS - started)) s" >&2
 fi
 if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
