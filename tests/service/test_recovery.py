@@ -28,7 +28,11 @@ from shared.settings import Settings
 
 from .workers import MODEL_NAME, Fleet, wait_rq_ended
 
-REQUEST = {"model": MODEL_NAME, "prompt_tokens": [3, 1, 4, 1, 5], "max_tokens": 48}
+#: Plain decoding: a token a step, so STEP_DELAY spreads a job over 2 s. With the default
+#: drafter a repeat of this request is drafted whole from the worker's cached answer and
+#: finished in one step, before the kill could land (a flaky pass/fail on timing).
+REQUEST = {"model": MODEL_NAME, "prompt_tokens": [3, 1, 4, 1, 5], "max_tokens": 48,
+           "speculative": {"method": "none"}}
 STEP_DELAY = 0.04  # test-only slowing, so that the kill lands mid-generation
 REPETITIONS = 10
 
@@ -154,8 +158,7 @@ def test_a_job_taken_after_the_sweep_that_declared_its_worker_lost_is_handed_bac
     conn.zrem(keys.workers(), "w1")  # a sweep claims it (its in-flight list is empty) ...
     assert FleetRegistry(conn, keys, 30).take_jobs("w1") == []
     queued = Coordinator(fleet.settings.model_copy(update={"require_live_worker": False}))
-    handle = queued.submit({**REQUEST, "max_tokens": 60,  # ... and it takes a job: 6 s
-                            "speculative": {"method": "none"}})
+    handle = queued.submit({**REQUEST, "max_tokens": 60})  # ... and it takes a job: 6 s
     result = handle.result(timeout=60)
     assert result.status is JobStatus.FINISHED and result.attempts == 2
     log = fleet.log("w1")
@@ -166,7 +169,7 @@ def test_a_stalled_worker_is_replaced_and_stands_down(fleet: Fleet,
                                                       coordinator: Coordinator) -> None:
     """SIGSTOP past the TTL: the job re-runs elsewhere; the stalled worker, once resumed,
     learns it was declared lost, stops its stale attempt without a final event, serves on."""
-    request = {**REQUEST, "max_tokens": 60, "speculative": {"method": "none"}}
+    request = {**REQUEST, "max_tokens": 60}
     fleet.start("w1", step_delay=0.05)
     handle = coordinator.submit(request)
     events = handle.stream(timeout=60)
