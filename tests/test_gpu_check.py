@@ -19,7 +19,7 @@ ON_A_CPU = {"environment": "pass", "fit-vs-nvml": "pass", "pinning": "skipped",
 def test_the_gpu_check_runs_its_plumbing_on_a_cpu(tmp_path: Path) -> None:
     report = tmp_path / "report.md"
     done = run_bench("gpu_check.py", "--device", "cpu", "--model", "tiny", "--skip", "slots",
-                     "--jobs", "2", "--tokens", "16", "--threads", "1", "--report", str(report))
+                     "--jobs", "2", "--tokens", "24", "--threads", "1", "--report", str(report))
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ON_A_CPU, done.stderr[-2000:]
     assert done.returncode == 0
     assert "| greedy | pass |" in report.read_text()
