@@ -5,8 +5,9 @@ on a GPU two things move the true cost away from a naive timing, and this measur
 
 - ``queued_ms`` against ``finished_ms``: one decode of r rows on an empty context, timed
   around ``llama_decode`` alone (what the tables timed until they waited for the device: on
-  CUDA that call returns once the kernels are queued) and around the decode plus
-  ``llama_synchronize``. On the CPU backend the two agree.
+  CUDA that call returns once the kernels are queued) and as the tables time it now
+  (:func:`~worker.engine.verify_shape.measure_costs`, which waits). On the CPU backend the
+  two agree.
 - ``steady_ms_per_step``: 300 steps decoding at a growing position, reading every row's
   argmax and rolling back all but two rows, as a verify does: at one row, at a constant 9
   and 33 rows, at widths alternating 8/9, and at random widths 2..17. llama.cpp's CUDA
@@ -33,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.logs import configure_logging  # noqa: E402
+from worker.engine.verify_shape import measure_costs  # noqa: E402
 from worker.llm import Batch, Context, ContextSpec, Model, ModelSpec  # noqa: E402
 from worker.testmodels import build_tiny_models  # noqa: E402
 from worker.testmodels.gemma import gemma_q4_path  # noqa: E402
@@ -42,17 +44,16 @@ STEPS = 300
 PROMPT_ROWS = 32
 
 
-def one_decode(context: Context, batch: Batch, rows: int, reps: int,
-               wait: bool) -> float:
-    """Milliseconds of the fastest of ``reps`` ``rows``-row decodes on an empty context."""
+def queued(context: Context, batch: Batch, rows: int, reps: int) -> float:
+    """Milliseconds of the fastest of ``reps`` ``rows``-row decodes on an empty context,
+    timed without waiting for the device (as the row-cost tables did before)."""
     best = float("inf")
     for _ in range(reps):
         context.clear()
         t0 = time.perf_counter()
         context.decode(batch.set([0] * rows, 0, True))
-        if wait:
-            context.synchronize()
         best = min(best, time.perf_counter() - t0)
+        context.synchronize()  # before the next clear: only the timing leaves it out
     context.clear()
     return round(best * 1e3, 3)
 
@@ -85,9 +86,10 @@ def measure(model_path: Path, gpu: bool, reps: int, threads: int) -> dict[str, o
             Context(model, ContextSpec(n_ctx=4096, n_batch=128, n_ubatch=128,
                                        n_threads=threads)) as context:
         batch = Batch(128)
+        finished = measure_costs(context, batch, max(WIDTHS), reps, WIDTHS)
         out: dict[str, object] = {
-            "queued_ms": {r: one_decode(context, batch, r, reps, False) for r in WIDTHS},
-            "finished_ms": {r: one_decode(context, batch, r, reps, True) for r in WIDTHS},
+            "queued_ms": {r: queued(context, batch, r, reps) for r in WIDTHS},
+            "finished_ms": {r: round(finished[r] * 1e3, 3) for r in WIDTHS},
         }
         print(f"{model_path.name}: single decodes timed", file=sys.stderr, flush=True)
         out["steady_ms_per_step"] = {name: steady(context, batch, make())

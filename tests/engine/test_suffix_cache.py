@@ -49,6 +49,21 @@ def test_byte_bound_evicts_least_recently_used_first() -> None:
         assert cache.nbytes <= cache.max_bytes
 
 
+def test_answers_to_a_prompt_are_the_other_live_entries_for_it_most_recent_first() -> None:
+    cache = OutputCache(max_bytes=10**9, max_entries=3)
+    asked, other = Origin(11, 4), Origin(22, 4)
+    first, elsewhere, second = cache.open(asked), cache.open(other), cache.open(asked)
+    assert [e for e, _ in cache.answers(second, asked.prompt)] == [first]
+    assert [e for e, _ in cache.answers(None, asked.prompt)] == [second, first]
+    cache.touch(first)
+    assert [e for e, _ in cache.answers(None, asked.prompt)] == [first, second]
+    assert [e for e, _ in cache.answers(None, other.prompt)] == [elsewhere]
+    third = cache.open(asked)  # evicts the least recently used: elsewhere
+    assert [e for e, _ in cache.answers(None, other.prompt)] == []
+    cache.open(other)          # evicts second
+    assert [e for e, _ in cache.answers(third, asked.prompt)] == [first]
+
+
 def test_entry_bound_and_an_output_larger_than_the_cache() -> None:
     cache = OutputCache(max_bytes=10**9, max_entries=2)
     first = _record(cache, [1, 2, 3])

@@ -63,6 +63,9 @@ class OutputCache:
         self._entries: OrderedDict[int, TokenIndex] = OrderedDict()
         self._bytes: dict[int, int] = {}
         self._origins: dict[int, Origin] = {}
+        #: Entries per prompt hash: a repeat's lookup of earlier answers to its prompt, at
+        #: every draft step, costs nothing while there are none (the usual case).
+        self._by_prompt: dict[int, set[int]] = {}
         self._fragile: dict[int, dict[int, int]] = {}
         self._ids = count()
         self.evictions = 0
@@ -74,6 +77,7 @@ class OutputCache:
         self._entries[entry] = TokenIndex()
         self._bytes[entry] = 0
         self._origins[entry] = origin
+        self._by_prompt.setdefault(origin.prompt, set()).add(entry)
         self._fragile[entry] = {}
         self._evict(keep=entry)
         return entry
@@ -112,6 +116,16 @@ class OutputCache:
             if key != entry and index is not None:
                 yield key, index
 
+    def answers(self, entry: int | None, prompt: int) -> Iterator[tuple[int, TokenIndex]]:
+        """Every cached output except ``entry`` written for a prompt of hash ``prompt``,
+        most recently used first."""
+        same = self._by_prompt.get(prompt, ())
+        if not same or same == {entry}:
+            return
+        for key, index in self.others(entry):
+            if key in same:
+                yield key, index
+
     def touch(self, entry: int) -> None:
         """A draft came from ``entry``: keep it longer."""
         if entry in self._entries:
@@ -136,5 +150,9 @@ class OutputCache:
     def _drop(self, entry: int) -> None:
         del self._entries[entry]
         del self._bytes[entry]
-        del self._origins[entry]
+        prompt = self._origins.pop(entry).prompt
+        same = self._by_prompt[prompt]
+        same.discard(entry)
+        if not same:
+            del self._by_prompt[prompt]
         del self._fragile[entry]

@@ -247,10 +247,10 @@ class SuffixProposer:
         cache = self._shared.cache
         head, written = self._prompt_len, len(history) - self._prompt_len
         found: list[Occurrence] = []
-        for entry, index in cache.others(self._entry):
+        for entry, index in cache.answers(self._entry, self._origin.prompt):
             origin = cache.origin(entry)
             kept = self._kept.get(entry, 0)
-            if origin.prompt != self._origin.prompt or kept is None:
+            if kept is None:
                 continue
             # An answer still being written (another slot's) is compared as far as it goes.
             lead_in = origin.lead_in
