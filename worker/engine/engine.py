@@ -288,7 +288,7 @@ class SpeculativeEngine:
             return updates
         outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
         if self.step_costs is not None and not chunks:
-            self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.decode)
+            self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.total)
         for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
             c = slot.counters
             c.draft_seconds += times.observe
