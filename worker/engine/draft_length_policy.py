@@ -94,9 +94,12 @@ def make_policy(draft_max: int, adaptive: bool, shape: list[int]) -> DraftLength
 PLAIN_MARGIN = 0.1
 
 
-def best_draft_length(confidences: Sequence[float], row_seconds: Sequence[float]) -> int:
+def best_draft_length(confidences: Sequence[float], row_seconds: Sequence[float],
+                      bar: float = 1.0 + PLAIN_MARGIN) -> int:
     """How many of the drafted tokens to verify: the length with the most expected tokens per
-    second of verify, if that beats a plain step by :data:`PLAIN_MARGIN`.
+    second of verify, if that beats a plain step's by the factor ``bar`` (at least
+    :data:`PLAIN_MARGIN` more; the engine's :class:`~worker.engine.draft_bar.DraftBar` raises
+    it where drafted steps yield less than the costs promised).
 
     ``confidences[i]`` is the probability that draft token ``i`` is accepted given that all
     before it were; ``row_seconds[r]`` is what a verify of ``r`` rows costs (index 0 unused).
@@ -104,7 +107,7 @@ def best_draft_length(confidences: Sequence[float], row_seconds: Sequence[float]
     accepted)`` tokens (the bonus always comes); ``m = 0`` is a plain step. The longest
     length with a measured cost bounds ``m``; ties go to the shorter draft, which risks less.
     """
-    best, best_rate = 0, (1.0 + PLAIN_MARGIN) / row_seconds[1]
+    best, best_rate = 0, bar / row_seconds[1]
     expected, reach = 1.0, 1.0
     for m, p in enumerate(confidences[: len(row_seconds) - 2], start=1):
         reach *= p

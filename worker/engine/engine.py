@@ -28,6 +28,7 @@ from worker.engine.config import (
     target_spec,
 )
 from worker.engine.constraint.matcher import compile_constraint
+from worker.engine.draft_bar import DraftBar
 from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
 from worker.engine.logprobs import make_logprobs
@@ -107,8 +108,11 @@ class SpeculativeEngine:
                                                      self.draft_max + 1))
                           if config.calibrate_verify and self.draft_max
                           else list(range(self.draft_max + 1)))
+            #: The bar drafts must clear, corrected by what drafted steps really yielded.
+            self.draft_bar = DraftBar(config.slots)
             self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
-                                             self.draft_max, config.lookup_cache_bytes)
+                                             self.draft_max, config.lookup_cache_bytes,
+                                             self.draft_bar)
             self.step_costs = (RowCosts.measure_steps(self.target, self.verifier.batch,
                                                       config.slots, self.draft_max)
                                if config.row_budget and config.slots > 1 and self.draft_max
@@ -267,15 +271,19 @@ class SpeculativeEngine:
             raise ValueError(f"prompt token {bad} is outside the vocabulary (0..{n_vocab - 1})")
 
     def _step(self) -> list[SlotUpdate]:
+        started = perf_counter()
         updates = [self._finish(s, FinishReason.CANCELLED, verified=False)
                    for s in self.active if s.cancelled]
         decoding = [s for s in self.active if s.phase is Phase.DECODE]
         chunks = self._chunks([s for s in self.active if s.phase is Phase.PREFILL])
         drafts = self._draft(decoding)
         if self.step_costs is not None and len(decoding) > 1:
-            chances = [draft_chances(d, s.counters, self._by_method.get(s.method))
-                       for s, d in zip(decoding, drafts, strict=True)]
-            widths = plan_widths(chances, self.step_costs.seconds)
+            if self.draft_bar.probe(len(decoding)):  # a plain step to measure (DraftBar)
+                widths = [0] * len(decoding)
+            else:
+                chances = [draft_chances(d, s.counters, self._by_method.get(s.method))
+                           for s, d in zip(decoding, drafts, strict=True)]
+                widths = plan_widths(chances, self.step_costs.seconds, self.draft_bar.level)
             # A sampled draft keeps its width: which positions are drafts decides its tokens,
             # and they must not depend on the neighbours' (point masses do not care).
             # Forced tokens stay: the grammar allows nothing else there.
@@ -289,6 +297,7 @@ class SpeculativeEngine:
         outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
         if self.step_costs is not None and not chunks:
             self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.total)
+        committed_tokens = 0
         for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
             c = slot.counters
             c.draft_seconds += times.observe
@@ -298,11 +307,15 @@ class SpeculativeEngine:
             forced = min(slot.forced, outcome.n_accepted)
             slot.policy.update(len(draft.tokens) - forced, outcome.n_accepted - forced)
             committed = slot.commit(outcome, self.model, self.config.n_ctx)
+            committed_tokens += len(committed)
             if slot.finish is not None:
                 updates.append(self._finish(slot, slot.finish, committed))
             else:
                 updates.append(SlotUpdate(slot, committed, slot.stream.take(final=False), True,
                                           logprobs=slot.logprobs_of_last(len(committed))))
+        if not chunks:
+            self.draft_bar.record(len(jobs), committed_tokens, perf_counter() - started,
+                                  any(j.draft.tokens for j in jobs))
         return updates
 
     def _chunks(self, loading: list[Slot]) -> list[PrefillChunk]:

@@ -65,7 +65,8 @@ def draft_chances(draft: Draft, counters: SpecCounters,
     return chances
 
 
-def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float]) -> list[int]:
+def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float],
+                bar: float = 1.0 + PLAIN_MARGIN) -> list[int]:
     """Draft rows to verify per slot, decided for all busy slots together: the split that
     maximises the step's goodput, expected committed tokens per second (SmartSpec's rule).
 
@@ -76,8 +77,11 @@ def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float]) -> l
     before it are accepted, so its chances are made non-increasing and taken in order; for
     each total R the likeliest ``R - slots`` draft rows are the best R rows, and the R with
     the most tokens per second wins (ties: fewer rows) if it beats the plain rows alone by
+    the factor ``bar``, at least 1 +
     :data:`~worker.engine.draft_length_policy.PLAIN_MARGIN`: the rows taken are the
-    likeliest-looking of every slot's draft, so their chances err high as one slot's do. The
+    likeliest-looking of every slot's draft, so their chances err high as one slot's do (and
+    the engine's :class:`~worker.engine.draft_bar.DraftBar` raises it further where drafted
+    steps yield less than the costs promised). The
     cost table is searched whole, not
     climbed row by row, so a tile step in the costs (rows 5..8 costing what 8 do) cannot stop
     the search at its foot.
@@ -101,7 +105,7 @@ def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float]) -> l
     rows.sort()
     del rows[len(costs) - 1 - slots:]
     tokens = float(slots)
-    best, best_rate = 0, (1.0 + PLAIN_MARGIN) * tokens / costs[slots]
+    best, best_rate = 0, bar * tokens / costs[slots]
     for k, (gain, _, _) in enumerate(rows, start=1):
         tokens -= gain
         rate = tokens / costs[slots + k]

@@ -10,6 +10,7 @@ engine was built for is an error with a message, never a silent fallback to some
 from __future__ import annotations
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.draft_bar import DraftBar
 from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.combined import MtpSuffixProposer
@@ -32,15 +33,16 @@ def uses_suffix(method: SpecMethod) -> bool:
 
 
 def make_suffix_shared(method: SpecMethod, target: Context, batch: Batch, draft_max: int,
-                       cache_bytes: int) -> SuffixShared | None:
+                       cache_bytes: int, bar: DraftBar) -> SuffixShared | None:
     """The suffix drafters' engine-wide state, when ``method`` drafts by suffix lookup: the
     row costs are timed on the idle ``target`` (so: at load, before any generation), the
-    margins of committed tokens are read from its verify rows, and its vocabulary says which
-    tokens end a generation."""
+    margins of committed tokens are read from its verify rows, its vocabulary says which
+    tokens end a generation, and ``bar`` is the engine's draft bar (what a draft must promise
+    over a plain step)."""
     if not uses_suffix(method):
         return None
     return SuffixShared(RowCosts.measure(target, batch, draft_max + 1), OutputCache(cache_bytes),
-                        margins=target.margins, ends=target.model.is_eog)
+                        margins=target.margins, ends=target.model.is_eog, bar=bar)
 
 
 def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: MtpProposer | None,

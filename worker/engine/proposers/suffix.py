@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from time import perf_counter
 
+from worker.engine.draft_bar import DraftBar
 from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import best_draft_length, expected_tokens
 from worker.engine.proposers.base import Draft, VerifyOutcome
@@ -81,6 +82,8 @@ class SuffixShared:
     #: Whether a token ends a generation (``Model.is_eog``): the request's own text never
     #: drafts one (:meth:`SuffixProposer._walk`).
     ends: Callable[[int], bool] = no_ends
+    #: What a draft must promise over a plain step (the engine's, learned from its steps).
+    bar: DraftBar = field(default_factory=lambda: DraftBar(1))
 
     def cold(self) -> SuffixShared:
         """This state with nothing learned from traffic, as a fresh worker starts: an empty
@@ -155,7 +158,7 @@ class SuffixProposer:
         best, best_rate = Candidate(OWN), 0.0
         for source, match in enumerate(self._matches(history)):
             walked = self._walk(source, match, width, p_min)
-            keep = best_draft_length(walked.confidences, seconds)
+            keep = best_draft_length(walked.confidences, seconds, self._shared.bar.level)
             rate = expected_tokens(walked.confidences[:keep]) / seconds[keep + 1]
             if keep and rate > best_rate:
                 best = Candidate(source, walked.tokens[:keep], walked.confidences[:keep],
