@@ -166,6 +166,9 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
              "ms_per_step": 1000 * wall / steps, "rows_per_step": rows / steps,
              "tokens_per_step": generated / steps,
              "acceptance": accepted / drafted if drafted else 0.0}
+    # The bar drafts had to clear at the end (1.1: the floor; higher: drafted steps yielded
+    # less than plain ones and the engine raised it, worker/engine/draft_bar.py).
+    rates["draft_bar"] = engine.draft_bar.level
     if engine.step_costs is not None and engine.step_costs.predicted:
         # How far the row budget's step costs were off (1: exact; above 1: dearer than it
         # planned with).
@@ -260,7 +263,7 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                     par, outputs[name] = together(engine, reqs, args.tokens, spec)
                 row = {"slots_tok_s": par["tok_s"]} | {
                     key: par[key] for key in ("steps", "ms_per_step", "rows_per_step",
-                                              "tokens_per_step", "acceptance")}
+                                              "tokens_per_step", "acceptance", "draft_bar")}
                 if "step_cost_ratio" in par:
                     row["step_cost_ratio"] = par["step_cost_ratio"]
                 if seq is not None:
@@ -269,7 +272,7 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                 runs[name].append(row)
                 print(f"[{rep + 1}/{args.reps}] {name:7s} K={k}: slots {par['tok_s']:6.1f} tok/s"
                       f" ({par['ms_per_step']:.2f} ms, {par['rows_per_step']:.1f} rows, "
-                      f"{par['tokens_per_step']:.2f} tokens a step)"
+                      f"{par['tokens_per_step']:.2f} tokens a step, bar {par['draft_bar']:.2f})"
                       + (f", sequential {seq['tok_s']:6.1f}" if seq else ""),
                       file=sys.stderr, flush=True)
             if server:
