@@ -296,7 +296,7 @@ class SpeculativeEngine:
             return updates
         outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
         if self.step_costs is not None and not chunks:
-            self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.total)
+            self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.decode)
         committed_tokens = 0
         for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
             c = slot.counters
