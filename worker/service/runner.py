@@ -124,6 +124,11 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         loop.intake.listen(tiers.queues())
         metrics.job_requeued("lost", len(monitor.sweep()))
 
+    # The signals first: once registered, a worker is signalled by name (a SIGUSR1 that came
+    # before faulthandler's handler killed it: SIGUSR1's default action is to terminate).
+    signal.signal(signal.SIGTERM, loop.request_stop)
+    signal.signal(signal.SIGINT, loop.request_stop)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     registry.register(current_info())
     # what a previous process under this name left in flight
     metrics.job_requeued("lost", len(monitor.recover(name)))
@@ -132,9 +137,6 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
     heartbeat = Heartbeat(registry, current_info, settings.heartbeat_seconds,
                           on_tick=on_tick, on_lost=on_lost)
     heartbeat.start()
-    signal.signal(signal.SIGTERM, loop.request_stop)
-    signal.signal(signal.SIGINT, loop.request_stop)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         loop.run()
     except RedisOutage as exc:
