@@ -165,10 +165,10 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
     rates = {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps,
              "ms_per_step": 1000 * wall / steps, "rows_per_step": rows / steps,
              "tokens_per_step": generated / steps,
-             "acceptance": accepted / drafted if drafted else 0.0}
-    # The bar drafts had to clear at the end (1.1: the floor; higher: drafted steps yielded
-    # less than plain ones and the engine raised it, worker/engine/draft_bar.py).
-    rates["draft_bar"] = engine.draft_bar.level
+             "acceptance": accepted / drafted if drafted else 0.0,
+             # The bar drafts had to clear at the end (1.1: the floor; higher: drafted steps
+             # yielded less than plain ones, worker/engine/draft_bar.py).
+             "draft_bar": engine.draft_bar.level}
     if engine.step_costs is not None and engine.step_costs.predicted:
         # How far the row budget's step costs were off (1: exact; above 1: dearer than it
         # planned with).

@@ -11,8 +11,8 @@ from typing import Any
 from helpers import PROMPT
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.draft_bar import CEILING, FLOOR, PROBE_AFTER, DraftBar
-from worker.engine.draft_length_policy import best_draft_length
+from worker.engine.draft_bar import CEILING, PROBE_AFTER, DraftBar
+from worker.engine.draft_length_policy import PLAIN_BAR, best_draft_length
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.row_budget import plan_widths
@@ -32,17 +32,17 @@ def test_drafted_steps_that_yield_less_than_plain_raise_the_bar_and_ones_that_yi
 ) -> None:
     bar = DraftBar(4)
     _plain(bar, 1, 1 * MS)
-    assert bar.level == FLOOR
+    assert bar.level == PLAIN_BAR
     for _ in range(40):  # 1.5 tokens in 3 ms: half of plain's 1 token a ms
         bar.record(1, 2, 3 * MS, drafted=True)
         bar.record(1, 1, 1 * MS, drafted=False)
     assert bar.yield_ratio < 1.0
     raised = bar.level
-    assert raised > 1.5 * FLOOR
+    assert raised > 1.5 * PLAIN_BAR
     for _ in range(200):  # 8 tokens in 2 ms: four times plain
         bar.record(1, 8, 2 * MS, drafted=True)
     assert bar.yield_ratio > 1.0
-    assert bar.level == FLOOR
+    assert bar.level == PLAIN_BAR
     for _ in range(2000):
         bar.record(1, 1, 10 * MS, drafted=True)
     assert bar.level == CEILING
@@ -59,11 +59,11 @@ def test_the_step_after_a_draft_is_charged_to_drafting_not_to_plain() -> None:
     # Together 4 tokens in 5 ms, against plain's 5 in that time (had the slow steps been
     # plain ones, drafts would have looked 4.5 times as fast as plain).
     assert 0.7 < bar.yield_ratio < 0.9
-    assert bar.level > FLOOR
+    assert bar.level > PLAIN_BAR
     for _ in range(100):  # drafts in a row at 1.5 tokens a ms: plain steps still take 1 ms
         bar.record(1, 3, 2 * MS, drafted=True)
     assert bar.yield_ratio > 1.0
-    assert bar.level == FLOOR
+    assert bar.level == PLAIN_BAR
 
 
 def test_a_drafted_step_is_compared_with_plain_steps_of_its_own_occupancy() -> None:
@@ -71,11 +71,11 @@ def test_a_drafted_step_is_compared_with_plain_steps_of_its_own_occupancy() -> N
     _plain(bar, 1, 1 * MS)
     for _ in range(50):  # nothing known of plain steps with 4 slots: nothing to compare
         bar.record(4, 4, 50 * MS, drafted=True)
-    assert bar.level == FLOOR
+    assert bar.level == PLAIN_BAR
     _plain(bar, 4, 2 * MS)
     for _ in range(50):
         bar.record(4, 4, 50 * MS, drafted=True)
-    assert bar.level > FLOOR
+    assert bar.level > PLAIN_BAR
 
 
 def test_an_occupancy_that_always_drafts_is_probed_with_two_plain_steps_less_and_less_often(
@@ -161,6 +161,6 @@ def test_an_engine_whose_drafts_lose_stops_drafting(dense_model: Path) -> None:
             drafted.append(sum(s.counters.drafted for s in slots) - before)
         level = engine.draft_bar.level
         assert all(s.generated == answer for s in slots)
-    assert level > 2 * FLOOR
+    assert level > 2 * PLAIN_BAR
     third = len(drafted) // 3
     assert sum(drafted[-third:]) < 0.25 * sum(drafted[:third])

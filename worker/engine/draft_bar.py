@@ -20,7 +20,7 @@ number of decoding slots, plain steps give the plain rate; every drafted step is
 with the plain rate at its occupancy, as the tokens it committed against the tokens plain
 steps commit in the same seconds. While drafted steps yield less, the bar rises (only the
 drafts that promise the most still pass); while they yield more, it falls back to the floor
-(:data:`~worker.engine.draft_length_policy.PLAIN_MARGIN`). Where drafting pays (a CPU, a copy),
+(:data:`~worker.engine.draft_length_policy.PLAIN_BAR`). Where drafting pays (a CPU, a copy),
 the bar stays at the floor and nothing changes.
 
 A rate needs plain steps to compare with: when every step of an occupancy drafts (eight busy
@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import math
 
-from worker.engine.draft_length_policy import PLAIN_MARGIN
+from worker.engine.draft_length_policy import PLAIN_BAR
 
-#: The bar's floor: a draft must promise this much more than a plain step.
-FLOOR = 1.0 + PLAIN_MARGIN
 #: The bar's ceiling: past it only drafts of near-certain long repeats pass (a verbatim copy
 #: promises ~4x a plain step on the H200 and ~3-4x on a CPU).
 CEILING = 8.0
@@ -59,7 +57,7 @@ class DraftBar:
     an engine of ``slots`` slots, corrected by realised step rates (see the module)."""
 
     def __init__(self, slots: int) -> None:
-        self.level = FLOOR
+        self.level = PLAIN_BAR
         #: Seconds of a plain step with n decoding slots (None: not measured yet), and the
         #: steps of that occupancy since one was measured.
         self._plain: list[float | None] = [None] * (slots + 1)
@@ -100,7 +98,7 @@ class DraftBar:
         self._plain_tokens += RATE * (slots * seconds / plain - self._plain_tokens)
         if self._tokens > 0.0 and self._plain_tokens > 0.0:
             step = math.exp(GAIN * math.log(self._plain_tokens / self._tokens))
-            self.level = min(CEILING, max(FLOOR, self.level * step))
+            self.level = min(CEILING, max(PLAIN_BAR, self.level * step))
 
     @property
     def yield_ratio(self) -> float:

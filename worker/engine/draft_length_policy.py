@@ -92,10 +92,13 @@ def make_policy(draft_max: int, adaptive: bool, shape: list[int]) -> DraftLength
 #: (Gemma 270M, CSV rows continued as bare text after a copy task: 5 drafts of 8-16 rows,
 #: 4 of 43 tokens accepted, 0.8x plain). A margin gives up only gains as small as itself.
 PLAIN_MARGIN = 0.1
+#: The factor a draft's predicted rate must beat a plain step's by, before anything was
+#: measured: the draft bar's floor (:class:`~worker.engine.draft_bar.DraftBar`).
+PLAIN_BAR = 1.0 + PLAIN_MARGIN
 
 
 def best_draft_length(confidences: Sequence[float], row_seconds: Sequence[float],
-                      bar: float = 1.0 + PLAIN_MARGIN) -> int:
+                      bar: float = PLAIN_BAR) -> int:
     """How many of the drafted tokens to verify: the length with the most expected tokens per
     second of verify, if that beats a plain step's by the factor ``bar`` (at least
     :data:`PLAIN_MARGIN` more; the engine's :class:`~worker.engine.draft_bar.DraftBar` raises

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.engine.draft_length_policy import PLAIN_MARGIN
+from worker.engine.draft_length_policy import PLAIN_BAR
 from worker.engine.proposers.base import Draft
 from worker.engine.telemetry import SpecCounters
 
@@ -66,7 +66,7 @@ def draft_chances(draft: Draft, counters: SpecCounters,
 
 
 def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float],
-                bar: float = 1.0 + PLAIN_MARGIN) -> list[int]:
+                bar: float = PLAIN_BAR) -> list[int]:
     """Draft rows to verify per slot, decided for all busy slots together: the split that
     maximises the step's goodput, expected committed tokens per second (SmartSpec's rule).
 
@@ -77,8 +77,8 @@ def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float],
     before it are accepted, so its chances are made non-increasing and taken in order; for
     each total R the likeliest ``R - slots`` draft rows are the best R rows, and the R with
     the most tokens per second wins (ties: fewer rows) if it beats the plain rows alone by
-    the factor ``bar``, at least 1 +
-    :data:`~worker.engine.draft_length_policy.PLAIN_MARGIN`: the rows taken are the
+    the factor ``bar``, at least
+    :data:`~worker.engine.draft_length_policy.PLAIN_BAR`: the rows taken are the
     likeliest-looking of every slot's draft, so their chances err high as one slot's do (and
     the engine's :class:`~worker.engine.draft_bar.DraftBar` raises it further where drafted
     steps yield less than the costs promised). The
