@@ -149,7 +149,7 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
     """The requests on one engine, as many at a time as it has slots (a freed slot takes
     the next request before the next step); aggregate generated tok/s, and each request's
     tokens in request order."""
-    t0 = time.perf_counter()
+    t0, decode0 = time.perf_counter(), engine.decode_seconds
     waiting, slots, steps = list(reqs), [], 0
     while waiting or engine.active:
         while waiting and engine.free_slots:
@@ -165,6 +165,8 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
     rates = {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps,
              "ms_per_step": 1000 * wall / steps, "rows_per_step": rows / steps,
              "tokens_per_step": generated / steps,
+             # What is not the target's decode: drafting, acceptance, bookkeeping, streaming.
+             "host_ms_per_token": 1000 * (wall - engine.decode_seconds + decode0) / generated,
              "acceptance": accepted / drafted if drafted else 0.0,
              # The bar drafts had to clear at the end (1.1: the floor; higher: drafted steps
              # yielded less than plain ones, worker/engine/draft_bar.py).
@@ -263,7 +265,8 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                     par, outputs[name] = together(engine, reqs, args.tokens, spec)
                 row = {"slots_tok_s": par["tok_s"]} | {
                     key: par[key] for key in ("steps", "ms_per_step", "rows_per_step",
-                                              "tokens_per_step", "acceptance", "draft_bar")}
+                                              "tokens_per_step", "host_ms_per_token",
+                                              "acceptance", "draft_bar")}
                 if "step_cost_ratio" in par:
                     row["step_cost_ratio"] = par["step_cost_ratio"]
                 if seq is not None:
@@ -272,7 +275,8 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                 runs[name].append(row)
                 print(f"[{rep + 1}/{args.reps}] {name:7s} K={k}: slots {par['tok_s']:6.1f} tok/s"
                       f" ({par['ms_per_step']:.2f} ms, {par['rows_per_step']:.1f} rows, "
-                      f"{par['tokens_per_step']:.2f} tokens a step, bar {par['draft_bar']:.2f})"
+                      f"{par['tokens_per_step']:.2f} tokens a step, host "
+                      f"{par['host_ms_per_token']:.3f} ms a token, bar {par['draft_bar']:.2f})"
                       + (f", sequential {seq['tok_s']:6.1f}" if seq else ""),
                       file=sys.stderr, flush=True)
             if server:
@@ -405,8 +409,9 @@ def _ahead(row: dict[str, float]) -> str:
 def markdown(summary: dict[str, object]) -> str:
     lines = ["| method | K | slots tok/s | vs plain | llama-server -np K tok/s (its peer) "
              "| vs llama-server plain | vs its peer | rounds ahead of its peer "
-             "| same text as its peer | ms a step | rows a step | tokens a step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| same text as its peer | ms a step | rows a step | tokens a step "
+             "| host ms a token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in summary["throughput"].items():  # type: ignore[union-attr, attr-defined]
         for k, r in rows.items():
             lines.append(f"| {name} | {k} | {_cell(r, 'slots_tok_s')} | "
@@ -415,7 +420,8 @@ def markdown(summary: dict[str, object]) -> str:
                          f"{_cell(r, 'slots_vs_server', '.2f')} | {_ahead(r)} | "
                          f"{_cell(r, 'same_text_as_server', '.2f')} | "
                          f"{_cell(r, 'ms_per_step', '.2f')} | {_cell(r, 'rows_per_step', '.1f')} "
-                         f"| {_cell(r, 'tokens_per_step', '.2f')} |")
+                         f"| {_cell(r, 'tokens_per_step', '.2f')} "
+                         f"| {_cell(r, 'host_ms_per_token', '.3f')} |")
     return "\n".join(lines)
 
 

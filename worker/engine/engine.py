@@ -124,6 +124,9 @@ class SpeculativeEngine:
                                       deterministic=config.deterministic)
         #: Finished requests' counters per method: the row budget's prior for the next ones.
         self._by_method: dict[SpecMethod, SpecCounters] = {}
+        #: Seconds the steps' target decodes took (synchronised, prefill chunks included):
+        #: the rest of a step's wall time is host work (bench/slots.py: host ms a token).
+        self.decode_seconds = 0.0
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
                  draft_max=self.draft_max, n_ctx=config.n_ctx, slots=config.slots,
                  n_rs_seq=self.target.n_rs_seq, rollback=type(self.rollback).__name__,
@@ -295,6 +298,7 @@ class SpeculativeEngine:
         if not jobs and not chunks:
             return updates
         outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
+        self.decode_seconds += times.decode
         if self.step_costs is not None and not chunks:
             self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.decode)
         committed_tokens = 0
