@@ -21,12 +21,15 @@ from helpers import PROMPT
 
 from shared.protocol import SamplingParams, SpecMethod, SpecSettings
 from worker.engine import sampling
+from worker.engine.constraint.base import UNCONSTRAINED
 from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.proposers.base import Draft
 from worker.engine.sampling import (
     Distribution,
     Stream,
     accept_or_resample,
     keyed_uniform,
+    make_sampler,
     target_distribution,
 )
 from worker.engine.slot import SlotRequest
@@ -319,3 +322,43 @@ def test_logprobs_are_the_raw_distribution_of_each_committed_token(
     first, ref = sampled.logprobs[0].top_logprobs, plain.logprobs[0].top_logprobs
     assert [t.token for t in first] == [t.token for t in ref]
     assert [t.logprob for t in first] == pytest.approx([t.logprob for t in ref], abs=1e-5)
+
+
+class _CountingRows:
+    """A verify's logits block that records which rows the sampler reads."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self.read: list[int] = []
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        self.read.append(i)
+        return self.rows[i]
+
+
+class _Rows:
+    """A target stand-in whose last verify produced ``rows`` (argmax per row: ``best``)."""
+
+    def __init__(self, best: list[int], n_vocab: int = 32) -> None:
+        rows = np.zeros((len(best), n_vocab), dtype=np.float32)
+        rows[np.arange(len(best)), best] = 1.0
+        self.block = _CountingRows(rows)
+
+    def logits_rows(self, row0: int, n: int) -> _CountingRows:
+        assert row0 == 0 and n == len(self.block.rows)
+        return self.block
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(logit_bias={3: 0.5}),
+                                    SamplingParams(repetition_penalty=1.3)])
+def test_greedy_verify_reads_no_row_after_the_first_rejection(params: SamplingParams) -> None:
+    """A row is a whole vocabulary to reduce: the rows after the first disagreement decide
+    nothing, and the greedy verify does not read them, penalised or not."""
+    sampler = make_sampler(params, n_prompt=2)
+    draft = Draft([5, 6, 7, 8])
+    rejected = _Rows([5, 9, 7, 8, 4])  # row 1 prefers 9 over the drafted 6
+    assert sampler.verify(rejected, 0, 1, [1, 2], draft, UNCONSTRAINED) == (1, 9)  # type: ignore[arg-type]
+    assert rejected.block.read == [0, 1]
+    accepted = _Rows([5, 6, 7, 8, 4])  # every draft kept, row 4 gives the bonus
+    assert sampler.verify(accepted, 0, 1, [1, 2], draft, UNCONSTRAINED) == (4, 4)  # type: ignore[arg-type]
+    assert accepted.block.read == [0, 1, 2, 3, 4]

@@ -15,7 +15,7 @@ from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.confidence import FRAGILE_MARGIN, NEAR_TIE_MARGIN
 from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared, no_ends
-from worker.engine.proposers.token_index import TokenIndex
+from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
 
 #: Verify rows that cost nothing extra: the drafter drafts whatever has any chance.
 FREE_ROWS = [0.0] + [1.0] * 17
@@ -62,6 +62,24 @@ def test_answers_to_a_prompt_are_the_other_live_entries_for_it_most_recent_first
     assert [e for e, _ in cache.answers(None, other.prompt)] == []
     cache.open(other)          # evicts second
     assert [e for e, _ in cache.answers(third, asked.prompt)] == [first]
+
+
+def test_outputs_holding_a_context_are_those_it_occurred_in_most_recent_first() -> None:
+    cache = OutputCache(max_bytes=10**9, max_entries=8)
+    shared_run = [7, 8, 9, 10]
+    a = _record(cache, [1, 2, *shared_run, 3])
+    b = _record(cache, [4, *shared_run, 5])
+    _record(cache, [6, 11, 12, 13, 14])
+    order = ORDERS.index(4)
+    key = context_keys(shared_run)[order]
+    assert key is not None
+    assert [e for e, _ in cache.holding(order, key, None)] == [b, a]
+    cache.touch(a)
+    assert [e for e, _ in cache.holding(order, key, None)] == [a, b]
+    assert [e for e, _ in cache.holding(order, key, a)] == [b]  # never the asking entry
+    # A context only at an output's end has no follower there: nothing to draft from it.
+    tail = context_keys([11, 12, 13, 14])[order]
+    assert tail is not None and cache.holding(order, tail, None) == []
 
 
 def test_entry_bound_and_an_output_larger_than_the_cache() -> None:

@@ -116,6 +116,15 @@ class OutputCache:
             if key != entry and index is not None:
                 yield key, index
 
+    def holding(self, order: int, key: int,
+                entry: int | None) -> list[tuple[int, TokenIndex]]:
+        """Every cached output except ``entry`` in which the context of hash ``key`` and
+        length ``ORDERS[order]`` occurred, most recently used first: one dict probe per
+        output (a lookup per output, building its list of occurrences, cost 55 calls per
+        draft step at eight slots)."""
+        return [(k, index) for k, index in reversed(self._entries.items())
+                if key in index.ends[order] and k != entry]
+
     def answers(self, entry: int | None, prompt: int) -> Iterator[tuple[int, TokenIndex]]:
         """Every cached output except ``entry`` written for a prompt of hash ``prompt``,
         most recently used first."""

@@ -224,7 +224,7 @@ class SuffixProposer:
             if key is None:
                 continue
             found: list[Occurrence] = []
-            for entry, index in cache.others(self._entry):
+            for entry, index in cache.holding(order, key, self._entry):
                 starts = index.occurrences(order, key)
                 origin = cache.origin(entry)
                 if origin.prompt != self._origin.prompt:  # another request's answer

@@ -41,7 +41,10 @@ class TokenIndex:
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.tokens: list[int] = []
-        self._last: list[dict[int, int]] = [{} for _ in ORDERS]
+        #: Per order: each context's hash -> its most recent end position. ``key in
+        #: ends[order]`` is the cheapest "did it occur" (the output cache asks it of every
+        #: cached output at every draft step).
+        self.ends: list[dict[int, int]] = [{} for _ in ORDERS]
         self._prev: list[array[int]] = [array("q") for _ in ORDERS]
         self.extend(tokens)
 
@@ -61,14 +64,14 @@ class TokenIndex:
                     self._prev[k].append(-1)
                     continue
                 key = hash(tuple(seq[end + 1 - n : end + 1]))
-                last = self._last[k]
+                last = self.ends[k]
                 self._prev[k].append(last.get(key, -1))
                 last[key] = end
 
     def occurrences(self, order: int, key: int) -> list[int]:
         """Follower positions (end + 1) of the most recent occurrences of context ``key`` of
         length ``ORDERS[order]``, newest first."""
-        end = self._last[order].get(key, -1)
+        end = self.ends[order].get(key, -1)
         chain = self._prev[order]
         found: list[int] = []
         while end >= 0 and len(found) < MAX_OCCURRENCES:
