@@ -17,6 +17,7 @@ from typing import Any
 from helpers import PROMPT
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.draft_cost import RowCosts
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import SlotRequest
 from worker.engine.verify_shape import measure_costs
@@ -39,6 +40,37 @@ class QueuedDevice:
     def synchronize(self) -> None:
         time.sleep(WAIT)
         self._context.synchronize()
+
+
+class ReplaysRepeats:
+    """A context whose decode is slow unless it repeats the previous decode's row count, as
+    a GPU replays the CUDA graph of a repeated shape."""
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+        self._rows = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    def decode(self, batch: Batch) -> None:
+        if batch.n_tokens != self._rows:
+            time.sleep(WAIT)
+        self._rows = batch.n_tokens
+        self._context.decode(batch)
+
+
+def test_plain_widths_are_timed_as_plain_decoding_repeats_them(dense_model: Path) -> None:
+    """The widths plain decoding runs step after step are priced as it runs them (a graph
+    replayed), a verify's after another shape: else the plain row looks as dear as a verify
+    and a losing draft looks like a gain."""
+    with Model(ModelSpec(str(dense_model))) as model, \
+            Context(model, ContextSpec(n_ctx=256, n_batch=16, n_threads=1)) as context:
+        device = ReplaysRepeats(context)
+        one_slot = RowCosts.measure(device, Batch(16), 4)  # type: ignore[arg-type]
+        two_slots = RowCosts.measure_steps(device, Batch(16), 2, 3)  # type: ignore[arg-type]
+    assert one_slot.seconds[1] < WAIT <= min(one_slot.seconds[2:])
+    assert max(two_slots.seconds[1:3]) < WAIT <= min(two_slots.seconds[3:])
 
 
 def test_calibration_times_the_device_s_work(dense_model: Path) -> None:
