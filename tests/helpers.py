@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from coordinator.redis_local import free_port  # noqa: F401  (the tests import it from here)
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.engine import SpeculativeEngine
+from worker.llm import Batch, Context
 
 #: The ``specfleet`` console script of the interpreter running the tests (never one on PATH).
 SPECFLEET = str(Path(sys.executable).with_name("specfleet"))
@@ -72,3 +75,23 @@ def close_floats(value: object) -> object:
     if isinstance(value, list | tuple):
         return [close_floats(v) for v in value]
     return value
+
+
+class ReplaysRepeats:
+    """A target context whose decode is ``penalty`` seconds slower unless it repeats the
+    previous decode's row count, as a GPU replays the CUDA graph of a repeated shape
+    (docs/benchmarks.md, "GPU, second run")."""
+
+    def __init__(self, context: Context, penalty: float) -> None:
+        self._context = context
+        self._penalty = penalty
+        self._rows = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    def decode(self, batch: Batch) -> None:
+        if batch.n_tokens != self._rows:
+            time.sleep(self._penalty)
+        self._rows = batch.n_tokens
+        self._context.decode(batch)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helpers import PROMPT
+from helpers import PROMPT, ReplaysRepeats
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.draft_cost import RowCosts
@@ -42,31 +42,13 @@ class QueuedDevice:
         self._context.synchronize()
 
 
-class ReplaysRepeats:
-    """A context whose decode is slow unless it repeats the previous decode's row count, as
-    a GPU replays the CUDA graph of a repeated shape."""
-
-    def __init__(self, context: Context) -> None:
-        self._context = context
-        self._rows = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-    def decode(self, batch: Batch) -> None:
-        if batch.n_tokens != self._rows:
-            time.sleep(WAIT)
-        self._rows = batch.n_tokens
-        self._context.decode(batch)
-
-
 def test_plain_widths_are_timed_as_plain_decoding_repeats_them(dense_model: Path) -> None:
     """The widths plain decoding runs step after step are priced as it runs them (a graph
     replayed), a verify's after another shape: else the plain row looks as dear as a verify
     and a losing draft looks like a gain."""
     with Model(ModelSpec(str(dense_model))) as model, \
             Context(model, ContextSpec(n_ctx=256, n_batch=16, n_threads=1)) as context:
-        device = ReplaysRepeats(context)
+        device = ReplaysRepeats(context, WAIT)
         one_slot = RowCosts.measure(device, Batch(16), 4)  # type: ignore[arg-type]
         two_slots = RowCosts.measure_steps(device, Batch(16), 2, 3)  # type: ignore[arg-type]
     assert one_slot.seconds[1] < WAIT <= min(one_slot.seconds[2:])

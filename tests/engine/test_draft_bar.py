@@ -3,12 +3,10 @@ promise (worker/engine/draft_bar.py)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from helpers import PROMPT
+from helpers import PROMPT, ReplaysRepeats
 
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.draft_bar import CEILING, PROBE_AFTER, DraftBar
@@ -18,7 +16,6 @@ from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.row_budget import plan_widths
 from worker.engine.slot import SlotRequest
 from worker.launch import EngineCapacity
-from worker.llm import Batch, Context
 
 MS = 0.001
 
@@ -103,28 +100,9 @@ def test_the_decisions_take_the_bar() -> None:
     assert plan_widths([confidences, confidences], costs, bar=2.0) == [0, 0]
 
 
-class BrokenGraphs:
-    """A target whose decode is slow unless it repeats the previous decode's row count, as
-    CUDA graphs replay on a GPU (docs/benchmarks.md, "GPU, second run")."""
-
-    def __init__(self, context: Context) -> None:
-        self._context = context
-        self._rows = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-    def decode(self, batch: Batch) -> None:
-        rows = batch.n_tokens
-        if rows != self._rows:
-            time.sleep(20 * MS)
-        self._rows = rows
-        self._context.decode(batch)
-
-
 class EveryOtherStep:
     """Drafts the known answer at every other step: a plain step follows every verify, and
-    every decode changes shape (on :class:`BrokenGraphs`, every step is slow)."""
+    every decode changes shape (on :class:`ReplaysRepeats`, every step is slow)."""
 
     def __init__(self, answer: list[int]) -> None:
         self._answer = answer
@@ -151,7 +129,7 @@ def test_an_engine_whose_drafts_lose_stops_drafting(dense_model: Path) -> None:
     with SpeculativeEngine(EngineConfig(str(dense_model), n_ctx=1024, slots=2, n_threads=1,
                                         capacity=EngineCapacity(SpecMethod.NGRAM, 4))) as engine:
         answer = engine.generate(PROMPT, 160, SpecSettings(method=SpecMethod.NONE)).tokens
-        engine.verifier.target = BrokenGraphs(engine.verifier.target)  # type: ignore[assignment]
+        engine.verifier.target = ReplaysRepeats(engine.verifier.target, 20 * MS)  # type: ignore[assignment]
         slots = [engine.admit(SlotRequest(PROMPT, 160, spec, proposer=EveryOtherStep(answer)))
                  for _ in range(2)]
         drafted: list[int] = []
