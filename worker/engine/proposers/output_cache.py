@@ -119,9 +119,10 @@ class OutputCache:
     def holding(self, order: int, key: int,
                 entry: int | None) -> list[tuple[int, TokenIndex]]:
         """Every cached output except ``entry`` in which the context of hash ``key`` and
-        length ``ORDERS[order]`` occurred, most recently used first: one dict probe per
-        output (a lookup per output, building its list of occurrences, cost 55 calls per
-        draft step at eight slots)."""
+        length ``ORDERS[order]`` occurred (with a follower), most recently used first. One
+        dict probe per output: the drafter then builds occurrence lists only where there are
+        some (building one for every output at every order cost ~55 calls a draft step at
+        eight slots)."""
         return [(k, index) for k, index in reversed(self._entries.items())
                 if key in index.ends[order] and k != entry]
 
