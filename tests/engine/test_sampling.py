@@ -23,6 +23,7 @@ from shared.protocol import SamplingParams, SpecMethod, SpecSettings
 from worker.engine import sampling
 from worker.engine.constraint.base import UNCONSTRAINED
 from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.logprobs import make_logprobs
 from worker.engine.proposers.base import Draft
 from worker.engine.sampling import (
     Distribution,
@@ -362,3 +363,26 @@ def test_greedy_verify_reads_no_row_after_the_first_rejection(params: SamplingPa
     accepted = _Rows([5, 6, 7, 8, 4])  # every draft kept, row 4 gives the bonus
     assert sampler.verify(accepted, 0, 1, [1, 2], draft, UNCONSTRAINED) == (4, 4)  # type: ignore[arg-type]
     assert accepted.block.read == [0, 1, 2, 3, 4]
+
+
+class _OneRow:
+    """A target stand-in whose last decode left one row of logits."""
+
+    def __init__(self, row: np.ndarray) -> None:
+        self.row = row
+
+    def logits_rows(self, row0: int, n: int) -> np.ndarray:
+        return self.row[None, :]
+
+
+@pytest.mark.parametrize("ties", [[10, 20, 30, 40], [999, 998, 0, 5], [3, 50, 7]])
+def test_alternatives_tied_at_the_last_place_go_to_the_lower_ids(ties: list[int]) -> None:
+    """Which of several exactly tied ids fill the last places of ``top_logprobs`` must not
+    depend on the rest of the row (a stream and a whole reply listed different ones)."""
+    row = np.zeros(1000, dtype=np.float32)
+    row[ties] = 1.0
+    row[600] = 2.0
+    model = type("Vocab", (), {"token_bytes": staticmethod(lambda t: b"x")})()
+    reporter = make_logprobs(model, 3)  # type: ignore[arg-type]
+    [reported] = reporter.report(_OneRow(row), 0, [600])  # type: ignore[arg-type]
+    assert [t.token for t in reported.top_logprobs] == [600, *sorted(ties)[:2]]
