@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helpers import PROMPT, ReplaysRepeats
+from helpers import PROMPT
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.draft_cost import RowCosts
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import SlotRequest
 from worker.engine.verify_shape import measure_costs
@@ -40,19 +39,6 @@ class QueuedDevice:
     def synchronize(self) -> None:
         time.sleep(WAIT)
         self._context.synchronize()
-
-
-def test_plain_widths_are_timed_as_plain_decoding_repeats_them(dense_model: Path) -> None:
-    """The widths plain decoding runs step after step are priced as it runs them (a graph
-    replayed), a verify's after another shape: else the plain row looks as dear as a verify
-    and a losing draft looks like a gain."""
-    with Model(ModelSpec(str(dense_model))) as model, \
-            Context(model, ContextSpec(n_ctx=256, n_batch=16, n_threads=1)) as context:
-        device = ReplaysRepeats(context, WAIT)
-        one_slot = RowCosts.measure(device, Batch(16), 4)  # type: ignore[arg-type]
-        two_slots = RowCosts.measure_steps(device, Batch(16), 2, 3)  # type: ignore[arg-type]
-    assert one_slot.seconds[1] < WAIT <= min(one_slot.seconds[2:])
-    assert max(two_slots.seconds[1:3]) < WAIT <= min(two_slots.seconds[3:])
 
 
 def test_calibration_times_the_device_s_work(dense_model: Path) -> None:

@@ -100,7 +100,7 @@ class RowCosts:
         neighbours, which then cost what the wider one does).
         """
         seconds = measure_costs(target, batch, max_rows, CALIBRATION_REPS,
-                                calibrated_widths(max_rows), steady={1})
+                                calibrated_widths(max_rows))
         for rows in range(max_rows - 1, 0, -1):
             seconds[rows] = min(seconds[rows], seconds[rows + 1])
         return cls(seconds)
@@ -120,8 +120,7 @@ class RowCosts:
         every verify wider than four rows look up to 40 % cheaper than it ran."""
         top = slots * (draft_max + 1)
         timed = sorted({*range(1, min(top, 2 * TILE) + 1), *range(TILE, top, TILE), top})
-        seconds = measure_costs(target, batch, top, widths=timed,
-                                steady=range(1, slots + 1))
+        seconds = measure_costs(target, batch, top, widths=timed)
         for rows in range(top - 1, 0, -1):
             seconds[rows] = min(seconds[rows], seconds[rows + 1])
         return cls(seconds)
