@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helpers import PROMPT
+import llama_cpp
+from helpers import PROMPT, ReplaysRepeats
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.draft_cost import RowCosts
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import SlotRequest
 from worker.engine.verify_shape import measure_costs
@@ -39,6 +41,32 @@ class QueuedDevice:
     def synchronize(self) -> None:
         time.sleep(WAIT)
         self._context.synchronize()
+
+
+def test_plain_widths_are_timed_steady_where_the_device_replays_them(dense_model: Path) -> None:
+    """Where a repeated shape replays a graph (a GPU), the widths plain decoding runs step
+    after step are priced as it runs them, a verify's after another shape: else the plain
+    row looks as dear as a verify and a losing draft like a gain. Elsewhere every width is
+    timed after another shape."""
+    with Model(ModelSpec(str(dense_model))) as model, \
+            Context(model, ContextSpec(n_ctx=256, n_batch=16, n_threads=1)) as context:
+        device = ReplaysRepeats(context, WAIT)
+        one_slot = RowCosts.measure(device, Batch(16), 4, replays=True)  # type: ignore[arg-type]
+        two_slots = RowCosts.measure_steps(device, Batch(16), 2, 3,  # type: ignore[arg-type]
+                                           replays=True)
+        unreplayed = RowCosts.measure(device, Batch(16), 4)  # type: ignore[arg-type]
+    assert one_slot.seconds[1] < WAIT <= min(one_slot.seconds[2:])
+    assert max(two_slots.seconds[1:3]) < WAIT <= min(two_slots.seconds[3:])
+    assert min(unreplayed.seconds[1:]) >= WAIT
+
+
+def test_only_layers_on_a_gpu_replay(dense_model: Path) -> None:
+    """Layers asked for the GPU are there only when the build has a GPU backend (a CPU
+    build keeps them on the CPU, which replays nothing); none asked for, none are."""
+    with Model(ModelSpec(str(dense_model), n_gpu_layers=-1)) as model:
+        assert model.offloaded is bool(llama_cpp.llama_supports_gpu_offload())
+    with Model(ModelSpec(str(dense_model))) as model:
+        assert not model.offloaded
 
 
 def test_calibration_times_the_device_s_work(dense_model: Path) -> None:

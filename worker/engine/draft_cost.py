@@ -91,23 +91,32 @@ class RowCosts:
         self.observed = self.predicted = 0.0
 
     @classmethod
-    def measure(cls, target: Context, batch: Batch, max_rows: int) -> RowCosts:
+    def measure(cls, target: Context, batch: Batch, max_rows: int,
+                replays: bool = False) -> RowCosts:
         """Time 1..``max_rows``-row decodes on an idle ``target`` (it is cleared afterwards).
 
         A row count timed during a spike would look dearer than a wider verify and never be
         chosen; since more rows are never cheaper to compute, no entry is kept above the next
         wider one (tile effects make a few widths slightly cheaper than their narrower
         neighbours, which then cost what the wider one does).
+
+        ``replays``: the device replays a repeated decode's graph (``Model.offloaded``), so
+        the plain row is timed as plain decoding runs it, the second of two decodes in a row;
+        every verify width is timed after another shape, as a verify runs. Timed like a
+        verify there, the plain row cost what two draft rows do, and drafts that lost to
+        plain decoding looked like gains (docs/benchmarks.md, "GPU, second run"). Not on a
+        CPU, where nothing is replayed, and where a tiny model's repeated decode ran warm
+        enough to price one row below its share of four and declined every draft.
         """
         seconds = measure_costs(target, batch, max_rows, CALIBRATION_REPS,
-                                calibrated_widths(max_rows))
+                                calibrated_widths(max_rows), steady={1} if replays else ())
         for rows in range(max_rows - 1, 0, -1):
             seconds[rows] = min(seconds[rows], seconds[rows + 1])
         return cls(seconds)
 
     @classmethod
     def measure_steps(cls, target: Context, batch: Batch, slots: int,
-                      draft_max: int) -> RowCosts:
+                      draft_max: int, replays: bool = False) -> RowCosts:
         """Idle costs of verify decodes of 1 .. ``slots`` x (``draft_max`` + 1) rows.
 
         A wide table is not timed row by row at load (520 rows for 8 slots of 64 drafts):
@@ -117,10 +126,14 @@ class RowCosts:
         one, so 5 to 7 rows cost what 8 do or more (Gemma 270M, 4 slots: 4 rows 39 ms, 5-7
         rows 58-68 ms, 8 rows 51 ms), and a step that pays for a tile fills it with the
         likeliest draft rows it has. Interpolating between timed counts instead made
-        every verify wider than four rows look up to 40 % cheaper than it ran."""
+        every verify wider than four rows look up to 40 % cheaper than it ran.
+
+        ``replays`` as in :meth:`measure`: the plain steps' widths (a row per busy slot) are
+        then timed steady."""
         top = slots * (draft_max + 1)
         timed = sorted({*range(1, min(top, 2 * TILE) + 1), *range(TILE, top, TILE), top})
-        seconds = measure_costs(target, batch, top, widths=timed)
+        seconds = measure_costs(target, batch, top, widths=timed,
+                                steady=range(1, slots + 1) if replays else ())
         for rows in range(top - 1, 0, -1):
             seconds[rows] = min(seconds[rows], seconds[rows + 1])
         return cls(seconds)

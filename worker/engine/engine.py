@@ -110,11 +110,13 @@ class SpeculativeEngine:
                           else list(range(self.draft_max + 1)))
             #: The bar drafts must clear, corrected by what drafted steps really yielded.
             self.draft_bar = DraftBar(config.slots)
+            # Plain steps replay a graph on a GPU: their widths are timed as they run there.
+            replays = self.model.offloaded
             self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
                                              self.draft_max, config.lookup_cache_bytes,
-                                             self.draft_bar)
+                                             self.draft_bar, replays)
             self.step_costs = (RowCosts.measure_steps(self.target, self.verifier.batch,
-                                                      config.slots, self.draft_max)
+                                                      config.slots, self.draft_max, replays)
                                if config.row_budget and config.slots > 1 and self.draft_max
                                else None)
         except BaseException:

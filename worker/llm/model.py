@@ -111,6 +111,14 @@ class Model:
         )
 
     @property
+    def offloaded(self) -> bool:
+        """Whether its layers run on a GPU: some were asked for (``n_gpu_layers``) and this
+        llama.cpp build has a GPU backend to put them on (a CPU build ignores the request).
+        There a decode that repeats the previous one's shape replays its CUDA graph, so a
+        plain step costs about half of what the same row costs after a verify."""
+        return self.spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
+
+    @property
     def n_swa(self) -> int:
         """Sliding-window width of the model's SWA layers (0: no sliding window)."""
         return int(llama_cpp.llama_model_n_swa(self.ptr))

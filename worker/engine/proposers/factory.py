@@ -33,15 +33,17 @@ def uses_suffix(method: SpecMethod) -> bool:
 
 
 def make_suffix_shared(method: SpecMethod, target: Context, batch: Batch, draft_max: int,
-                       cache_bytes: int, bar: DraftBar) -> SuffixShared | None:
+                       cache_bytes: int, bar: DraftBar,
+                       replays: bool = False) -> SuffixShared | None:
     """The suffix drafters' engine-wide state, when ``method`` drafts by suffix lookup: the
     row costs are timed on the idle ``target`` (so: at load, before any generation), the
     margins of committed tokens are read from its verify rows, its vocabulary says which
     tokens end a generation, and ``bar`` is the engine's draft bar (what a draft must promise
-    over a plain step)."""
+    over a plain step); ``replays``: the plain row is timed steady (``RowCosts.measure``)."""
     if not uses_suffix(method):
         return None
-    return SuffixShared(RowCosts.measure(target, batch, draft_max + 1), OutputCache(cache_bytes),
+    return SuffixShared(RowCosts.measure(target, batch, draft_max + 1, replays),
+                        OutputCache(cache_bytes),
                         margins=target.margins, ends=target.model.is_eog, bar=bar)
 
 
