@@ -132,7 +132,9 @@ class SpeculativeEngine:
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
                  draft_max=self.draft_max, n_ctx=config.n_ctx, slots=config.slots,
                  n_rs_seq=self.target.n_rs_seq, rollback=type(self.rollback).__name__,
-                 verify_shape=self.shape, deterministic=config.deterministic)
+                 verify_shape=self.shape, deterministic=config.deterministic,
+                 offloaded=self.model.offloaded,
+                 row_costs=self.suffix.costs.relative() if self.suffix else None)
 
     # -- tokens ----------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
