@@ -3,7 +3,7 @@ K slots, against the same K requests one at a time on one slot, side by side in 
 
 Gemma 3 270M Q4_K_M, greedy, plain decoding, the default drafter (a request without
 settings on a worker loaded with ``auto``: suffix drafting on a head-less model at its default
-width, ``plan.default_draft_max``: 63 on one slot, 32 on two, 17 on four, 8 on eight) and
+width, ``plan.default_draft_max``: 127 on one slot, 32 on two, 17 on four, 8 on eight) and
 n-gram speculation (N 8, adaptive), K = 1, 2, 4, 8; every speculative row also says its
 aggregate against plain at the same K (``vs_plain``: what goodput-aware drafting must keep
 at or above 1 at every load). ``--deterministic`` runs every engine in deterministic mode

@@ -10,7 +10,8 @@ free prose), each cold and warm:
   table across requests, so every repetition starts a fresh server: its first request is
   *cold*, the same request again *warm*.
 - specfleet in this process: plain, the default drafter (``auto`` on a head-less model:
-  suffix at its one-slot default width, 63) and the suffix drafter at N 64; *cold* is the
+  suffix at its one-slot default width, 127) and the suffix drafter at N 64 (ngram-mod's
+  reach), both on one engine loaded for the wider; *cold* is the
   first request on a fresh drafter state (empty output cache, uncalibrated confidences; the
   row costs measured at load are kept, as a fresh worker measures them at load), *warm* the
   same request again.
@@ -62,15 +63,19 @@ from worker.launch import EngineCapacity  # noqa: E402
 from worker.testmodels.gemma import gemma_q4_path  # noqa: E402
 
 N_CTX = 4096
-#: Our engine's draft capacity (llama-server's ngram-mod drafts up to 64 by default).
+#: The suffix drafter's width as a configuration of its own: llama-server's ngram-mod drafts
+#: up to 64 by default.
 DRAFT_MAX = 64
 SUFFIX = SpecSettings(method=SpecMethod.SUFFIX, draft_max=DRAFT_MAX)
 PLAIN = SpecSettings(method=SpecMethod.NONE)
 #: What a request without settings gets from a worker loaded with ``auto`` on Gemma: suffix
 #: drafting at the default width of one slot. Said explicitly: this engine is loaded for
-#: DRAFT_MAX, and a request that leaves the width unset gets the engine's.
+#: :data:`CAPACITY`, and a request that leaves the width unset gets the engine's.
 DEFAULT = SpecSettings(method=SpecMethod.SUFFIX,
                        draft_max=default_draft_max(SpecMethod.SUFFIX, slots=1))
+#: The engine's draft capacity: both widths above are requests within it, priced by one
+#: row-cost table.
+CAPACITY = max(DRAFT_MAX, DEFAULT.draft_max)
 Result = dict[str, float]
 
 
@@ -201,7 +206,7 @@ def main() -> None:
     engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
                                             n_gpu_layers=-1 if args.gpu else 0,
                                             capacity=EngineCapacity(SpecMethod.SUFFIX,
-                                                                    DRAFT_MAX),
+                                                                    CAPACITY),
                                             deterministic=args.deterministic))
     assert engine.suffix is not None
     print(f"row costs (x one row): {engine.suffix.costs.relative()}", file=sys.stderr)

@@ -38,8 +38,9 @@ MAX_TOKENS_CAP = 8192
 #: Hard cap on the prompt, in characters (text) and in token ids.
 MAX_PROMPT_CHARS = 256 * 1024
 MAX_PROMPT_TOKENS = 131072
-#: Hard cap on the draft width a request may ask for.
-MAX_DRAFT = 64
+#: Hard cap on the draft width a request may ask for (the suffix drafter's default on one slot
+#: of an attention model is 127: a 128-row verify).
+MAX_DRAFT = 128
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_CHARS = 128
 #: Hard cap on the turns of a chat request.

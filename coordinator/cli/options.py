@@ -50,8 +50,9 @@ Spec = Annotated[SpecMethod, typer.Option(
     help="drafting method (auto: suffix drafting, with the MTP head beside it where the "
     "model has one)")]
 DraftMax = Annotated[int | None, typer.Option(
-    help="draft width ceiling N (default for suffix drafting: 63 on one slot, 32 on two, "
-    "fewer on more; 8 for the other drafters: docs/engine.md, 'Choosing a drafter')")]
+    help="draft width ceiling N (default for suffix drafting: 127 on one slot, 63 on a "
+    "recurrent model, 32 on two slots, fewer on more; 8 for the other drafters: "
+    "docs/engine.md, 'Choosing a drafter')")]
 DraftMin = Annotated[int, typer.Option(help="shorter drafts are dropped")]
 PMin = Annotated[float, typer.Option(help="stop drafting below this confidence")]
 Adaptive = Annotated[bool, typer.Option(help=SpecSettings.model_fields["adaptive"].description)]

@@ -140,12 +140,14 @@ def test_a_width_that_runs_is_priced_at_what_it_ran() -> None:
 def test_calibration_times_narrow_widths_and_a_sparse_ladder(dense_model: Path) -> None:
     """At load every narrow row count is timed, wider ones sparsely on whole tiles (never one
     row past a tile, the dearest count: priced at it, the tile-aligned widths below it would
-    never be chosen) and the capacity; an untimed count costs what the next wider timed one
-    does, and no entry exceeds a wider one."""
+    never be chosen; twice as sparse past 64 rows) and the capacity; an untimed count costs
+    what the next wider timed one does, and no entry exceeds a wider one."""
     assert calibrated_widths(5) == [1, 2, 3, 4, 5]
     assert calibrated_widths(33) == [*range(1, 18), 24, 32, 33]
     assert calibrated_widths(65) == [*range(1, 18), 24, 32, 40, 48, 56, 64, 65]
-    assert all(w % TILE == 0 for w in calibrated_widths(65)[NARROW_ROWS:-1])
+    assert calibrated_widths(128) == [*range(1, 18), 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
+    for top in (65, 128):
+        assert all(w % TILE == 0 for w in calibrated_widths(top)[NARROW_ROWS:-1])
     with open_engine(dense_model, SpecMethod.SUFFIX, draft_max=30) as engine:
         assert engine.suffix is not None
         seconds = engine.suffix.costs.seconds

@@ -27,12 +27,17 @@ TILE = 4
 NARROW_ROWS = 17
 #: The wide ladder's step: whole tiles, so every count it times ends a tile.
 WIDE_STEP = 2 * TILE
+#: From this count on the ladder's step doubles: a row past a tile boundary costs a smaller
+#: share of such a verify, and each count timed there is a tenth of a second or more on a CPU
+#: (Gemma 270M: one slot's capacity of 127 drafts loads in 16 s at steps of 8 rows).
+WIDER_FROM = 64
 
 
 def calibrated_widths(max_rows: int) -> list[int]:
     """Row counts timed at load: all narrow ones (where tile effects make neighbours differ
-    most), then a sparse ladder of whole tiles, so a capacity of 64 drafts costs a few
-    seconds, not tens; the counts between get the next wider one's cost (an upper bound).
+    most), then a sparse ladder of whole tiles (8 rows apart, 16 from :data:`WIDER_FROM`), so
+    a capacity of 127 drafts costs seconds, not tens; the counts between get the next wider
+    one's cost (an upper bound).
 
     The ladder sits on tile boundaries because a count one row past a boundary is the
     dearest of its neighbours: the extra row costs a whole tile, or more (Gemma 270M Q4_K_M,
@@ -42,7 +47,8 @@ def calibrated_widths(max_rows: int) -> list[int]:
     buy 32 tokens at 281, and 24- or 32-row verifies, never timed, were never chosen."""
     first = (NARROW_ROWS // WIDE_STEP + 1) * WIDE_STEP
     return sorted({*range(1, min(NARROW_ROWS, max_rows) + 1),
-                   *range(first, max_rows, WIDE_STEP), max_rows})
+                   *range(first, min(max_rows, WIDER_FROM), WIDE_STEP),
+                   *range(WIDER_FROM, max_rows, 2 * WIDE_STEP), max_rows})
 
 
 #: Each observed verify's weight in the load fit decays by this factor per later one: the fit

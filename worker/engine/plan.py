@@ -110,34 +110,44 @@ def resolve_method(method: SpecMethod, model: ModelFacts) -> SpecMethod:
 #: The draft width of an engine loaded without one, for every method but suffix drafting
 #: (the request protocol's default: n-gram and MTP draft every position they are given).
 DEFAULT_DRAFT_MAX: int = SpecSettings.model_fields["draft_max"].default
-#: Suffix drafting's width on one slot: a fully accepted draft verifies 64 rows, a whole
-#: number of the CPU's 4-row tiles and within :data:`SUFFIX_STEP_ROWS`.
-SUFFIX_DRAFT_MAX = 63
+#: Suffix drafting's width on one slot, where a rejected draft is trimmed from the KV cache: a
+#: fully accepted draft verifies 128 rows, whole tiles of the CPU's quantized products. Past
+#: 64 rows a verify still gets cheaper a row (Gemma 270M Q4_K_M, AVX-512, 2 threads, fastest
+#: of 15, as a share of one row at the same depth: 450 deep, 64 rows 0.305, 128 rows 0.266;
+#: 250 deep, 0.280 and 0.259), so a repeat verified in two steps instead of four runs faster
+#: (docs/benchmarks.md, "Width 127").
+SUFFIX_DRAFT_MAX = 127
+#: Its width on one slot of a recurrent or hybrid model, whose rollback keeps a recurrent
+#: state a draft position (or a checkpoint per slot): memory the fitter reserves up front.
+SUFFIX_RECURRENT_DRAFT_MAX = 63
 #: Its width per slot when slots share a step (the step's rows are shared).
 SUFFIX_SHARED_DRAFT_MAX = 32
-#: Verify rows one step of a suffix engine is sized for, over all its slots: what eight
-#: slots of the default width verify (no slot count allocates more output rows than eight such
-#: slots did: 72 MiB of Gemma logits).
+#: Verify rows one step of a several-slot suffix engine is sized for, over all its slots:
+#: what eight slots of the default width verify (no slot count above one allocates more output
+#: rows than eight such slots did: 72 MiB of Gemma logits).
 SUFFIX_STEP_ROWS = 8 * (DEFAULT_DRAFT_MAX + 1)
 
 
-def default_draft_max(method: SpecMethod, slots: int) -> int:
-    """N for an engine loaded without one.
+def default_draft_max(method: SpecMethod, slots: int, recurrent: bool = False) -> int:
+    """N for an engine loaded without one (``recurrent``: the model rolls back by snapshots).
 
     Suffix drafting only verifies what its calibrated confidences and measured row costs pay
     for, so a wide ceiling costs nothing where nothing repeats, and where a text repeats at
     length the ceiling is the limit: on Gemma 270M Q4_K_M (CPU, 2 threads, 445 tokens deep)
     a fully accepted verify of 8 rows buys 2.4x a plain step's tokens per second, 32 rows
-    3.2x, 64 rows 3.7x (ngram-mod's reach: a repeat at width 32 ran 0.86x its rate). So one
-    slot drafts up to 63 (interleaved, 8 rounds, against 32: 1.03-1.12x on four workloads,
-    0.94-1.04x on code copied with a rename). With several slots a step's rows are shared and
-    the row budget verifies fewer drafts, so the width shrinks to keep every step within
-    :data:`SUFFIX_STEP_ROWS` (2 slots 32, 4 slots 17, 8 slots 8). The other drafters fill
-    whatever width they get, so theirs stays the protocol's."""
-    if method is SpecMethod.SUFFIX:
-        ceiling = SUFFIX_DRAFT_MAX if slots == 1 else SUFFIX_SHARED_DRAFT_MAX
-        return min(ceiling, SUFFIX_STEP_ROWS // slots - 1)
-    return DEFAULT_DRAFT_MAX
+    3.2x, 64 rows 3.7x (ngram-mod's reach: a repeat at width 32 ran 0.86x its rate), and 128
+    rows cost 13 % less a row than 64. So one slot drafts up to 127 (the same engine and row
+    costs, interleaved, 4 rounds, against 63: warm repeats 1.05-1.13x on all five
+    ``spec_vs_plain`` workloads, cold 0.99-1.07x), or 63 on a recurrent model. With several
+    slots a step's rows are shared and the row budget verifies fewer drafts, so the width
+    shrinks to keep every step within :data:`SUFFIX_STEP_ROWS` (2 slots 32, 4 slots 17, 8
+    slots 8). The other drafters fill whatever width they get, so theirs stays the
+    protocol's."""
+    if method is not SpecMethod.SUFFIX:
+        return DEFAULT_DRAFT_MAX
+    if slots == 1:
+        return SUFFIX_RECURRENT_DRAFT_MAX if recurrent else SUFFIX_DRAFT_MAX
+    return min(SUFFIX_SHARED_DRAFT_MAX, SUFFIX_STEP_ROWS // slots - 1)
 
 
 def plan_engine(config: EngineConfig, model: ModelFacts) -> EnginePlan:
@@ -146,7 +156,8 @@ def plan_engine(config: EngineConfig, model: ModelFacts) -> EnginePlan:
     method = resolve_method(config.capacity.method, model)
     draft_max = 0
     if method is not SpecMethod.NONE:
-        draft_max = config.capacity.draft_max or default_draft_max(method, config.slots)
+        draft_max = config.capacity.draft_max or default_draft_max(method, config.slots,
+                                                                   model.recurrent)
     depth = config.capacity.rollback_depth
     check_rollback_depth(depth, draft_max or MAX_DRAFT)
     if draft_max and config.request_defaults.draft_min > draft_max:
