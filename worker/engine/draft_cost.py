@@ -111,9 +111,9 @@ class RowCosts:
         every verify width is timed after another shape, as a verify runs. Timed like a
         verify there, the plain row cost what two draft rows do, and drafts that lost to
         plain decoding looked like gains (docs/benchmarks.md, "GPU, second run"). Not on a
-        CPU, where nothing is replayed, and where a tiny model's repeated decode ran warm
-        enough to price one row below its share of four and declined every draft.
-        """
+        CPU, where nothing is replayed: timed so there, a tiny test model's repeated decode
+        likely ran warm enough to price one row below its share of four, and one CI run's
+        engine declined every draft (docs/engine.md, "Row costs")."""
         seconds = measure_costs(target, batch, max_rows, CALIBRATION_REPS,
                                 calibrated_widths(max_rows), steady={1} if replays else ())
         for rows in range(max_rows - 1, 0, -1):
