@@ -18,8 +18,10 @@ from worker.engine.draft_cost import (
     NARROW_ROWS,
     RESIDUAL_RATE,
     TILE,
+    WIDER_FROM,
     RowCosts,
     calibrated_widths,
+    cap_wide,
 )
 from worker.engine.draft_length_policy import PLAIN_MARGIN, best_draft_length
 
@@ -154,3 +156,23 @@ def test_calibration_times_narrow_widths_and_a_sparse_ladder(dense_model: Path) 
         assert len(seconds) == 32 and seconds[0] == 0.0
         assert all(0 < seconds[r] <= seconds[r + 1] for r in range(1, 31))
         assert seconds[18] <= seconds[25] and seconds[26] <= seconds[31]
+
+
+def test_a_wide_width_is_never_priced_dearer_a_row_than_the_ladder_s_base() -> None:
+    """A spike at load that priced 128 rows high would keep every long draft out for good
+    (no verify of that width ever runs to correct it): past WIDER_FROM rows a width costs
+    at most its share of WIDER_FROM rows' time, and no entry exceeds a wider one. Tables
+    that end at WIDER_FROM or below only get the latter."""
+    top = 2 * WIDER_FROM
+    timed = [0.0] + [0.3 * r + 1.0 for r in range(1, top + 1)]
+    timed[top] = 3.0 * timed[WIDER_FROM]  # the spike
+    for r in range(WIDER_FROM + 1, top):
+        timed[r] = timed[top]  # untimed counts carry the next timed one's cost
+    capped = cap_wide(timed)
+    assert capped[:WIDER_FROM + 1] == timed[:WIDER_FROM + 1]
+    assert capped[top] == pytest.approx(2 * timed[WIDER_FROM])
+    assert all(capped[r] <= capped[WIDER_FROM] * r / WIDER_FROM + 1e-12
+               for r in range(WIDER_FROM, top + 1))
+    assert all(capped[r] <= capped[r + 1] for r in range(1, top))
+    short = [0.0, 1.0, 3.0, 2.5, 4.0]
+    assert cap_wide(short) == [0.0, 1.0, 2.5, 2.5, 4.0]
