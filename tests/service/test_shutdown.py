@@ -117,8 +117,12 @@ def test_rq_commands_reach_only_their_own_deployments_worker(
 def test_sigusr1_writes_every_threads_stack_and_the_worker_serves_on(
         fleet: Fleet, coordinator: Coordinator) -> None:
     """``kill -USR1`` shows where a worker waits (its serving loop, its heartbeat and its
-    listeners) without stopping it: the next job still finishes."""
+    listeners) without stopping it: the next job still finishes. A worker registers before
+    its startup recovery and its heartbeat start, so the signal waits for a first job to
+    finish: then it is serving (signalled at registration, a clean-clone CI run dumped the
+    recovery's stack, with no serving loop in it)."""
     fleet.start("w1")
+    assert coordinator.submit(REQUEST).result(timeout=30).status is JobStatus.FINISHED
     fleet.kill("w1", signal.SIGUSR1)
     deadline = time.monotonic() + 10
     while "loop.py" not in fleet.log("w1") or "heartbeat.py" not in fleet.log("w1"):
