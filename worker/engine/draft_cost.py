@@ -51,10 +51,20 @@ def calibrated_widths(max_rows: int) -> list[int]:
                    *range(WIDER_FROM, max_rows, 2 * WIDE_STEP), max_rows})
 
 
+def no_dearer_than_wider(seconds: list[float]) -> list[float]:
+    """A timed table with no entry above a wider one: a spike at load only ever adds time,
+    and an entry kept above a wider one would never be chosen (tile effects make a few
+    widths slightly cheaper than their narrower neighbours, which then cost what the wider
+    one does)."""
+    out = list(seconds)
+    for rows in range(len(out) - 2, 0, -1):
+        out[rows] = min(out[rows], out[rows + 1])
+    return out
+
+
 def cap_wide(seconds: list[float]) -> list[float]:
     """A timed table made safe to plan with: no width past :data:`WIDER_FROM` rows dearer a
-    row than :data:`WIDER_FROM` rows, and no entry above a wider one (a spike at load only
-    ever adds time, and an entry kept above a wider one would never be chosen).
+    row than :data:`WIDER_FROM` rows, then :func:`no_dearer_than_wider`.
 
     Past 64 rows a verify only got cheaper a row at every depth measured (Gemma 270M Q4_K_M,
     AVX-512, 2 threads, as a share of a one-row decode, 64 -> 128 rows: empty context 0.272 ->
@@ -66,9 +76,7 @@ def cap_wide(seconds: list[float]) -> list[float]:
     base = min(WIDER_FROM, len(out) - 1)
     for rows in range(base + 1, len(out)):
         out[rows] = min(out[rows], out[base] * rows / base)
-    for rows in range(len(out) - 2, 0, -1):
-        out[rows] = min(out[rows], out[rows + 1])
-    return out
+    return no_dearer_than_wider(out)
 
 
 #: Each observed verify's weight in the load fit decays by this factor per later one: the fit
@@ -121,13 +129,8 @@ class RowCosts:
                 replays: bool = False) -> RowCosts:
         """Time 1..``max_rows``-row decodes on an idle ``target`` (it is cleared afterwards).
 
-        A row count timed during a spike would look dearer than a wider verify and never be
-        chosen; since more rows are never cheaper to compute, no entry is kept above the next
-        wider one (tile effects make a few widths slightly cheaper than their narrower
-        neighbours, which then cost what the wider one does).
-
-        Past :data:`WIDER_FROM` rows no width is priced dearer a row than that many rows
-        (:func:`cap_wide`).
+        The table is :func:`cap_wide`'s: no entry above the next wider one, and past
+        :data:`WIDER_FROM` rows no width dearer a row than that many rows.
 
         ``replays``: the device replays a repeated decode's graph (``Model.offloaded``), so
         the plain row is timed as plain decoding runs it, the second of two decodes in a row;
@@ -161,9 +164,7 @@ class RowCosts:
         timed = sorted({*range(1, min(top, 2 * TILE) + 1), *range(TILE, top, TILE), top})
         seconds = measure_costs(target, batch, top, widths=timed,
                                 steady=range(1, slots + 1) if replays else ())
-        for rows in range(top - 1, 0, -1):
-            seconds[rows] = min(seconds[rows], seconds[rows + 1])
-        return cls(seconds)
+        return cls(no_dearer_than_wider(seconds))
 
     def observe(self, rows: int, seconds: float) -> None:
         """A verify of ``rows`` rows just took ``seconds``: refit the load and the table."""
