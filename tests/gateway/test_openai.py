@@ -11,7 +11,7 @@ import pytest
 from helpers import close_floats
 
 from coordinator.client import Coordinator
-from shared.protocol import GenerationRequest, JobStatus
+from shared.protocol import MAX_DRAFT, GenerationRequest, JobStatus
 from shared.settings import Settings
 from worker.engine.prompt import build_prompt
 from worker.llm.model import Model, ModelSpec
@@ -117,6 +117,13 @@ def test_refusals_are_openai_errors_with_the_right_status(deployment: Deployment
     with pytest.raises(openai.BadRequestError) as strict:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=True)  # type: ignore[arg-type]
     assert strict.value.body["param"] == "max_tokens"
+    # The protocol's draft-width cap, then a width within it that no live worker was loaded
+    # for: both refused by name, neither clamped.
+    for width, said in ((MAX_DRAFT + 1, "draft_max"), (MAX_DRAFT, "exceeds the worker's")):
+        with pytest.raises(openai.BadRequestError) as wide:
+            client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={
+                "specfleet": {"speculative": {"draft_max": width}}})
+        assert said in wide.value.message
 
 
 def test_no_live_worker_is_503(settings: Settings, client: openai.OpenAI) -> None:
