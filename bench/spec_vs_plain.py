@@ -19,7 +19,9 @@ free prose), each cold and warm:
 Repetitions are interleaved (every configuration of every workload once per round), so machine
 noise hits all of them alike; the summary is the median per configuration, and the default
 drafter against ngram-mod round by round (the median of the paired ratios, the rounds it
-was ahead in, their range). Both sides get the
+was ahead in, their range), and in how many rounds each side's warm request wrote its cold
+request's text again (``kept_cold_text``: a repeat that parts at a near-tie drafts only its
+own text after it, so both sides' warm rates follow it). Both sides get the
 same token ids and the same thread count; rates are decode-phase rates (llama-server's
 ``timings.predicted_per_second``, our ``effective_tokens_per_second``: drafting included,
 prefill excluded). Progress goes to stderr, the JSON summary (medians, ratios to llama-server
@@ -40,6 +42,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -48,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peer_server import (  # noqa: E402
     SERVER_ENV,
-    complete,
+    completion,
     find_server,
     llama_server,
     optional_server,
@@ -77,6 +80,10 @@ DEFAULT = SpecSettings(method=SpecMethod.SUFFIX,
 #: row-cost table.
 CAPACITY = max(DRAFT_MAX, DEFAULT.draft_max)
 Result = dict[str, float]
+#: A result and the tokens it generated.
+Run = tuple[Result, list[int]]
+#: A warm result's key: it wrote its cold run's text again (summed over rounds, not a median).
+KEPT = "kept_cold_text"
 
 
 CODE = MERGE_INTERVALS + '''
@@ -156,21 +163,37 @@ def workloads() -> dict[str, str]:
 
 
 # -- llama-server --------------------------------------------------------------------------
-def run_server(url: str, ids: list[int], tokens: int) -> Result:
-    t = complete(url, ids, tokens)
-    drafted = float(t.get("draft_n", 0) or 0)  # type: ignore[arg-type]
-    accepted = float(t.get("draft_n_accepted", 0) or 0)  # type: ignore[arg-type]
-    return {"tokens_per_second": float(t["predicted_per_second"]),  # type: ignore[arg-type]
-            "generated": float(t["predicted_n"]),  # type: ignore[arg-type]
-            "acceptance": accepted / drafted if drafted else 0.0}
+def run_server(url: str, ids: list[int], tokens: int) -> Run:
+    answer = completion(url, ids, tokens)
+    t = answer["timings"]
+    assert isinstance(t, dict)
+    drafted = float(t.get("draft_n", 0) or 0)
+    accepted = float(t.get("draft_n_accepted", 0) or 0)
+    return ({"tokens_per_second": float(t["predicted_per_second"]),
+             "generated": float(t["predicted_n"]),
+             "acceptance": accepted / drafted if drafted else 0.0},
+            list(cast(list[int], answer["tokens"])))
 
 
 # -- specfleet -----------------------------------------------------------------------------
 def run_ours(engine: SpeculativeEngine, ids: list[int], tokens: int,
-             spec: SpecSettings) -> Result:
-    t = engine.generate(ids, tokens, spec).telemetry
-    return {"tokens_per_second": t.effective_tokens_per_second, "generated": t.generated_tokens,
-            "acceptance": t.acceptance, "tokens_per_verify": t.tokens_per_verify}
+             spec: SpecSettings) -> Run:
+    out = engine.generate(ids, tokens, spec)
+    t = out.telemetry
+    return ({"tokens_per_second": t.effective_tokens_per_second,
+             "generated": t.generated_tokens, "acceptance": t.acceptance,
+             "tokens_per_verify": t.tokens_per_verify}, out.tokens)
+
+
+def cold_then_warm(run: Callable[[], Run]) -> tuple[Result, Result]:
+    """The same request twice on one drafter state. The warm result says whether it wrote
+    the cold one's text again (:data:`KEPT`, 1 or 0): a repeat that parts from its first
+    text at a near-tie has only its own text to draft from after it, so the warm rates of
+    both sides follow how often each keeps it."""
+    cold, cold_tokens = run()
+    warm, warm_tokens = run()
+    warm[KEPT] = float(warm_tokens == cold_tokens)
+    return cold, warm
 
 
 def forget(engine: SpeculativeEngine) -> None:
@@ -217,7 +240,8 @@ def main() -> None:
     def record(workload: str, name: str, r: Result, rep: int) -> None:
         results[workload].setdefault(name, []).append(r)
         print(f"[rep {rep + 1}/{args.reps}] {workload:12s} {name:22s} "
-              f"{r['tokens_per_second']:7.1f} tok/s  acc {r.get('acceptance', 0):.2f}",
+              f"{r['tokens_per_second']:7.1f} tok/s  acc {r.get('acceptance', 0):.2f}"
+              + (f"  kept the cold text: {r[KEPT]:.0f}" if KEPT in r else ""),
               file=sys.stderr, flush=True)
 
     with optional_server(server, model, args.threads, N_CTX) as plain_url:
@@ -227,25 +251,20 @@ def main() -> None:
                 run_server(plain_url, ids[w], 16)
         for rep in range(args.reps):
             for w in texts:
-                record(w, "specfleet_plain", run_ours(engine, ids[w], args.tokens, PLAIN), rep)
-                forget(engine)
-                record(w, "specfleet_default_cold",
-                       run_ours(engine, ids[w], args.tokens, DEFAULT), rep)
-                record(w, "specfleet_default_warm",
-                       run_ours(engine, ids[w], args.tokens, DEFAULT), rep)
-                forget(engine)
-                record(w, "specfleet_suffix_cold",
-                       run_ours(engine, ids[w], args.tokens, SUFFIX), rep)
-                record(w, "specfleet_suffix_warm",
-                       run_ours(engine, ids[w], args.tokens, SUFFIX), rep)
+                record(w, "specfleet_plain", run_ours(engine, ids[w], args.tokens, PLAIN)[0], rep)
+                for name, spec in (("default", DEFAULT), ("suffix", SUFFIX)):
+                    forget(engine)
+                    cold, warm = cold_then_warm(
+                        partial(run_ours, engine, ids[w], args.tokens, spec))
+                    record(w, f"specfleet_{name}_cold", cold, rep)
+                    record(w, f"specfleet_{name}_warm", warm, rep)
                 if plain_url and server:
-                    record(w, "server_plain", run_server(plain_url, ids[w], args.tokens), rep)
+                    record(w, "server_plain", run_server(plain_url, ids[w], args.tokens)[0], rep)
                     with llama_server(server, model, args.threads, N_CTX,
                                       extra=("--spec-type", "ngram-mod")) as url:
-                        record(w, "server_ngram_mod_cold", run_server(url, ids[w], args.tokens),
-                               rep)
-                        record(w, "server_ngram_mod_warm", run_server(url, ids[w], args.tokens),
-                               rep)
+                        cold, warm = cold_then_warm(partial(run_server, url, ids[w], args.tokens))
+                        record(w, "server_ngram_mod_cold", cold, rep)
+                        record(w, "server_ngram_mod_warm", warm, rep)
     costs = engine.suffix.costs.relative()
     engine.close()
     summary = summarize(results)
@@ -260,8 +279,9 @@ def summarize(results: dict[str, dict[str, list[Result]]]) -> dict[str, object]:
     """Per workload and configuration: medians, and ratios to both plain baselines."""
     summary: dict[str, object] = {}
     for workload, by_config in results.items():
-        medians = {name: {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
-                   for name, runs in by_config.items()}
+        medians = {name: {k: (sum if k == KEPT else statistics.median)(
+            r.get(k, 0.0) for r in runs) for k in runs[0]} | {"rounds": len(runs)}
+            for name, runs in by_config.items()}
         for base in ("specfleet_plain", "server_plain"):
             if base in medians:
                 rate = medians[base]["tokens_per_second"]
@@ -309,6 +329,12 @@ def markdown(summary: dict[str, object], names: list[str]) -> str:
                   lambda r: f"{r['median']:.2f} ({r['rounds_ahead']:.0f}/{r['rounds']:.0f} "
                             f"rounds, {r['min']:.2f}-{r['max']:.2f})")
               for phase in ("cold", "warm") if (key := f"default_vs_ngram_mod_{phase}") in first]
+    kept = [config for config in first if KEPT in first[config]]
+    if kept:
+        lines.append("| warm kept its cold text, rounds (" + " / ".join(
+            config.removesuffix("_warm") for config in kept) + ") | " + " | ".join(
+            " / ".join(f"{e[c][KEPT]:.0f}" for c in kept) + f" of {e[kept[0]]['rounds']:.0f}"
+            for e in tables) + " |")
     return "\n".join(lines)
 
 
