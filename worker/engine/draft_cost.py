@@ -37,7 +37,7 @@ def calibrated_widths(max_rows: int) -> list[int]:
     """Row counts timed at load: all narrow ones (where tile effects make neighbours differ
     most), then a sparse ladder of whole tiles (8 rows apart, 16 from :data:`WIDER_FROM`), so
     a capacity of 127 drafts costs seconds, not tens; the counts between get the next wider
-    one's cost (an upper bound).
+    one's cost (not a bound inside a tile: :func:`~worker.engine.verify_shape.measure_costs`).
 
     The ladder sits on tile boundaries because a count one row past a boundary is the
     dearest of its neighbours: the extra row costs a whole tile, or more (Gemma 270M Q4_K_M,

@@ -27,7 +27,9 @@ def measure_costs(target: Context, batch: Batch, max_rows: int, reps: int = REPS
 
     Decodes dummy tokens at the start of an empty context and clears it again afterwards.
     ``widths`` (default: every row count) limits the timing to those row counts; a count
-    between them gets the cost of the next wider one timed (an upper bound).
+    between them gets the cost of the next wider one timed. That bounds it where cost rises
+    with rows; on a CPU a count that ends inside a tile runs dearer than the tile's end
+    (docs/benchmarks.md, "Partial tiles"), which the drafts seldom stop at.
 
     Each count is timed right after a decode of another count, as a verify runs, except the
     ``steady`` ones: those are timed as the second of two decodes in a row, as plain decoding
