@@ -3,6 +3,12 @@
 The binary is built from the llama.cpp inside the llama-cpp-python sdist (docs/benchmarks.md),
 so both sides run the same kernels; benches take it from ``--llama-server PATH`` or
 ``$SPECFLEET_LLAMA_SERVER`` and skip the peer with a message when it is absent.
+
+Where our worker loads the weights without repacked copies
+(:func:`worker.llm.model.repacking_is_safe`: a CPU that reports AMX, whose tiles fault on the
+hosts measured), the server is told the same (``--no-repack``). Without it llama-server dies
+of SIGILL in the AMX kernel at its first prompt there, and with it both sides compute with
+the same weights.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from coordinator.redis_local import free_port
+from worker.llm.model import repacking_is_safe
 
 SERVER_ENV = "SPECFLEET_LLAMA_SERVER"
 
@@ -37,12 +44,13 @@ def post(url: str, body: dict[str, object], timeout: float = 600.0) -> dict[str,
 @contextmanager
 def llama_server(binary: str, model: str, threads: int, n_ctx: int, parallel: int = 1,
                  extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """A llama-server with ``parallel`` slots sharing ``n_ctx`` (``-np``, ``-c``); yields its
-    base URL once ``/health`` answers."""
+    """A llama-server with ``parallel`` slots sharing ``n_ctx`` (``-np``, ``-c``), repacking
+    its weights where our worker does; yields its base URL once ``/health`` answers."""
     port = free_port()
     env = dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).parent))
+    repack = () if repacking_is_safe() else ("--no-repack",)
     cmd = [binary, "-m", model, "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx),
-           "-np", str(parallel), "--host", "127.0.0.1", "--port", str(port), *extra]
+           "-np", str(parallel), "--host", "127.0.0.1", "--port", str(port), *repack, *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
