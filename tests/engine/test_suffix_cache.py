@@ -14,6 +14,7 @@ from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.confidence import FRAGILE_MARGIN, NEAR_TIE_MARGIN
 from worker.engine.proposers.output_cache import Origin, OutputCache
+from worker.engine.proposers.repeat_shape import aligned_length
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared, no_ends
 from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
 
@@ -329,6 +330,63 @@ def test_a_repeat_drafts_its_earlier_output_only_up_to_a_near_tie() -> None:
         proposer.observe(VerifyOutcome(len(prompt) - 1, prompt[-1], draft, 10, written[10]))
     learned = repeat(replace(free, costs=RowCosts(DEAR_ROWS)))[1]
     assert learned == written[:len(learned)] and len(learned) > near_tie + 1
+
+
+def test_aligned_length_ends_a_draft_before_a_near_ties_verify_and_then_fills_its_rows() -> None:
+    """Output token 7 was chosen by the first row of a 4-row verify (it started at 7), token
+    20 by the third row of a 12-row one (started at 18)."""
+    shapes = {7: (0, 4), 20: (2, 12)}
+    assert aligned_length(11, 0, shapes) == 6      # commits 0-6, so the next verify starts at 7
+    assert aligned_length(3, 0, shapes) == 3       # ends before 7 anyway
+    assert aligned_length(11, 7, shapes) == 3      # 4 rows: the last token and 3 drafted
+    assert aligned_length(2, 7, shapes) == 2       # the drafter wants fewer: not padded
+    assert aligned_length(30, 8, shapes) == 9      # the next one's verify starts at 18
+    assert aligned_length(30, 17, shapes) == 0     # a plain step commits 17
+    assert aligned_length(30, 18, shapes) == 11
+    assert aligned_length(30, 19, shapes) == 30    # both passed (or missed)
+    assert aligned_length(30, 0, {}) == 30
+
+
+def test_a_repeat_verifies_a_near_tie_in_the_shape_of_the_verify_that_chose_it() -> None:
+    """The earlier run committed 4 tokens, then chose token 4 by a hair at the first row of a
+    4-row verify that had the decode to itself. A repeat's first draft ends so that its bonus
+    is token 3, its next holds 4 rows from token 4, and then it drafts as far as it likes.
+    Where that verify shared its decode with other slots, its shape says nothing about the
+    rows that chose the token, and the repeat drafts on through it."""
+    prompt = [300 + i for i in range(40)]
+    written = list(range(500, 530))
+    near_tie = NEAR_TIE_MARGIN / 3
+
+    def recorded(alone: bool) -> SuffixShared:
+        margins: list[float] = []
+        shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7),
+                              margins=lambda row0, tokens: margins[:len(tokens)])
+        earlier = SuffixProposer(shared)
+        earlier.start(prompt)
+        margins[:] = [5.0] * 4
+        _commit(earlier, list(prompt), written[:4])
+        margins[:] = [near_tie, 5.0, 5.0, 5.0]
+        earlier.observe(VerifyOutcome(len(prompt) + 3, written[3], written[4:7], 3, written[7],
+                                      alone=alone))
+        margins[:] = [5.0] * 22
+        _commit(earlier, [*prompt, *written[:8]], written[8:])
+        return shared
+
+    repeat = SuffixProposer(recorded(alone=True))
+    repeat.start(prompt)
+    history, drafts = list(prompt), []
+    while len(history) < len(prompt) + 12:
+        draft = repeat.propose(history, 16, 0.0).tokens
+        drafts.append(len(draft))
+        done = len(history) - len(prompt)
+        assert draft == written[done:done + len(draft)]
+        _commit(repeat, history, written[done:done + len(draft) + 1])
+    assert drafts == [3, 3, 16]
+
+    shared = recorded(alone=False)
+    unaligned = SuffixProposer(shared)
+    unaligned.start(prompt)
+    assert unaligned.propose(prompt, 16, 0.0).tokens == written[:16]
 
 
 def test_the_requests_own_text_drafts_no_end_of_generation() -> None:

@@ -50,6 +50,8 @@ NEAR_TIE_MARGIN = 0.1
 #: A token's first guess, as a share of its count estimate, by :func:`fragility` (firm,
 #: fragile, a near-tie): what those repeats kept.
 FRAGILE_PRIOR = (1.0, 0.9, 0.6)
+#: The :func:`fragility` of a near-tie.
+NEAR_TIE = 2
 
 Cell = tuple[int, int, int, int, int]
 
@@ -57,7 +59,7 @@ Cell = tuple[int, int, int, int, int]
 def fragility(margin: float) -> int:
     """How likely a repeat is to part at a token the target chose by ``margin``: 0 firm, 1
     fragile (below :data:`FRAGILE_MARGIN`), 2 a near-tie (below :data:`NEAR_TIE_MARGIN`)."""
-    return 2 if margin < NEAR_TIE_MARGIN else 1 if margin < FRAGILE_MARGIN else 0
+    return NEAR_TIE if margin < NEAR_TIE_MARGIN else 1 if margin < FRAGILE_MARGIN else 0
 
 
 def evidence_cell(depth: int, support: int, agree: int, shared: bool,

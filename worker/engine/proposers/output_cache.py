@@ -13,7 +13,9 @@ being recorded. The bound is what the fitter counts for the cache (``lookup_cach
 
 Each entry also keeps where its output is *fragile*: the positions of tokens the target chose
 by a margin below :data:`~worker.engine.proposers.confidence.FRAGILE_MARGIN`, where a repeat
-may part from it, and how close each was (:func:`~worker.engine.proposers.confidence.fragility`).
+may part from it, and how close each was (:func:`~worker.engine.proposers.confidence.fragility`),
+and for each near-tie the shape of the verify that chose it, where that verify had the decode
+to itself (:mod:`~worker.engine.proposers.repeat_shape`: a repeat verifies it in that shape).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 from itertools import count
 
 from shared.logs import get_logger
-from worker.engine.proposers.confidence import fragility
+from worker.engine.proposers.confidence import NEAR_TIE, fragility
+from worker.engine.proposers.repeat_shape import Shape
 from worker.engine.proposers.token_index import TokenIndex
 
 log = get_logger("engine.output_cache")
@@ -67,6 +70,7 @@ class OutputCache:
         #: every draft step, costs nothing while there are none (the usual case).
         self._by_prompt: dict[int, set[int]] = {}
         self._fragile: dict[int, dict[int, int]] = {}
+        self._shapes: dict[int, dict[int, Shape]] = {}
         self._ids = count()
         self.evictions = 0
 
@@ -79,6 +83,7 @@ class OutputCache:
         self._origins[entry] = origin
         self._by_prompt.setdefault(origin.prompt, set()).add(entry)
         self._fragile[entry] = {}
+        self._shapes[entry] = {}
         self._evict(keep=entry)
         return entry
 
@@ -91,18 +96,28 @@ class OutputCache:
         :func:`~worker.engine.proposers.confidence.fragility` of each."""
         return self._fragile[entry]
 
-    def extend(self, entry: int, tokens: Sequence[int], margins: Sequence[float] = ()) -> None:
+    def shapes(self, entry: int) -> Mapping[int, Shape]:
+        """The positions in ``entry``'s tokens of its near-ties whose verify had the decode to
+        itself, and the :data:`~worker.engine.proposers.repeat_shape.Shape` of that verify."""
+        return self._shapes[entry]
+
+    def extend(self, entry: int, tokens: Sequence[int], margins: Sequence[float] = (),
+               rows: int | None = None) -> None:
         """Append generated ``tokens`` to output ``entry`` (ignored once it was evicted), with
-        the target's margin for each where known (the prompt's lead-in has none)."""
+        the target's margin for each where known (the prompt's lead-in has none). ``rows``:
+        the tokens are a verify's committed ones, chosen by its rows from the first on, and
+        the verify had the decode to itself with ``rows`` rows (None: it shared it)."""
         index = self._entries.get(entry)
         if index is None:
             return
-        fragile = self._fragile[entry]
+        fragile, shapes = self._fragile[entry], self._shapes[entry]
         for i, margin in enumerate(margins):
             if level := fragility(margin):
                 fragile[len(index) + i] = level
+                if level == NEAR_TIE and rows is not None:
+                    shapes[len(index) + i] = (i, rows)
         index.extend(tokens)
-        self._bytes[entry] = index.nbytes() + BYTES_PER_FRAGILE * len(fragile)
+        self._bytes[entry] = index.nbytes() + BYTES_PER_FRAGILE * (len(fragile) + len(shapes))
         self._entries.move_to_end(entry)
         if self._bytes[entry] > self.max_bytes:
             self._drop(entry)  # alone larger than the whole cache: not worth keeping
@@ -166,3 +181,4 @@ class OutputCache:
         if not same:
             del self._by_prompt[prompt]
         del self._fragile[entry]
+        del self._shapes[entry]

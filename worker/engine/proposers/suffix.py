@@ -30,7 +30,8 @@ It learns as it goes: every verify's outcome calibrates the confidences, its dur
 re-measures the row cost, and its committed tokens extend both the request's index and the
 cache entry of this output, with the target's margin for each (read from the verify's rows):
 where that was a near-tie a later repeat may part from this output, and a draft across it
-is costed as fragile (``confidence.py``). Those live as long as the engine
+is costed as fragile (``confidence.py``), and a repeat verifies each near-tie in the shape of
+the verify that chose it (``repeat_shape.py``). Those live as long as the engine
 (:class:`SuffixShared`).
 """
 
@@ -46,6 +47,7 @@ from worker.engine.draft_length_policy import best_draft_length, expected_tokens
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
 from worker.engine.proposers.output_cache import Origin, OutputCache
+from worker.engine.proposers.repeat_shape import Shape, aligned_length
 from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
 
 #: The walk stops once the chance that the whole draft so far is accepted falls below this.
@@ -130,6 +132,9 @@ class SuffixProposer:
         self._chosen = Candidate(OWN)
         self._proposed_at = 0.0
         self._records = (RequestRecord(), RequestRecord())
+        #: The near-ties' shapes (by output position) of the earlier answer this output
+        #: repeats, as the last lookup found it; empty when it repeats none.
+        self._repeating: dict[int, Shape] = {}
 
     def start(self, prompt: Sequence[int]) -> None:
         """Index the prompt and open this output's cache entry. The entry starts with the
@@ -164,6 +169,11 @@ class SuffixProposer:
                 best = Candidate(source, walked.tokens[:keep], walked.confidences[:keep],
                                  walked.cells[:keep])
                 best_rate = rate
+        if best.source == SHARED and self._repeating:
+            keep = aligned_length(len(best.tokens), len(history) - self._prompt_len,
+                                  self._repeating)
+            best = Candidate(SHARED, best.tokens[:keep], best.confidences[:keep],
+                             best.cells[:keep])
         self._chosen = best
         self.stamp()
         return Draft(best.tokens, confidences=best.confidences)
@@ -199,7 +209,8 @@ class SuffixProposer:
         committed = [*outcome.accepted, outcome.bonus]
         self._local.extend(committed)
         if self._entry is not None:
-            shared.cache.extend(self._entry, committed, shared.margins(outcome.row0, committed))
+            shared.cache.extend(self._entry, committed, shared.margins(outcome.row0, committed),
+                                len(outcome.draft) + 1 if outcome.alone else None)
         self._chosen = Candidate(OWN)
 
     # -- internals -------------------------------------------------------------------------
@@ -246,10 +257,12 @@ class SuffixProposer:
         a time). ``(0, [])`` when there is none, or when every such answer ends here.
 
         Each step compares only the tokens committed since the last (:attr:`_kept`): the
-        history only grows, so the whole output is never compared again."""
+        history only grows, so the whole output is never compared again. The most recent such
+        answer's near-tie shapes are kept for :meth:`propose` (:attr:`_repeating`)."""
         cache = self._shared.cache
         head, written = self._prompt_len, len(history) - self._prompt_len
         found: list[Occurrence] = []
+        self._repeating = {}
         for entry, index in cache.answers(self._entry, self._origin.prompt):
             origin = cache.origin(entry)
             kept = self._kept.get(entry, 0)
@@ -264,6 +277,9 @@ class SuffixProposer:
                 continue
             self._kept[entry] = end
             if lead_in + written < len(index.tokens):  # it goes on past this output
+                if not found:
+                    self._repeating = {k - lead_in: shape
+                                       for k, shape in cache.shapes(entry).items()}
                 found.append((index.tokens, lead_in + written, cache.fragile(entry)))
                 cache.touch(entry)
         return (max(len(history), LEAD_IN), found) if found else (0, [])
