@@ -7,14 +7,17 @@ from __future__ import annotations
 import random
 import tracemalloc
 from dataclasses import replace
+from typing import cast
 
 import pytest
 
 from worker.engine.draft_cost import RowCosts
 from worker.engine.proposers.base import Draft, VerifyOutcome
+from worker.engine.proposers.combined import MtpSuffixProposer
 from worker.engine.proposers.confidence import FRAGILE_MARGIN, NEAR_TIE_MARGIN
+from worker.engine.proposers.mtp import MtpProposer
 from worker.engine.proposers.output_cache import Origin, OutputCache
-from worker.engine.proposers.repeat_shape import aligned_length
+from worker.engine.proposers.repeat_shape import aligned_length, next_verify
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared, no_ends
 from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
 
@@ -332,61 +335,94 @@ def test_a_repeat_drafts_its_earlier_output_only_up_to_a_near_tie() -> None:
     assert learned == written[:len(learned)] and len(learned) > near_tie + 1
 
 
-def test_aligned_length_ends_a_draft_before_a_near_ties_verify_and_then_fills_its_rows() -> None:
+def test_a_near_ties_verify_is_made_in_its_shape_by_cutting_the_drafts_before_it() -> None:
     """Output token 7 was chosen by the first row of a 4-row verify (it started at 7), token
     20 by the third row of a 12-row one (started at 18)."""
-    shapes = {7: (0, 4), 20: (2, 12)}
-    assert aligned_length(11, 0, shapes) == 6      # commits 0-6, so the next verify starts at 7
-    assert aligned_length(3, 0, shapes) == 3       # ends before 7 anyway
-    assert aligned_length(11, 7, shapes) == 3      # 4 rows: the last token and 3 drafted
-    assert aligned_length(2, 7, shapes) == 2       # the drafter wants fewer: not padded
-    assert aligned_length(30, 8, shapes) == 9      # the next one's verify starts at 18
-    assert aligned_length(30, 17, shapes) == 0     # a plain step commits 17
-    assert aligned_length(30, 18, shapes) == 11
-    assert aligned_length(30, 19, shapes) == 30    # both passed (or missed)
-    assert aligned_length(30, 0, {}) == 30
+    shapes = {20: (2, 12), 7: (0, 4)}
+    assert next_verify(0, shapes) == next_verify(7, shapes) == (7, 4)
+    assert next_verify(8, shapes) == next_verify(18, shapes) == (18, 12)
+    assert next_verify(19, shapes) is None and next_verify(0, {}) is None  # passed or missed
+    assert aligned_length(11, 0, (7, 4)) == 6      # commits 0-6, so the next verify starts at 7
+    assert aligned_length(3, 0, (7, 4)) == 3       # ends before 7 anyway
+    assert aligned_length(11, 7, (7, 4)) == 3      # 4 rows: the last token and 3 drafted
+    assert aligned_length(2, 7, (7, 4)) == 2       # the drafter wants fewer: not padded
+    assert aligned_length(30, 8, (18, 12)) == 9
+    assert aligned_length(30, 17, (18, 12)) == 0   # a plain step commits 17
+    assert aligned_length(30, 18, (18, 12)) == 11
+
+
+SHAPED_PROMPT = [300 + i for i in range(40)]
+SHAPED_ANSWER = list(range(500, 530))
+
+
+def _near_tie_at_4(alone: bool) -> SuffixShared:
+    """An engine's drafter state after one answer: 4 tokens committed, then token 4 chosen
+    by a hair at the first row of a 4-row verify (``alone``: it had the decode to itself),
+    then the rest."""
+    margins: list[float] = []
+    shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7),
+                          margins=lambda row0, tokens: margins[:len(tokens)])
+    earlier = SuffixProposer(shared)
+    earlier.start(SHAPED_PROMPT)
+    margins[:] = [5.0] * 4
+    _commit(earlier, list(SHAPED_PROMPT), SHAPED_ANSWER[:4])
+    margins[:] = [NEAR_TIE_MARGIN / 3, 5.0, 5.0, 5.0]
+    earlier.observe(VerifyOutcome(len(SHAPED_PROMPT) + 3, SHAPED_ANSWER[3], SHAPED_ANSWER[4:7],
+                                  3, SHAPED_ANSWER[7], alone=alone))
+    margins[:] = [5.0] * 22
+    _commit(earlier, [*SHAPED_PROMPT, *SHAPED_ANSWER[:8]], SHAPED_ANSWER[8:])
+    return shared
 
 
 def test_a_repeat_verifies_a_near_tie_in_the_shape_of_the_verify_that_chose_it() -> None:
-    """The earlier run committed 4 tokens, then chose token 4 by a hair at the first row of a
-    4-row verify that had the decode to itself. A repeat's first draft ends so that its bonus
+    """A repeat of :func:`_near_tie_at_4`'s request: its first draft ends so that its bonus
     is token 3, its next holds 4 rows from token 4, and then it drafts as far as it likes.
     Where that verify shared its decode with other slots, its shape says nothing about the
     rows that chose the token, and the repeat drafts on through it."""
-    prompt = [300 + i for i in range(40)]
-    written = list(range(500, 530))
-    near_tie = NEAR_TIE_MARGIN / 3
-
-    def recorded(alone: bool) -> SuffixShared:
-        margins: list[float] = []
-        shared = SuffixShared(RowCosts(FREE_ROWS), OutputCache(max_bytes=10**7),
-                              margins=lambda row0, tokens: margins[:len(tokens)])
-        earlier = SuffixProposer(shared)
-        earlier.start(prompt)
-        margins[:] = [5.0] * 4
-        _commit(earlier, list(prompt), written[:4])
-        margins[:] = [near_tie, 5.0, 5.0, 5.0]
-        earlier.observe(VerifyOutcome(len(prompt) + 3, written[3], written[4:7], 3, written[7],
-                                      alone=alone))
-        margins[:] = [5.0] * 22
-        _commit(earlier, [*prompt, *written[:8]], written[8:])
-        return shared
-
-    repeat = SuffixProposer(recorded(alone=True))
+    prompt, written = SHAPED_PROMPT, SHAPED_ANSWER
+    repeat = SuffixProposer(_near_tie_at_4(alone=True))
     repeat.start(prompt)
     history, drafts = list(prompt), []
     while len(history) < len(prompt) + 12:
         draft = repeat.propose(history, 16, 0.0).tokens
-        drafts.append(len(draft))
+        drafts.append((len(draft), repeat.shaped))
         done = len(history) - len(prompt)
         assert draft == written[done:done + len(draft)]
         _commit(repeat, history, written[done:done + len(draft) + 1])
-    assert drafts == [3, 3, 16]
+    assert drafts == [(3, True), (3, True), (16, False)]
 
-    shared = recorded(alone=False)
-    unaligned = SuffixProposer(shared)
+    unaligned = SuffixProposer(_near_tie_at_4(alone=False))
     unaligned.start(prompt)
     assert unaligned.propose(prompt, 16, 0.0).tokens == written[:16]
+    assert not unaligned.shaped
+
+
+class _LongHead:
+    """An MTP head that always drafts 8 tokens (the combined drafter's other half)."""
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, history: list[int], width: int, p_min: float) -> Draft:
+        return Draft([1] * 8)
+
+    def observe(self, outcome: VerifyOutcome) -> None:
+        pass
+
+
+def test_the_combined_drafter_keeps_a_repeats_shaped_draft_over_a_longer_heads() -> None:
+    """MTP plus lookup verifies the longer draft, except a repeat's cut to a near-tie's
+    shape: the head's 8 tokens would make the verify the near-tie was to be chosen in
+    another shape. Where nothing is to be shaped, the longer one is verified as before."""
+    shaped = SuffixProposer(_near_tie_at_4(alone=True))
+    combined = MtpSuffixProposer(cast(MtpProposer, _LongHead()), shaped)
+    combined.start(SHAPED_PROMPT)
+    assert combined.propose(SHAPED_PROMPT, 16, 0.0).tokens == SHAPED_ANSWER[:3]
+    plain = MtpSuffixProposer(cast(MtpProposer, _LongHead()),
+                              SuffixProposer(SuffixShared(RowCosts(FREE_ROWS),
+                                                          OutputCache(max_bytes=10**7))))
+    plain.start(SHAPED_PROMPT)
+    assert plain.propose(SHAPED_PROMPT, 16, 0.0).tokens == [1] * 8
 
 
 def test_the_requests_own_text_drafts_no_end_of_generation() -> None:

@@ -4,8 +4,10 @@ The lookup is nearly free and, where the text repeats, drafts further and surer 
 head; the head drafts where nothing repeats. Each step asks the lookup first and runs the
 head only when the lookup's draft does not already fill the width, then verifies the longer
 of the two (the lookup's draft is already cut to what its confidences pay for; the head's by
-``p_min``). Both are told every outcome: the head must catch up on every accepted token
-whoever drafted it, and the lookup learns costs and calibration from its own tokens only.
+``p_min``); a repeat's draft that holds a near-tie's shape (``repeat_shape.py``) is verified
+as it is, however short. Both are told every outcome: the head must catch up on every
+accepted token whoever drafted it, and the lookup learns costs and calibration from its own
+tokens only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class MtpSuffixProposer:
 
     def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
         lookup = self._suffix.propose(history, width, p_min)
-        if len(lookup.tokens) >= width:
+        if len(lookup.tokens) >= width or self._suffix.shaped:
             return lookup
         head = self._mtp.propose(history, width, p_min)
         self._suffix.stamp()  # the head's drafting is not part of the verify's cost

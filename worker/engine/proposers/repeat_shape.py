@@ -25,21 +25,22 @@ from collections.abc import Mapping
 Shape = tuple[int, int]
 
 
-def aligned_length(wanted: int, pos: int, shapes: Mapping[int, Shape]) -> int:
-    """How many of ``wanted`` draft tokens to verify when the verify's first row chooses the
-    output token at ``pos``, so that the next near-tie of ``shapes`` (output position ->
-    :data:`Shape`) is chosen by a verify of its own shape.
+def next_verify(pos: int, shapes: Mapping[int, Shape]) -> tuple[int, int] | None:
+    """Where the verify of the next near-tie of ``shapes`` (output position -> :data:`Shape`)
+    starts and how many rows it holds, when the next verify's first row chooses the output
+    token at ``pos``; None when every near-tie's verify started before ``pos`` (passed, or
+    missed: it cannot be made again)."""
+    return min(((position - row, rows) for position, (row, rows) in shapes.items()
+                if position - row >= pos), default=None)
 
-    A near-tie whose verify started before ``pos`` was passed (or missed: it cannot be made
-    again). Of the others, the first: a draft that would run across its verify's start ends
+
+def aligned_length(wanted: int, pos: int, verify: tuple[int, int]) -> int:
+    """How many of ``wanted`` draft tokens to verify when the verify's first row chooses the
+    output token at ``pos``, so that the near-tie ``verify`` (its start and rows,
+    :func:`next_verify`) is made in that shape: a draft that would run across its start ends
     just before it (its bonus is the token before that start), and a draft starting there
-    holds that verify's rows less the one the last committed token takes."""
-    for position in sorted(shapes):
-        row, rows = shapes[position]
-        start = position - row
-        if start < pos:
-            continue
-        if start == pos:
-            return min(wanted, rows - 1)
-        return min(wanted, start - pos - 1)
-    return wanted
+    holds its rows less the one the last committed token takes."""
+    start, rows = verify
+    if start == pos:
+        return min(wanted, rows - 1)
+    return min(wanted, start - pos - 1)

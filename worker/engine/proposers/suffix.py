@@ -47,7 +47,7 @@ from worker.engine.draft_length_policy import best_draft_length, expected_tokens
 from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
 from worker.engine.proposers.output_cache import Origin, OutputCache
-from worker.engine.proposers.repeat_shape import Shape, aligned_length
+from worker.engine.proposers.repeat_shape import Shape, aligned_length, next_verify
 from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
 
 #: The walk stops once the chance that the whole draft so far is accepted falls below this.
@@ -135,6 +135,10 @@ class SuffixProposer:
         #: The near-ties' shapes (by output position) of the earlier answer this output
         #: repeats, as the last lookup found it; empty when it repeats none.
         self._repeating: dict[int, Shape] = {}
+        #: The last draft repeats an earlier answer with a near-tie ahead, so its length is
+        #: that near-tie's shape (:mod:`.repeat_shape`): a longer draft of another drafter
+        #: would break it (:class:`~.combined.MtpSuffixProposer` reads it).
+        self.shaped = False
 
     def start(self, prompt: Sequence[int]) -> None:
         """Index the prompt and open this output's cache entry. The entry starts with the
@@ -169,9 +173,11 @@ class SuffixProposer:
                 best = Candidate(source, walked.tokens[:keep], walked.confidences[:keep],
                                  walked.cells[:keep])
                 best_rate = rate
-        if best.source == SHARED and self._repeating:
-            keep = aligned_length(len(best.tokens), len(history) - self._prompt_len,
-                                  self._repeating)
+        pos = len(history) - self._prompt_len
+        verify = next_verify(pos, self._repeating) if best.source == SHARED else None
+        self.shaped = verify is not None
+        if verify is not None:
+            keep = aligned_length(len(best.tokens), pos, verify)
             best = Candidate(SHARED, best.tokens[:keep], best.confidences[:keep],
                              best.cells[:keep])
         self._chosen = best
