@@ -6,17 +6,22 @@ coordinator without a vocabulary, to refuse what cannot compile with a message n
 problem before anything is queued (:func:`check_constraint`); the worker against its model's
 own vocabulary, to mask the target distribution (``worker/engine/constraint/``). One function,
 :meth:`Constraint.llguidance_grammar`, turns every kind into llguidance's grammar text, so the
-two sides can never compile different things.
+two sides can never compile different things. The check runs in a child process bounded in
+time, stack and memory (:mod:`shared.constraint_sandbox`): a grammar that would crash or stall
+the compiler is a refusal naming the limit, on the gateway, the client and the worker alike.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.constraint_sandbox import CompileLimitError, CompileSandbox, SandboxSettings
 
 #: Hard caps on what a constraint may carry (a schema is JSON text when measured).
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -101,18 +106,38 @@ class Constraint(BaseModel):
 
 
 def check_constraint(constraint: Constraint) -> None:
-    """Compile ``constraint`` without a vocabulary; raise :class:`ConstraintError` naming the
-    problem. The coordinator calls this before queueing, so a worker never receives a
-    constraint that cannot compile (its own compile then fails only on its vocabulary)."""
-    error = _compile_error(constraint.llguidance_grammar())
+    """Compile ``constraint`` without a vocabulary, in the sandbox; raise
+    :class:`ConstraintError` naming the problem, or the limit (time, nesting) it hit. The
+    coordinator calls this before queueing and the worker before it compiles against its
+    vocabulary, so neither ever compiles in-process what could crash or stall it."""
+    grammar = constraint.llguidance_grammar()
+    try:
+        error = _compile_error(grammar)
+    except CompileLimitError as exc:
+        raise ConstraintError(f"{constraint.kind.value} constraint: {exc}") from None
     if error:
         raise ConstraintError(f"{constraint.kind.value} constraint: {error}")
 
 
 @lru_cache(maxsize=256)
 def _compile_error(grammar: str) -> str:
-    """llguidance's verdict on ``grammar`` ('' when it compiles), remembered: a request is
-    checked at parse and again at submit, and batch lines and agents repeat the same tools."""
-    from llguidance import LLMatcher
+    """The sandbox's verdict on ``grammar`` ('' when it compiles), remembered: a request is
+    checked at parse and again at submit, and batch lines and agents repeat the same tools.
+    A limit hit (:class:`CompileLimitError`) is not remembered: a refusal for time is never
+    kept past a load spike."""
+    return sandbox().verdict(grammar)
 
-    return str(LLMatcher.validate_grammar(grammar, None) or "")
+
+_SANDBOX: CompileSandbox | None = None
+_SANDBOX_LOCK = threading.Lock()
+
+
+def sandbox() -> CompileSandbox:
+    """This process's compile sandbox, configured from its environment
+    (``SPECFLEET_CONSTRAINT_COMPILE_SECONDS``, ``SPECFLEET_CONSTRAINT_COMPILERS``,
+    ``SPECFLEET_CONSTRAINT_MEMORY_MIB``); its children start on first use."""
+    global _SANDBOX
+    with _SANDBOX_LOCK:
+        if _SANDBOX is None:
+            _SANDBOX = SandboxSettings().sandbox()
+        return _SANDBOX

@@ -555,9 +555,34 @@ class ProgressEvent(_EventBase):
     worker: str | None = None
 
 
+class Rejection(StrEnum):
+    """Why a worker refused a request at admission: the request itself is at fault, so a
+    client hears a 400 (the gateway answers these as it answers refusals made before
+    queueing), never a server error its SDK would retry. An ``ErrorEvent`` whose
+    ``error_type`` is none of these is the worker's or the job's failure."""
+
+    #: Anything else the engine refused (a constraint its vocabulary cannot spell, ...).
+    REQUEST = "request"
+    #: Prompt + max_tokens past the worker's context (``context_length_exceeded``).
+    CONTEXT = "context"
+    VALIDATION = "validation"
+    PROMPT = "prompt"
+    CAPACITY = "capacity"
+    WRONG_MODEL = "wrong_model"
+
+    @classmethod
+    def of(cls, error_type: str | None) -> Rejection | None:
+        """The rejection an ``ErrorEvent.error_type`` names (None: not the client's fault)."""
+        try:
+            return cls(error_type) if error_type is not None else None
+        except ValueError:
+            return None
+
+
 class ErrorEvent(_EventBase):
     type: Literal["error"] = "error"
     message: str
+    #: A :class:`Rejection`, or the worker's own failure (an exception's type name).
     error_type: str = "error"
 
 

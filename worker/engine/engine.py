@@ -27,7 +27,7 @@ from worker.engine.config import (
     model_spec,
     target_spec,
 )
-from worker.engine.constraint.matcher import compile_constraint
+from worker.engine.constraint.matcher import bind
 from worker.engine.draft_bar import DraftBar
 from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
@@ -173,8 +173,9 @@ class SpeculativeEngine:
         counters = SpecCounters(spec_method=method, draft_max=draft_max,
                                 deterministic=self.config.deterministic,
                                 prompt_tokens=len(request.prompt_tokens))
-        # Compiled against this vocabulary before anything is placed: a ConstraintError.
-        constraint = compile_constraint(request.constraint, self.model, counters)
+        # Compiled against this vocabulary before anything is placed (the serving loop has
+        # compiled it already, off this thread): a ConstraintError.
+        constraint = bind(request.constraint, self.model, counters)
         drafts_mtp = self.mtp is not None and uses_mtp(method)
         placement = self.prefix.place(request.prompt_tokens, free, drafts_mtp,
                                       request.prefix_cache)

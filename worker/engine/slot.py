@@ -23,6 +23,7 @@ from shared.protocol import (
     TokenLogprob,
 )
 from worker.engine.constraint.base import UNCONSTRAINED, SlotConstraint
+from worker.engine.constraint.matcher import CompiledGrammar
 from worker.engine.draft_length_policy import DraftLengthPolicy
 from worker.engine.logprobs import LogprobReporter
 from worker.engine.proposers.base import Proposer, VerifyOutcome
@@ -43,7 +44,9 @@ class SlotRequest:
     result); ``logprobs`` None returns none, ``k`` returns each token's log probability and
     its ``k`` most likely alternatives; ``proposer`` replaces the drafter ``spec`` selects
     (tests drive rollback with an oracle); ``constraint`` masks the target distribution to
-    a grammar (``worker/engine/constraint/``). ``log_fields`` go on the
+    a grammar (``worker/engine/constraint/``): compiled already against the engine's model
+    (the serving loop compiles off the engine's thread), or compiled at admission.
+    ``log_fields`` go on the
     engine's own log events of this slot (a worker running several jobs at once passes the
     job id, so ``generation.finished`` names the job it belongs to).
     """
@@ -59,7 +62,7 @@ class SlotRequest:
     #: Reuse a cached prefix and leave this request's tokens cached (False: prefill from the
     #: first token, leave nothing behind).
     prefix_cache: bool = True
-    constraint: Constraint | None = None
+    constraint: Constraint | CompiledGrammar | None = None
 
 
 @dataclass

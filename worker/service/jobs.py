@@ -29,6 +29,7 @@ from shared.protocol import (
     FinishReason,
     GenerationRequest,
     JobStatus,
+    Rejection,
     TokenLogprob,
     WorkerCapacity,
     describe_validation_error,
@@ -39,6 +40,7 @@ from worker.service.cancel import CancelWatch
 from worker.service.events import TokenChunker
 
 if TYPE_CHECKING:
+    from worker.engine.constraint.matcher import CompiledGrammar
     from worker.engine.engine import SpeculativeEngine
     from worker.service.metrics import WorkerMetrics
 
@@ -155,13 +157,15 @@ class JobRun:
         writer.progress("generating", done=0, total=req.max_tokens, worker=rt.worker_name)
         return cls(rt, job_id, writer, req, prompt, logger)
 
-    def slot_request(self) -> SlotRequest:
+    def slot_request(self, grammar: CompiledGrammar | None) -> SlotRequest:
+        """The engine's request; ``grammar``: the request's constraint, compiled by the
+        serving loop off the engine's thread (None: it has none)."""
         # The coordinator gave the request its seed before queueing; one that arrived
         # without (an old client writing the queue itself) gets one drawn by the engine.
         req = self.req
         return SlotRequest(self.prompt, req.max_tokens, req.speculative,
                            sampling=req.sampling, stop=req.stop, logprobs=req.logprobs_k,
-                           prefix_cache=req.prefix_cache, constraint=req.constraint,
+                           prefix_cache=req.prefix_cache, constraint=grammar,
                            log_fields={"job_id": self.job_id, "attempt": self.writer.attempt})
 
     def tokens(self, tokens: list[int], text: str,
@@ -175,7 +179,7 @@ class JobRun:
         rt = self.rt
         return rt.interrupt.is_set() or rt.lost.is_set() or self._cancel.cancelled()
 
-    def reject(self, message: str, error_type: str = "request") -> NoReturn:
+    def reject(self, message: str, error_type: Rejection = Rejection.REQUEST) -> NoReturn:
         """The engine refused the request at admission (a prompt it cannot hold, a setting
         beyond its capacity, ...)."""
         _reject(self.rt, self.writer, self.log, message, error_type)
@@ -229,7 +233,7 @@ def refuse(rt: WorkerRuntime, job_id: str, reason: str) -> None:
 
 def _reject(rt: WorkerRuntime, writer: EventWriter,
             logger: structlog.typing.FilteringBoundLogger, message: str,
-            error_type: str) -> NoReturn:
+            error_type: Rejection) -> NoReturn:
     writer.error(message, error_type=error_type)
     writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=message)
     logger.warning("job.failed", error_type=error_type, error=message)
@@ -244,23 +248,24 @@ def _admit(rt: WorkerRuntime, writer: EventWriter, logger: structlog.typing.Filt
         req = GenerationRequest.model_validate(request)
     except ValidationError as exc:
         _reject(rt, writer, logger, f"invalid request: {describe_validation_error(exc)}",
-                "validation")
+                Rejection.VALIDATION)
     if req.model != rt.model_name:
         _reject(rt, writer, logger,
-                f"this worker serves model '{rt.model_name}', not '{req.model}'", "wrong_model")
+                f"this worker serves model '{rt.model_name}', not '{req.model}'",
+                Rejection.WRONG_MODEL)
     n_vocab = rt.engine.model.n_vocab
     outside = sorted({t for t in [*(req.prompt_tokens or []), *req.sampling.logit_bias]
                       if t >= n_vocab})
     if outside:  # llama.cpp would read past its vocabulary
         _reject(rt, writer, logger, f"token id(s) {', '.join(map(str, outside[:5]))} outside "
-                f"the vocabulary (ids 0..{n_vocab - 1})", "validation")
+                f"the vocabulary (ids 0..{n_vocab - 1})", Rejection.VALIDATION)
     from worker.engine.prompt import PromptError, build_prompt  # loads llama.cpp: worker only
     try:
         prompt = build_prompt(rt.engine.model, req, rt.settings.chat_template)
     except PromptError as exc:  # no chat template, a template that fails to render
-        _reject(rt, writer, logger, str(exc), "prompt")
+        _reject(rt, writer, logger, str(exc), Rejection.PROMPT)
     if len(prompt) + req.max_tokens > rt.n_ctx:
         _reject(rt, writer, logger,
                 f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
-                f"worker's context of {rt.n_ctx} tokens", "context")
+                f"worker's context of {rt.n_ctx} tokens", Rejection.CONTEXT)
     return req, prompt

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from functools import partial
 from types import FrameType
@@ -24,9 +25,12 @@ from rq.job import Job
 from rq.worker import SimpleWorker, WorkerStatus
 
 from shared.capacity import CapacityError
+from shared.constraint import ConstraintError, sandbox
 from shared.logs import get_logger
 from shared.outage import RedisOutage, ride_out
+from shared.protocol import Rejection
 from shared.recovery import requeue_front
+from worker.engine.constraint.matcher import CompiledGrammar, GrammarCompile, compile_off_thread
 from worker.engine.slot import GenerationResult, Slot
 from worker.service.intake import JobIntake, Taken
 from worker.service.jobs import (
@@ -51,6 +55,37 @@ from worker.service.rq_state import (
 log = get_logger("worker")
 
 T = TypeVar("T")
+
+#: A worker gives a constraint this many times the coordinator's compile budget
+#: (``SPECFLEET_CONSTRAINT_COMPILE_SECONDS``): it compiles the sandbox's check and then
+#: against a vocabulary of up to 262k tokens, beside a decode.
+WORKER_COMPILE_FACTOR = 4
+#: How often an idle loop with constraints compiling looks at their budgets.
+COMPILE_POLL_SECONDS = 0.1
+
+
+@dataclass
+class _Starting:
+    """A job taken and opened, on its way into a slot: its constraint (if any) compiling
+    off the engine's thread until ``deadline``."""
+
+    job: Job
+    execution: Execution
+    run: JobRun
+    grammar: GrammarCompile | None = None
+
+    def compiled(self, budget: float) -> CompiledGrammar | None:
+        """The compiled constraint (None: the job has none); a ``ConstraintError`` when it
+        did not compile, or not within ``budget`` seconds (the thread runs on to its end;
+        llguidance's parser limits bound it, and its result is dropped)."""
+        if self.grammar is None:
+            return None
+        if not self.grammar.future.done():
+            raise ConstraintError(f"the constraint did not compile against this model's "
+                                  f"vocabulary within {budget:g} s "
+                                  "(SPECFLEET_CONSTRAINT_COMPILE_SECONDS x "
+                                  f"{WORKER_COMPILE_FACTOR})")
+        return self.grammar.future.result()
 
 
 @dataclass
@@ -83,29 +118,41 @@ class ServingLoop:
         self.presence: SimpleWorker | None = None
         self.stopping = threading.Event()
         self._running: dict[int, _Running] = {}
+        #: Jobs whose constraint is compiling; each holds a slot (free_slots counts them).
+        self._compiling: list[_Starting] = []
         #: Signals received and not yet logged (see :meth:`request_stop`).
         self._signals: list[tuple[int, bool]] = []
 
     @property
     def current_jobs(self) -> list[str]:
-        """The jobs in the engine's slots right now, in slot order."""
-        return [r.job.id for _, r in sorted(self._running.items())]
+        """The jobs in the engine's slots right now, in slot order, then those whose
+        constraint is compiling."""
+        return ([r.job.id for _, r in sorted(self._running.items())]
+                + [s.job.id for s in self._compiling])
+
+    def _free_slots(self) -> int:
+        return self.runtime.engine.free_slots - len(self._compiling)
+
+    def _busy(self) -> bool:
+        return bool(self._running or self._compiling)
 
     def run(self) -> None:
         """Serve until asked to stop and every slot is done; raises :class:`RedisOutage` past
         the outage deadline (the held jobs stay in the in-flight list for recovery)."""
-        engine = self.runtime.engine
-        while not (self.stopping.is_set() and not self._running):
+        while not (self.stopping.is_set() and not self._busy()):
             self._log_signals()
-            while (engine.free_slots and not self.stopping.is_set()
+            while (self._free_slots() > 0 and not self.stopping.is_set()
                    and not self.runtime.lost.is_set()):
-                taken = self._ride(lambda: self.intake.take(block=not self._running),
+                taken = self._ride(lambda: self.intake.take(block=not self._busy()),
                                    "intake.take")
                 if taken is None:
                     break
                 self._start(taken)
+            self._admit_compiled()
             if self._running:
                 self._step()
+            elif self._compiling:
+                self._wait_compiles()
             elif self.runtime.lost.is_set():
                 self.runtime.lost.clear()  # every stale run has stood down
         self._log_signals()
@@ -152,29 +199,72 @@ class ServingLoop:
         execution = self._ride(lambda: mark_started(conn, job, rt.rq_name, ttl),
                                "job.start")
         self._set_state(WorkerStatus.BUSY)
-        run: JobRun | None = None
         try:
             run = JobRun.open(rt, job.id, request)
+        except RedisOutage:
+            raise
+        except Exception as exc:  # rejected (already on its stream) or failed to start
+            self._failed_start(job, execution, None, exc)
+            return
+        starting = _Starting(job, execution, run)
+        if run.req.constraint is None:
+            self._admit(starting)
+            return
+        starting.grammar = compile_off_thread(run.req.constraint, rt.engine.model)
+        self._compiling.append(starting)
+
+    def _compile_budget(self) -> float:
+        return sandbox().seconds * WORKER_COMPILE_FACTOR
+
+    def _admit_compiled(self) -> None:
+        """Admit the jobs whose constraint has compiled (or failed to, or ran past its
+        budget: rejected naming it); the others keep compiling beside the decode."""
+        for starting in list(self._compiling):
+            grammar = starting.grammar
+            assert grammar is not None
+            if grammar.future.done() or grammar.overdue(self._compile_budget()):
+                self._compiling.remove(starting)
+                self._admit(starting)
+
+    def _wait_compiles(self) -> None:
+        """Nothing to decode, only constraints compiling: wait for one to end (at most a
+        tenth of a second, then look at the budgets again), not spin."""
+        wait([s.grammar.future for s in self._compiling if s.grammar is not None],
+             timeout=COMPILE_POLL_SECONDS, return_when=FIRST_COMPLETED)
+
+    def _admit(self, starting: _Starting) -> None:
+        rt = self.runtime
+        run = starting.run
+        try:
             try:
-                slot = rt.engine.admit(run.slot_request())
+                slot = rt.engine.admit(run.slot_request(starting.compiled(
+                    self._compile_budget())))
             except CapacityError as exc:  # shared/capacity.py: the rule applied at submit
-                run.reject(f"speculative: {exc}", "capacity")
-            except ValueError as exc:
+                run.reject(f"speculative: {exc}", Rejection.CAPACITY)
+            except ValueError as exc:  # a ConstraintError among them
                 run.reject(str(exc))
         except RedisOutage:
             raise
         except Exception as exc:  # rejected (already on its stream) or failed to start
-            if run is not None and not isinstance(exc, RequestRejected):
-                run.fail(exc)
-            self._end(job, partial(mark_failed, job=job, execution=execution, error=exc,
-                                   worker_name=rt.rq_name))
-            if run is not None:
-                run.close()
-            self._log_crash(job.id, exc)
+            self._failed_start(starting.job, starting.execution, run, exc)
             return
-        self._running[slot.seq] = _Running(job, execution, run, slot)
+        self._running[slot.seq] = _Running(starting.job, starting.execution, run, slot)
         req = run.req
         self._ride(lambda: self.prefixes.admitted(slot.seq, req), "prefix.publish")
+
+    def _failed_start(self, job: Job, execution: Execution, run: JobRun | None,
+                      exc: Exception) -> None:
+        """A job that never reached a slot: its failure recorded, its run closed."""
+        rt = self.runtime
+        if run is not None and not isinstance(exc, RequestRejected):
+            run.fail(exc)
+        self._end(job, partial(mark_failed, job=job, execution=execution, error=exc,
+                               worker_name=rt.rq_name))
+        if run is not None:
+            run.close()
+        self._log_crash(job.id, exc)
+        if not self._running and not self._compiling:
+            self._set_state(WorkerStatus.IDLE)
 
     # -- one engine step for every slot ----------------------------------------------------
     def _step(self) -> None:

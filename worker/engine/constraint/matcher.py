@@ -26,13 +26,17 @@ so the hot loop never asks whether a slot is constrained.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
 from llguidance import LLMatcher
 
-from shared.constraint import Constraint, ConstraintError
+from shared.constraint import Constraint, ConstraintError, check_constraint
+from shared.constraint_sandbox import WORKER_STACK_MIB, parser_limits
 from worker.engine.constraint.base import UNCONSTRAINED, SlotConstraint
 from worker.engine.constraint.tokenizer import GrammarVocab, grammar_vocab
 from worker.engine.proposers.base import Draft
@@ -152,35 +156,108 @@ class GrammarConstraint:
         return ids
 
     def _mask_ids(self) -> np.ndarray:
-        """The mask's ids within the model's vocabulary, plus every end-of-generation id
-        when the grammar may end here (llguidance knows one end token; a model may have
-        several, such as Gemma's ``<eos>`` and ``<end_of_turn>``)."""
-        words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(words, bitorder="little")
-        if self._eos < len(bits) and bits[self._eos]:
-            bits[self._eog] = 1
-        return np.nonzero(bits[: self._vocab.n_vocab].view(np.bool_))[0]  # bool: ~8x faster
+        return _mask_ids(self._matcher, self._vocab)
 
 
-def compile_constraint(constraint: Constraint | None, model: Model,
-                       counters: SpecCounters) -> SlotConstraint:
-    """The slot's constraint: :data:`UNCONSTRAINED` for None, else a matcher compiled against
-    ``model``'s vocabulary. Raises :class:`ConstraintError` (a ValueError: the job's error
-    names it) when the grammar does not compile against this vocabulary or allows no first
-    token in it."""
-    if constraint is None:
-        return UNCONSTRAINED
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A constraint compiled against a model's vocabulary, its matcher standing before the
+    first token: what a slot binds (:func:`bind`). Compiling takes from milliseconds to
+    (for a large schema against a 262k vocabulary) a second, so the serving loop compiles
+    off the engine's thread (:func:`compile_off_thread`) while the other slots decode."""
+
+    matcher: LLMatcher
+    vocab: GrammarVocab
+    kind: str
+
+
+def compile_grammar(constraint: Constraint, model: Model) -> CompiledGrammar:
+    """``constraint`` compiled against ``model``'s vocabulary, under llguidance's parser
+    limits. The sandbox checks it first (``check_constraint``: what would crash or stall a
+    compiler is refused there, in a child process), so what is compiled here, in-process,
+    has passed with 1/8 of the stack it gets here (:func:`compile_off_thread`).
+
+    Raises :class:`ConstraintError` (a ValueError: the job's error names it) when the
+    grammar does not compile against this vocabulary or allows no first token in it."""
+    check_constraint(constraint)
     vocab = grammar_vocab(model)
     kind = constraint.kind.value
-    matcher = LLMatcher(vocab.tokenizer, constraint.llguidance_grammar(), log_level=0)
+    matcher = LLMatcher(vocab.tokenizer, constraint.llguidance_grammar(), log_level=0,
+                        limits=parser_limits())
     if matcher.is_error():
         raise ConstraintError(f"{kind} constraint does not compile against this model's "
                               f"vocabulary: {matcher.get_error()}")
-    slot = GrammarConstraint(matcher, vocab, counters)
-    if not len(slot._mask_ids()) or matcher.is_error():
+    if not len(_mask_ids(matcher, vocab)) or matcher.is_error():
         raise ConstraintError(f"{kind} constraint: this model's vocabulary cannot spell any "
                               f"start it allows ({_reason(matcher.get_error())})")
-    return slot
+    return CompiledGrammar(matcher, vocab, kind)
+
+
+class GrammarCompile:
+    """A :func:`compile_grammar` running off the engine's thread (:func:`compile_off_thread`):
+    its ``future``, and when it began compiling (None while the model's vocabulary view is
+    still being built, ~2 s once per model for 262k tokens: not the grammar's time)."""
+
+    def __init__(self) -> None:
+        self.future: Future[CompiledGrammar] = Future()
+        self.started: float | None = None
+
+    def overdue(self, budget: float) -> bool:
+        """Compiling for longer than ``budget`` seconds."""
+        return self.started is not None and perf_counter() - self.started > budget
+
+
+def compile_off_thread(constraint: Constraint, model: Model) -> GrammarCompile:
+    """:func:`compile_grammar` on a thread of its own with a
+    :data:`~shared.constraint_sandbox.WORKER_STACK_MIB` stack (llguidance compiles
+    recursively, and releases the GIL while it does, so the engine decodes on meanwhile)."""
+    compile_ = GrammarCompile()
+
+    def run() -> None:
+        if not compile_.future.set_running_or_notify_cancel():
+            return
+        try:
+            grammar_vocab(model)
+            compile_.started = perf_counter()
+            compile_.future.set_result(compile_grammar(constraint, model))
+        except BaseException as exc:  # noqa: BLE001  the waiting job reports it
+            compile_.future.set_exception(exc)
+
+    with _STACK_LOCK:  # threading.stack_size is process-wide: set it for this thread only
+        previous = threading.stack_size(WORKER_STACK_MIB * 1024 * 1024)
+        try:
+            threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        finally:
+            threading.stack_size(previous)
+    return compile_
+
+
+_STACK_LOCK = threading.Lock()
+
+
+def bind(compiled: CompiledGrammar | Constraint | None, model: Model,
+         counters: SpecCounters) -> SlotConstraint:
+    """A slot's constraint: :data:`UNCONSTRAINED` for None; a compiled grammar's matcher
+    counting into the slot's ``counters`` (a :class:`Constraint` not compiled yet, as
+    ``engine.generate`` passes one, is compiled here, off this thread's stack, and waited
+    for)."""
+    if compiled is None:
+        return UNCONSTRAINED
+    if isinstance(compiled, Constraint):
+        compiled = compile_off_thread(compiled, model).future.result()
+    return GrammarConstraint(compiled.matcher, compiled.vocab, counters)
+
+
+def _mask_ids(matcher: LLMatcher, vocab: GrammarVocab) -> np.ndarray:
+    """The mask's ids within the model's vocabulary where ``matcher`` stands, plus every
+    end-of-generation id when the grammar may end there (llguidance knows one end token; a
+    model may have several, such as Gemma's ``<eos>`` and ``<end_of_turn>``)."""
+    words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    bits = np.unpackbits(words, bitorder="little")
+    eos = vocab.tokenizer.eos_token
+    if eos < len(bits) and bits[eos]:
+        bits[np.asarray(vocab.eog, dtype=np.int64)] = 1
+    return np.nonzero(bits[: vocab.n_vocab].view(np.bool_))[0]  # bool: ~8x faster
 
 
 def _reason(error: str) -> str:

@@ -11,6 +11,7 @@ the result is cached per :class:`~worker.llm.Model` for as long as it lives.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -97,13 +98,16 @@ class _Pieces:
 
 
 _CACHE: WeakKeyDictionary[Model, GrammarVocab] = WeakKeyDictionary()
+#: Constraints compile on threads of their own: the first ones of a model build its view once.
+_BUILDING = threading.Lock()
 
 
 def grammar_vocab(model: Model) -> GrammarVocab:
     """``model``'s vocabulary for llguidance, built on first use and kept with the model."""
-    vocab = _CACHE.get(model)
-    if vocab is None:
-        pieces = _Pieces(model)
-        tokenizer = LLTokenizer(TokenizerWrapper(pieces))
-        vocab = _CACHE[model] = GrammarVocab(tokenizer, model.n_vocab, pieces.eog)
-    return vocab
+    with _BUILDING:
+        vocab = _CACHE.get(model)
+        if vocab is None:
+            pieces = _Pieces(model)
+            tokenizer = LLTokenizer(TokenizerWrapper(pieces))
+            vocab = _CACHE[model] = GrammarVocab(tokenizer, model.n_vocab, pieces.eog)
+        return vocab
