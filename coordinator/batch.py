@@ -17,35 +17,58 @@ way a line is accounted. Output and error files are assembled from Redis when th
 in input order. The HTTP gateway and ``specfleet batch`` both use :class:`BatchStore`; there
 is no other implementation.
 
+Tenants: every file and batch is owned by the :class:`Tenant` that created it, stored as its
+key id (never the key); a batch's output and error files are its batch's. A tenant sees and
+acts on its own objects only (another's are "no such" 404s), an admin on everyone's, and the
+operator (:data:`OPERATOR`: ``specfleet batch``, the pumps) too. What an open gateway or the
+operator creates, and what was stored before owners were recorded, is :data:`ANONYMOUS`'s.
+A tenant's :class:`Quota` bounds the bytes of its live uploads and its open batches, checked
+and booked in one script with the write, so concurrent requests cannot overshoot it.
+
+A batch cannot take its pumps down with it. A cancelled or expired batch's remaining lines are
+accounted ``cancelled`` without being parsed. Before a pump parses a line it books the attempt
+in the batch's hash (``attempt_line``, ``attempts``), and books it off when it lets go without
+dying (a stop, a lost lease); a line that pumps took :data:`MAX_LINE_ATTEMPTS` times and never
+finished (they died on it: a crash in a parser, a kill) is failed unparsed, and the batch
+carries on. An unexpected exception on a line fails that line; one outside any line is
+counted in ``pump_failures`` and fails the batch (OpenAI's ``errors`` object) at
+:data:`MAX_BATCH_FAILURES`. Redis errors only delay: the next call resumes.
+
 Redis keys (``shared.keys``): ``file:{id}`` (uploads), ``files`` (their listing),
-``batch:{id}`` (status, counts, meta),
+``batch:{id}`` (status, counts, meta, owner, the line being attempted),
 ``batch:{id}:jobs`` (line -> custom id, job id, model), ``batch:{id}:results`` (line -> final
-event), ``batch:{id}:creator`` (the queueing lease), ``job:{id}:batch`` (a job's line
-reference, read by the script), ``batches`` (listing), ``batches:open`` (batches not ended,
-by when their window closes: what the gateways' pumps look after).
+event), ``batch:{id}:creator`` (the queueing lease, naming its holder ``HOST:PID:TOKEN``),
+``job:{id}:batch`` (a job's line reference, read by the script), ``batches`` (listing),
+``batches:open`` (batches not ended, by when their window closes: what the gateways' pumps
+look after), ``owner:{key id}:...`` (a tenant's listings and what its quotas count).
 Everything expires ``SPECFLEET_RESULT_TTL_SECONDS`` after the batch's last change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import os
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from redis.exceptions import RedisError
 from rq.job import Job
 
 from coordinator.client import Coordinator
 from coordinator.openai_api import replies, requests
-from coordinator.openai_api.fields import RequestError
+from coordinator.openai_api.fields import Metadata, RequestError
 from coordinator.validation import SubmitError
 from shared.event_stream import EventWriter
 from shared.logs import get_logger
+from shared.outage import RedisOutage
 from shared.protocol import BatchLine, FinalEvent, JobStatus, describe_validation_error
 from shared.replies import text
 
@@ -60,18 +83,29 @@ COMPLETION_WINDOW = "24h"
 CREATOR_LEASE_SECONDS = 3.0
 #: Seconds between two looks for a live worker while a line's model has none.
 WORKER_WAIT_SECONDS = 1.0
+#: Pumps that may take one line and die on it before the next one fails it unparsed: one
+#: death is a kill or an OOM that had nothing to do with the line, three in a row are the line.
+MAX_LINE_ATTEMPTS = 3
+#: Unexpected failures outside any line (corrupt batch data, a bug) after which a batch is
+#: ``failed`` instead of retried by every pump for ever.
+MAX_BATCH_FAILURES = 3
 #: Statuses after which a batch never changes again.
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 #: Statuses in which a batch still has lines to queue or jobs to wait for.
 OPEN = ("validating", "in_progress", "cancelling")
+#: The owner of what is created without an API key (an open gateway, the operator), and of
+#: what was stored before owners were recorded.
+ANONYMOUS = "anonymous"
 
-#: Move a batch to status ARGV[1] (stamping field ARGV[2] with Redis's clock) only from one of
-#: the statuses ARGV[3..]: a cancel or the last line's accounting may have moved it meanwhile.
+#: Move a batch to status ARGV[1] (stamping field ARGV[2] with Redis's clock, and storing
+#: ARGV[3] as its ``errors`` object unless empty) only from one of the statuses ARGV[4..]: a
+#: cancel or the last line's accounting may have moved it meanwhile.
 _MOVE_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   if status == ARGV[i] then
     redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], redis.call('TIME')[1])
+    if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'errors', ARGV[3]) end
     return 1
   end
 end
@@ -84,6 +118,82 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+#: A pump takes line ARGV[1] of batch KEYS[1] (ARGV[2] = 1), or lets go of it without dying
+#: (-1): ``attempts`` counts the pumps that took ``attempt_line`` and never finished it (a
+#: finished line deletes both fields). Returns the count.
+_ATTEMPT_LUA = """
+if redis.call('HGET', KEYS[1], 'attempt_line') ~= ARGV[1] then
+  if ARGV[2] ~= '1' then return 0 end
+  redis.call('HSET', KEYS[1], 'attempt_line', ARGV[1], 'attempts', 0)
+end
+return redis.call('HINCRBY', KEYS[1], 'attempts', ARGV[2])
+"""
+#: An owner's uploads (KEYS[3]: id -> when it expires) and their bytes (KEYS[4]: id -> bytes,
+#: ``total``): ``forget`` takes one out of both.
+_FILES_LUA = """
+local function forget(id)
+  local size = redis.call('HGET', KEYS[4], id)
+  if size then
+    redis.call('HINCRBY', KEYS[4], 'total', -tonumber(size))
+    redis.call('HDEL', KEYS[4], id)
+  end
+  redis.call('ZREM', KEYS[3], id)
+end
+"""
+#: Store upload ARGV[1] (hash KEYS[1], listing KEYS[2] scored ARGV[2]) for owner ARGV[8] with
+#: TTL ARGV[3], unless its ARGV[4] bytes bring the owner's live uploads past ARGV[5] (-1: no
+#: limit); expired uploads leave the count first. Returns -1 once stored, else the bytes the
+#: owner holds.
+_UPLOAD_LUA = _FILES_LUA + """
+local now = tonumber(redis.call('TIME')[1])
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)) do forget(id) end
+local used = tonumber(redis.call('HGET', KEYS[4], 'total') or '0')
+local size, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
+if limit >= 0 and used + size > limit then return used end
+redis.call('HSET', KEYS[1], 'meta', ARGV[6], 'content', ARGV[7], 'owner', ARGV[8])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('HSET', KEYS[4], ARGV[1], size)
+redis.call('HINCRBY', KEYS[4], 'total', size)
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[4], ARGV[3])
+return -1
+"""
+#: Delete upload ARGV[1] (hash KEYS[1], listing KEYS[2]) and its owner's count of it; 1 when
+#: it was there.
+_DELETE_FILE_LUA = _FILES_LUA + """
+local existed = redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+forget(ARGV[1])
+return existed
+"""
+#: Create batch ARGV[1] (hash KEYS[1] of the field/value pairs ARGV[8..], TTL ARGV[4]; in the
+#: listing KEYS[2] and the owner's KEYS[4] scored ARGV[2], in the open set KEYS[3] and the
+#: owner's KEYS[5] scored ARGV[3]; the owner's sets expire after ARGV[7]), unless the owner
+#: already has ARGV[5] batches open (-1: no limit; KEYS[5] loses those that ended, found by
+#: their hash under prefix ARGV[6]). Returns -1 once created, else the owner's open batches.
+_CREATE_LUA = "local open_status = {" + ", ".join(f"{s} = true" for s in OPEN) + "}" + """
+local open = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
+  if open_status[redis.call('HGET', ARGV[6] .. id, 'status')] then
+    open = open + 1
+  else
+    redis.call('ZREM', KEYS[5], id)
+  end
+end
+local limit = tonumber(ARGV[5])
+if limit >= 0 and open >= limit then return open end
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[5], ARGV[3], ARGV[1])
+redis.call('EXPIRE', KEYS[4], ARGV[7])
+redis.call('EXPIRE', KEYS[5], ARGV[7])
+return -1
+"""
 
 
 class _NoWorker(Exception):
@@ -93,6 +203,9 @@ class _NoWorker(Exception):
 class _LeaseLost(Exception):
     """Another process took the batch's creator lease (this one stalled past it)."""
 
+#: OpenAI's ``metadata`` rule, the one every request field follows (``fields.Metadata``).
+METADATA: TypeAdapter[dict[str, str]] = TypeAdapter(Metadata)
+
 _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
                "cancelling_at", "cancelled_at")
 
@@ -100,14 +213,50 @@ _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "
 class BatchError(ValueError):
     """A files/batches request that cannot be served; ``status`` is its HTTP status."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Quota:
+    """What one tenant may hold at once: bytes of live uploads, batches not ended
+    (``SPECFLEET_MAX_STORED_BYTES_PER_KEY``, ``SPECFLEET_MAX_OPEN_BATCHES_PER_KEY``)."""
+
+    stored_bytes: int
+    open_batches: int
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who is asking, decided once per request (``coordinator.gateway.auth.ApiKeys``).
+
+    ``owner`` is the id what it creates is stored under (an API key's key id, never the key);
+    ``admin`` sees and acts on every owner's objects; ``quota`` bounds what it creates (None:
+    unbounded)."""
+
+    owner: str
+    admin: bool = False
+    quota: Quota | None = None
+
+    def sees(self, owner: str) -> bool:
+        """Whether this tenant may read and act on an object of ``owner``."""
+        return self.admin or owner == self.owner
+
+
+#: The operator (``specfleet batch``, which talks to Redis directly, and the pumps): sees and
+#: acts on everything, unbounded; what it creates is :data:`ANONYMOUS`'s.
+OPERATOR = Tenant(ANONYMOUS, admin=True)
 
 
 class BatchStore:
-    """Files and batches of one deployment, kept in its Redis."""
+    """Files and batches of one deployment, kept in its Redis.
+
+    Every method that reads or acts on objects takes the ``tenant`` asking (the operator's
+    view unless told otherwise: the gateway always tells it)."""
 
     def __init__(self, coordinator: Coordinator,
                  aliases: dict[str, str] | None = None) -> None:
@@ -120,6 +269,10 @@ class BatchStore:
         self.window = coordinator.settings.batch_window_seconds
         self._move = self.conn.register_script(_MOVE_LUA)
         self._renew = self.conn.register_script(_RENEW_LUA)
+        self._attempt = self.conn.register_script(_ATTEMPT_LUA)
+        self._upload = self.conn.register_script(_UPLOAD_LUA)
+        self._delete_file = self.conn.register_script(_DELETE_FILE_LUA)
+        self._create = self.conn.register_script(_CREATE_LUA)
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -128,9 +281,11 @@ class BatchStore:
         self._stopping.set()
 
     # -- files -------------------------------------------------------------------------------
-    def upload(self, content: bytes, filename: str, purpose: str = "batch") -> dict[str, Any]:
-        """Store an input file; returns its OpenAI file object. A file that is not JSON
-        Lines at all is refused here (:func:`_check_jsonl`)."""
+    def upload(self, content: bytes, filename: str, purpose: str = "batch", *,
+               tenant: Tenant = OPERATOR) -> dict[str, Any]:
+        """Store an input file owned by ``tenant``; returns its OpenAI file object. A file
+        that is not JSON Lines at all is refused here (:func:`_check_jsonl`), and so is one
+        that would bring the tenant's live uploads past its quota (429)."""
         if purpose != "batch":
             raise BatchError(f"purpose must be 'batch', not {purpose!r}", param="purpose")
         if len(content) > MAX_FILE_BYTES:
@@ -141,22 +296,38 @@ class BatchStore:
         info: dict[str, Any] = {"id": file_id, "object": "file", "bytes": len(content),
                 "created_at": int(time.time()), "filename": filename[:256], "purpose": purpose,
                 "status": "processed"}
-        pipe = self.conn.pipeline(transaction=True)
-        pipe.hset(self.keys.file(file_id), mapping={"meta": json.dumps(info), "content": content})
-        pipe.expire(self.keys.file(file_id), self.ttl)
-        pipe.zadd(self.keys.files(), {file_id: info["created_at"]})
-        pipe.execute()
+        limit = tenant.quota.stored_bytes if tenant.quota is not None else -1
+        held = int(self._upload(
+            keys=[self.keys.file(file_id), self.keys.files(), *self._owner_files(tenant.owner)],
+            args=[file_id, info["created_at"], self.ttl, len(content), limit, json.dumps(info),
+                  content, tenant.owner]))
+        if held >= 0:
+            raise BatchError(f"this file of {len(content)} bytes would bring this API key's "
+                             f"live uploads to {held + len(content)} bytes, over "
+                             f"SPECFLEET_MAX_STORED_BYTES_PER_KEY ({limit}): delete files or "
+                             "wait for them to expire", status=429, param="file",
+                             code="quota_exceeded")
         return {**info, "expires_at": info["created_at"] + self.ttl}
 
-    def files(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
-        """Uploaded files, newest first (``after``: continue after that file); a file whose
-        TTL ran out leaves the listing when it is met."""
-        return self._listing(self.keys.files(), self.file, limit, after)
+    def _owner_files(self, owner: str) -> list[str]:
+        """The keys of an owner's uploads and their bytes (the scripts' KEYS[3], KEYS[4])."""
+        return [self.keys.owner_files(owner), self.keys.owner_file_bytes(owner)]
+
+    def files(self, limit: int = 20, after: str | None = None, *,
+              tenant: Tenant = OPERATOR) -> list[dict[str, Any]]:
+        """The files ``tenant`` sees (an admin: everyone's), newest first (``after``:
+        continue after that file); a file whose TTL ran out leaves the listing when met."""
+        if tenant.admin:
+            index = self.keys.files()
+            return self._listing(index, self.file, limit, after,
+                                 lambda file_id: self.conn.zrem(index, file_id))
+        return self._listing(self.keys.owner_files(tenant.owner), self.file, limit, after,
+                             lambda file_id: self._unstore(file_id, tenant.owner))
 
     def _listing(self, index: str, fetch: Callable[[str], dict[str, Any]], limit: int,
-                 after: str | None) -> list[dict[str, Any]]:
+                 after: str | None, forget: Callable[[str], object]) -> list[dict[str, Any]]:
         """Up to ``limit`` objects of the sorted set ``index``, newest first, from after
-        ``after``; an id whose object has expired is dropped from the set."""
+        ``after``; an id whose object has expired is dropped from the set (``forget``)."""
         ids = [text(i) for i in self.conn.zrevrange(index, 0, -1)]
         if after is not None and after in ids:
             ids = ids[ids.index(after) + 1:]
@@ -167,61 +338,87 @@ class BatchStore:
             try:
                 found.append(fetch(object_id))
             except BatchError:  # expired: forget it
-                self.conn.zrem(index, object_id)
+                forget(object_id)
         return found
 
-    def delete_file(self, file_id: str) -> dict[str, Any]:
+    def delete_file(self, file_id: str, *, tenant: Tenant = OPERATOR) -> dict[str, Any]:
         """Delete an upload (a batch already created from it has its lines queued; one
         still queueing them reads the file and fails the lines it no longer finds)."""
-        if _result_file(file_id)[0] is not None:
+        if self._result_batch(file_id, tenant) is not None:
             raise BatchError(f"{file_id} is a batch's result file: it expires with its batch",
                              param="file_id")
-        pipe = self.conn.pipeline(transaction=True)
-        pipe.delete(self.keys.file(file_id))
-        pipe.zrem(self.keys.files(), file_id)
-        deleted, _ = pipe.execute()
-        if not deleted:
-            raise BatchError(f"no such file: {file_id}", status=404, param="file_id")
+        _, owner = self._upload_fields(file_id, tenant)
+        if not self._unstore(file_id, owner):
+            raise _no_file(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def file(self, file_id: str) -> dict[str, Any]:
-        """The file object of an upload or of a batch's output/error file."""
+    def _unstore(self, file_id: str, owner: str) -> bool:
+        """Delete an upload and its owner's count of it; whether it was there."""
+        return bool(self._delete_file(
+            keys=[self.keys.file(file_id), self.keys.files(), *self._owner_files(owner)],
+            args=[file_id]))
+
+    def _result_batch(self, file_id: str, tenant: Tenant) -> tuple[str, str] | None:
+        """``(batch id, "output" | "errors")`` of a batch's result file, None for an upload;
+        "no such file" for the result file of a batch ``tenant`` does not see (or of none)."""
         batch_id, kind = _result_file(file_id)
-        if batch_id is not None:
-            content = self.content(file_id)
-            batch = self.get(batch_id)
+        if batch_id is None:
+            return None
+        try:
+            self.get(batch_id, tenant=tenant)
+        except BatchError:
+            raise _no_file(file_id) from None
+        return batch_id, kind
+
+    def _upload_fields(self, file_id: str, tenant: Tenant, *fields: str) -> list[Any]:
+        """``[meta, owner, *fields]`` of an upload ``tenant`` sees, else "no such file" (the
+        same 404 whether it is missing or another's: existence does not leak)."""
+        meta, raw_owner, *values = self.conn.hmget(self.keys.file(file_id), "meta", "owner",
+                                                   *fields)
+        owner = text(raw_owner) or ANONYMOUS
+        if meta is None or not tenant.sees(owner):
+            raise _no_file(file_id)
+        return [meta, owner, *values]
+
+    def file(self, file_id: str, *, tenant: Tenant = OPERATOR) -> dict[str, Any]:
+        """The file object of an upload or of a batch's output/error file."""
+        result = self._result_batch(file_id, tenant)
+        if result is not None:
+            batch_id, kind = result
+            content = self.content(file_id, tenant=tenant)
+            batch = self.get(batch_id, tenant=tenant)
             return {"id": file_id, "object": "file", "bytes": len(content),
                     "created_at": batch.get("completed_at") or batch["created_at"],
                     "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output",
                     "status": "processed"}
-        pipe = self.conn.pipeline(transaction=False)
-        pipe.hget(self.keys.file(file_id), "meta")
-        pipe.ttl(self.keys.file(file_id))
-        raw, ttl = pipe.execute()
-        if raw is None:
-            raise BatchError(f"no such file: {file_id}", status=404, param="file_id")
+        meta, _ = self._upload_fields(file_id, tenant)
+        ttl = int(self.conn.ttl(self.keys.file(file_id)))
         # OpenAI's expires_at: when the file's TTL ends
-        return {**json.loads(raw), "expires_at": int(time.time()) + max(int(ttl), 0)}
+        return {**json.loads(meta), "expires_at": int(time.time()) + max(ttl, 0)}
 
-    def content(self, file_id: str) -> bytes:
+    def content(self, file_id: str, *, tenant: Tenant = OPERATOR) -> bytes:
         """An upload's bytes, or a batch's output/error file assembled from its results."""
-        batch_id, kind = _result_file(file_id)
-        if batch_id is not None:
-            lines = self.result_lines(batch_id, "errors" if kind == "errors" else "output")
+        result = self._result_batch(file_id, tenant)
+        if result is not None:
+            batch_id, kind = result
+            lines = self.result_lines(batch_id, "errors" if kind == "errors" else "output",
+                                      tenant=tenant)
             return "".join(json.dumps(line) + "\n" for line in lines).encode()
-        raw = self.conn.hget(self.keys.file(file_id), "content")
-        if raw is None:
-            raise BatchError(f"no such file: {file_id}", status=404, param="file_id")
+        _, _, raw = self._upload_fields(file_id, tenant, "content")
+        if raw is None:  # expired between the fields
+            raise _no_file(file_id)
         return raw.encode() if isinstance(raw, str) else raw
 
     # -- batches -----------------------------------------------------------------------------
     def create(self, input_file_id: str, endpoint: str,
                completion_window: str = COMPLETION_WINDOW,
                metadata: dict[str, str] | None = None,
-               model: str | None = None) -> dict[str, Any]:
-        """Create a batch of the lines of its input file, ``validating``: its lines are queued
-        by :meth:`advance` afterwards (the caller's, or any gateway's pump). Refused at once:
-        a bad field, an empty or oversized file, two lines with one ``custom_id``.
+               model: str | None = None, *, tenant: Tenant = OPERATOR) -> dict[str, Any]:
+        """Create a batch of the lines of its input file, owned by ``tenant``, ``validating``:
+        its lines are queued by :meth:`advance` afterwards (the caller's, or any gateway's
+        pump). Refused at once: a bad field, an input that is a batch's result file, one the
+        tenant does not see, an empty or oversized file, two lines with one ``custom_id``,
+        and a batch past the tenant's open-batches quota (429).
 
         ``model`` fills in lines whose body names none (``specfleet batch --model``)."""
         if endpoint not in requests.ENDPOINTS:
@@ -230,10 +427,20 @@ class BatchStore:
         if completion_window != COMPLETION_WINDOW:
             raise BatchError(f"completion_window must be '{COMPLETION_WINDOW}'",
                              param="completion_window")
-        if metadata is not None and not _valid_metadata(metadata):
-            raise BatchError("metadata: at most 16 string pairs (keys <= 64, values <= 512 "
-                             "characters)", param="metadata")
-        raw_lines = self._input_lines(input_file_id)
+        if metadata is not None:
+            try:
+                metadata = METADATA.validate_python(metadata, strict=True)
+            except ValidationError as exc:
+                raise BatchError(f"metadata: {describe_validation_error(exc, subject=None)}",
+                                 param="metadata") from None
+        if _result_file(input_file_id)[0] is not None:
+            raise BatchError(f"{input_file_id} is a batch's output or error file: a batch's "
+                             "input is a file uploaded with purpose 'batch'",
+                             param="input_file_id")
+        try:
+            raw_lines = _lines(self.content(input_file_id, tenant=tenant))
+        except BatchError as exc:
+            raise BatchError(str(exc), exc.status, "input_file_id") from None
         if not raw_lines:
             raise BatchError(f"input file {input_file_id} has no lines", param="input_file_id")
         if len(raw_lines) > MAX_BATCH_LINES:
@@ -241,30 +448,41 @@ class BatchStore:
                              f"{MAX_BATCH_LINES}", param="input_file_id")
         _check_unique(raw_lines)
         now = int(time.time())
-        expires_at = now + self.window
         batch_id = f"batch_{uuid.uuid4().hex}"
         meta = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
                 "completion_window": completion_window, "metadata": metadata,
-                "created_at": now, "expires_at": expires_at, "model": model}
-        key = self.keys.batch(batch_id)
-        pipe = self.conn.pipeline(transaction=True)
-        pipe.hset(key, mapping={"meta": json.dumps(meta), "status": "validating",
-                                "total": len(raw_lines), "queued": 0,
-                                "completed": 0, "failed": 0, "invalid": 0,
-                                "generated_tokens": 0})
-        pipe.expire(key, self.ttl)
-        pipe.zadd(self.keys.batches(), {batch_id: now})
-        pipe.zadd(self.keys.open_batches(), {batch_id: expires_at})
-        pipe.execute()
-        log.info("batch.created", batch_id=batch_id, lines=len(raw_lines), endpoint=endpoint)
-        return self.get(batch_id)
+                "created_at": now, "expires_at": now + self.window, "model": model}
+        self._store_batch(meta, len(raw_lines), tenant)
+        log.info("batch.created", batch_id=batch_id, lines=len(raw_lines), endpoint=endpoint,
+                 owner=tenant.owner)
+        return self.get(batch_id, tenant=tenant)
 
-    def _input_lines(self, input_file_id: str) -> list[bytes]:
-        return [line for line in self.content(input_file_id).split(b"\n") if line.strip()]
+    def _store_batch(self, meta: dict[str, Any], total: int, tenant: Tenant) -> None:
+        """Write a new batch's hash and its listings, unless its owner has as many batches
+        open as its quota allows (429)."""
+        batch_id, owner = meta["id"], tenant.owner
+        fields: dict[str, str | int] = {"meta": json.dumps(meta), "status": "validating",
+                                        "owner": owner, "total": total, "queued": 0,
+                                        "completed": 0, "failed": 0, "invalid": 0,
+                                        "generated_tokens": 0}
+        limit = tenant.quota.open_batches if tenant.quota is not None else -1
+        open_batches = int(self._create(
+            keys=[self.keys.batch(batch_id), self.keys.batches(), self.keys.open_batches(),
+                  self.keys.owner_batches(owner), self.keys.owner_open_batches(owner)],
+            args=[batch_id, meta["created_at"], meta["expires_at"], self.ttl, limit,
+                  self.keys.batch(""), self.window + self.ttl,
+                  *itertools.chain.from_iterable(fields.items())]))
+        if open_batches >= 0:
+            raise BatchError(f"this API key has {open_batches} batches open, as many as "
+                             f"SPECFLEET_MAX_OPEN_BATCHES_PER_KEY ({limit}) allows: wait for "
+                             "one to end, or cancel one", status=429, param="input_file_id",
+                             code="quota_exceeded")
 
     def needing_care(self) -> list[str]:
         """Open batches that someone must carry on: lines left to queue, or a window past
-        (:meth:`advance` them); batches that have ended leave the set here."""
+        (:meth:`advance` them); batches that have ended leave the set here. A batch whose
+        counts are unreadable is due too: advancing it fails it, instead of it stopping
+        every pump's look."""
         entries: list[tuple[Any, float]] = self.conn.zrange(  # type: ignore[assignment]
             self.keys.open_batches(), 0, -1, withscores=True)
         if not entries:
@@ -278,7 +496,7 @@ class BatchStore:
             batch_id = text(raw_id)
             if status is None or text(status) not in OPEN:
                 ended.append(batch_id)
-            elif now > expires_at or int(queued or 0) < int(total or 0):
+            elif now > expires_at or _behind(queued, total):
                 due.append(batch_id)
         if ended:
             self.conn.zrem(self.keys.open_batches(), *ended)
@@ -289,10 +507,11 @@ class BatchStore:
         from the first one not queued yet (it becomes ``in_progress`` at the first), a line
         whose model has no live worker waiting for one; once the window has passed,
         :meth:`_expire` it. True once every line is queued or the batch has ended; False
-        when another process holds the lease (or took it from this one), or after
-        :meth:`stop`. A Redis error passes through: calling again resumes where this call
-        stopped."""
-        lease, token = self.keys.batch_creator(batch_id), uuid.uuid4().hex
+        when another process holds the lease (or took it from this one), after
+        :meth:`stop`, or after an unexpected failure outside any line that has not yet
+        failed the batch. A Redis error passes through: calling again resumes where this
+        call stopped."""
+        lease, token = self.keys.batch_creator(batch_id), _lease_token()
         lease_ms = int(CREATOR_LEASE_SECONDS * 1000)
         if not self.conn.set(lease, token, nx=True, px=lease_ms):
             return False
@@ -301,19 +520,36 @@ class BatchStore:
             if not self._renew(keys=[lease], args=[token, lease_ms]):
                 raise _LeaseLost(batch_id)
 
-        key = self.keys.batch(batch_id)
         try:
-            raw_meta, queued, total, status = self.conn.hmget(key, "meta", "queued", "total",
-                                                             "status")
-            if raw_meta is None or text(status) not in OPEN:
-                return True
-            meta = json.loads(raw_meta)
-            start, total_lines = int(queued or 0), int(total or 0)
-            if start < total_lines:
-                self._move(keys=[key], args=["in_progress", "in_progress_at", "validating"])
-            lines = self._lines_or_none(meta["input_file_id"], total_lines)
-            waiting_since: float | None = None
-            number = start + 1
+            return self._carry_on(batch_id, renew)
+        except _LeaseLost:
+            log.warning("batch.lease_lost", batch_id=batch_id)
+            return False
+        except (RedisError, RedisOutage):
+            raise
+        except Exception as exc:  # noqa: BLE001  corrupt batch data or a bug: bounded retries
+            return self._advance_failed(batch_id, exc)
+        finally:
+            with contextlib.suppress(RedisError):  # unreachable: the lease lapses by itself
+                if text(self.conn.get(lease)) == token:
+                    self.conn.delete(lease)
+
+    def _carry_on(self, batch_id: str, renew: Callable[[], None]) -> bool:
+        """:meth:`advance`'s work under the lease: one line at a time, each taken (booked in
+        the batch's hash) before it is parsed and booked off if this call lets go of it."""
+        key = self.keys.batch(batch_id)
+        raw_meta, queued, total, status = self.conn.hmget(key, "meta", "queued", "total",
+                                                         "status")
+        if raw_meta is None or text(status) not in OPEN:
+            return True
+        meta = json.loads(raw_meta)
+        start, total_lines = int(queued or 0), int(total or 0)
+        if start < total_lines:
+            self._move_batch(batch_id, "in_progress", "validating")
+        lines = self._lines_or_none(meta["input_file_id"], total_lines)
+        waiting_since: float | None = None
+        number, taken, died = start + 1, 0, 0
+        try:
             while not self._stopping.is_set():
                 renew()
                 status = self.conn.hget(key, "status")
@@ -322,11 +558,13 @@ class BatchStore:
                     return True
                 if number > total_lines:
                     return True
+                cancelled = text(status) == "cancelling"
+                if not cancelled and taken != number:
+                    taken, died = number, int(self._attempt(keys=[key], args=[number, 1])) - 1
                 try:
                     # only the first line of a takeover can have been half done by a dead one
-                    self._queue_line(batch_id, meta, number, lines[number - 1],
-                                     resumed=number == start + 1,
-                                     cancelled=text(status) == "cancelling")
+                    self._take_line(batch_id, meta, number, lines[number - 1],
+                                    resumed=number == start + 1, cancelled=cancelled, died=died)
                 except _NoWorker as exc:
                     if waiting_since is None:
                         waiting_since = time.monotonic()
@@ -338,21 +576,50 @@ class BatchStore:
                     log.info("batch.worker_found", batch_id=batch_id, line=number,
                              waited_seconds=round(time.monotonic() - waiting_since, 2))
                     waiting_since = None
-                self.conn.hset(key, "queued", number)
-                number += 1
-            return False
-        except _LeaseLost:
-            log.warning("batch.lease_lost", batch_id=batch_id)
+                self._line_done(key, number)
+                taken, number = 0, number + 1
             return False
         finally:
-            with contextlib.suppress(RedisError):  # unreachable: the lease lapses by itself
-                if text(self.conn.get(lease)) == token:
-                    self.conn.delete(lease)
+            if taken:  # letting go alive (a stop, a lost lease, Redis away): not a death
+                with contextlib.suppress(RedisError, RedisOutage):
+                    self._attempt(keys=[key], args=[taken, -1])
+
+    def _line_done(self, key: str, number: int) -> None:
+        """Lines up to ``number`` are queued or accounted; the attempt record goes with it."""
+        pipe = self.conn.pipeline(transaction=True)
+        pipe.hset(key, "queued", number)
+        pipe.hdel(key, "attempt_line", "attempts")
+        pipe.execute()
+
+    def _advance_failed(self, batch_id: str, exc: Exception) -> bool:
+        """Count an unexpected failure outside any line; at :data:`MAX_BATCH_FAILURES` the
+        batch is ``failed`` with OpenAI's ``errors`` object (True), else the next call tries
+        again (False)."""
+        failures = int(self.conn.hincrby(self.keys.batch(batch_id), "pump_failures", 1))
+        log.error("batch.advance_error", batch_id=batch_id, error_type=type(exc).__name__,
+                  error=str(exc), failures=failures, limit=MAX_BATCH_FAILURES)
+        if failures < MAX_BATCH_FAILURES:
+            return False
+        message = (f"the batch pump failed {failures} times outside any line "
+                   f"({type(exc).__name__}); the batch is failed")
+        errors = {"object": "list", "data": [{"code": "batch_pump_failed", "message": message,
+                                              "line": None, "param": None}]}
+        if self._move_batch(batch_id, "failed", *OPEN, errors=json.dumps(errors)):
+            log.error("batch.failed", batch_id=batch_id, error_type=type(exc).__name__,
+                      failures=failures)
+        self.conn.zrem(self.keys.open_batches(), batch_id)
+        return True
+
+    def _move_batch(self, batch_id: str, status: str, *from_statuses: str,
+                    errors: str = "") -> bool:
+        """Move a batch to ``status`` (stamping ``{status}_at``) only from ``from_statuses``."""
+        return bool(self._move(keys=[self.keys.batch(batch_id)],
+                               args=[status, f"{status}_at", errors, *from_statuses]))
 
     def _lines_or_none(self, input_file_id: str, total: int) -> list[bytes | None]:
         """The input file's lines, or None for each when the file was deleted meanwhile."""
         try:
-            return list(self._input_lines(input_file_id))
+            return list(_lines(self.content(input_file_id)))
         except BatchError:
             return [None] * total
 
@@ -361,15 +628,14 @@ class BatchStore:
         """The window has passed: the batch is ``expired``; the lines not queued yet and the
         jobs not finished are withdrawn (their lines ``batch_expired``), finished lines stay."""
         key = self.keys.batch(batch_id)
-        if not self._move(keys=[key], args=["expired", "expired_at", "validating",
-                                            "in_progress"]):
+        if not self._move_batch(batch_id, "expired", "validating", "in_progress"):
             return  # it ended (or is being cancelled) meanwhile
         queued = int(self.conn.hget(key, "queued") or 0)
         for number in range(queued + 1, len(lines) + 1):
             renew()
-            self._queue_line(batch_id, meta, number, lines[number - 1], resumed=True,
-                             cancelled=True)
-            self.conn.hset(key, "queued", number)
+            self._take_line(batch_id, meta, number, lines[number - 1], resumed=True,
+                            cancelled=True, died=0)
+            self._line_done(key, number)
         done = {int(n) for n in self.conn.hkeys(self.keys.batch_results(batch_id))}
         withdrawn = 0
         for number, record in self._records(batch_id).items():
@@ -382,59 +648,106 @@ class BatchStore:
         log.warning("batch.expired", batch_id=batch_id, not_queued=len(lines) - queued,
                     withdrawn=withdrawn)
 
-    def _queue_line(self, batch_id: str, meta: dict[str, Any], number: int,
-                    raw: bytes | None, resumed: bool, cancelled: bool) -> None:
-        """Turn one input line into a job, or account it as failed with its reason (or as
-        cancelled, once the batch is being cancelled or has expired); ``_NoWorker`` when
-        the line's model has no live worker now (nothing is recorded as failed: it waits).
-
-        Job ids follow from the batch and the line, so a takeover (``resumed``) finds what
-        the dead creator had already done for the line and does not do it twice."""
-        job_id = f"{batch_id.removeprefix('batch_')}-{number}"
-        jobs, results = self.keys.batch_jobs(batch_id), self.keys.batch_results(batch_id)
-        custom_id, parsed, error = (None, None, f"line {number}: the input file was deleted "
-                                    "before the line was queued") if raw is None else \
-            _parse_line(meta["endpoint"], number, raw, meta.get("model"), self.aliases)
-        request = parsed.choices[0].request if parsed is not None else None
-        record = {"custom_id": custom_id, "job_id": None,
-                  "model": parsed.model if parsed is not None else None,
-                  "echo": parsed.choices[0].echo if parsed is not None else "",
-                  "tool_calls": parsed is not None and parsed.choices[0].tool_calls}
-        if resumed and (self.conn.hexists(results, str(number))
-                        or Job.exists(job_id, connection=self.conn)):
-            if error is None and not self.conn.hexists(results, str(number)):
-                self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
+    def _take_line(self, batch_id: str, meta: dict[str, Any], number: int,
+                   raw: bytes | None, *, resumed: bool, cancelled: bool, died: int) -> None:
+        """One line's turn. A takeover's first line (``resumed``) may already be done. A
+        batch being cancelled (or expired) accounts it cancelled unparsed; a line ``died``
+        pumps took and never finished is failed unparsed; else it is parsed and queued, and
+        an unexpected exception doing so fails it. ``_NoWorker``: it waits for a worker."""
+        if resumed and self._done_before(batch_id, number):
             return
+        if cancelled:
+            job_id = _job_id(batch_id, number)
+            self._register(batch_id, number, {"custom_id": _custom_id(raw), "job_id": job_id})
+            self._writer(job_id).final(status=JobStatus.CANCELLED, finish_reason="cancelled")
+        elif died >= MAX_LINE_ATTEMPTS:
+            log.error("batch.line_poisoned", batch_id=batch_id, line=number, attempts=died)
+            self._fail_line(batch_id, number, _custom_id(raw), (
+                f"line {number}: the batch pump died {died} times on this line; it is failed "
+                "and the batch carries on"))
+        else:
+            try:
+                self._queue_line(batch_id, meta, number, raw)
+            except (_NoWorker, RedisError, RedisOutage):
+                raise
+            except Exception as exc:  # noqa: BLE001  one line's failure is that line's
+                log.error("batch.line_error", batch_id=batch_id, line=number,
+                          error_type=type(exc).__name__, error=str(exc))
+                self._fail_line(batch_id, number, _custom_id(raw), (
+                    f"line {number}: the batch pump failed on this line "
+                    f"({type(exc).__name__}); it is failed and the batch carries on"))
+
+    def _done_before(self, batch_id: str, number: int) -> bool:
+        """Whether a pump that died already took the line to its end: accounted it, or
+        queued its job (whose record then gets the job id that pump did not write)."""
+        if self.conn.hexists(self.keys.batch_results(batch_id), str(number)):
+            return True
+        job_id = _job_id(batch_id, number)
+        if not Job.exists(job_id, connection=self.conn):
+            return False
+        record = self.conn.hget(self.keys.batch_jobs(batch_id), str(number))
+        self.conn.hset(self.keys.batch_jobs(batch_id), str(number),
+                       json.dumps({**json.loads(record or "{}"), "job_id": job_id}))
+        return True
+
+    def _queue_line(self, batch_id: str, meta: dict[str, Any], number: int,
+                    raw: bytes | None) -> None:
+        """Turn one input line into a job, or account it as failed with its reason;
+        ``_NoWorker`` when the line's model has no live worker now (nothing is recorded as
+        failed: it waits). Job ids follow from the batch and the line, so a takeover finds
+        what the dead creator had already done for the line and does not do it twice."""
+        if raw is None:
+            self._fail_line(batch_id, number, None, f"line {number}: the input file was "
+                            "deleted before the line was queued")
+            return
+        custom_id, parsed = _parse_line(meta["endpoint"], number, raw, meta.get("model"),
+                                        self.aliases)
+        if isinstance(parsed, str):
+            self._fail_line(batch_id, number, custom_id, parsed)
+            return
+        job_id, choice = _job_id(batch_id, number), parsed.choices[0]
+        record = {"custom_id": custom_id, "job_id": None, "model": parsed.model,
+                  "echo": choice.echo, "tool_calls": choice.tool_calls}
+        self._register(batch_id, number, record)
+        try:
+            self.coordinator.submit(choice.request, job_id=job_id)
+        except SubmitError as exc:
+            if exc.reason == "no_worker":
+                raise _NoWorker(str(exc)) from None
+            self._fail_line(batch_id, number, custom_id, f"line {number}: {exc}")
+            return
+        self.conn.hset(self.keys.batch_jobs(batch_id), str(number),
+                       json.dumps({**record, "job_id": job_id}))
+
+    def _register(self, batch_id: str, number: int, record: dict[str, Any]) -> None:
+        """Record a line (its custom id, its job once queued) and its job's line reference,
+        which the final-event script accounts the line by."""
+        jobs, results = self.keys.batch_jobs(batch_id), self.keys.batch_results(batch_id)
         ref = {"line": number, "batch": self.keys.batch(batch_id), "ttl": self.ttl,
                "results": results, "keep": [self.keys.batch(batch_id), results, jobs]}
         pipe = self.conn.pipeline(transaction=True)
-        pipe.set(self.keys.job_batch(job_id), json.dumps(ref),
+        pipe.set(self.keys.job_batch(_job_id(batch_id, number)), json.dumps(ref),
                  ex=self.coordinator.settings.stream_ttl_seconds)
         pipe.hset(jobs, str(number), json.dumps(record))
         pipe.expire(jobs, self.ttl)
         pipe.execute()
-        writer = EventWriter.for_job(self.conn, self.coordinator.settings, job_id, 1)
-        if cancelled and error is None:
-            writer.final(status=JobStatus.CANCELLED, finish_reason="cancelled")
-            self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
-            return
-        if request is not None:  # a line without an error is a request
-            try:
-                self.coordinator.submit(request, job_id=job_id)
-                self.conn.hset(jobs, str(number), json.dumps({**record, "job_id": job_id}))
-                return
-            except SubmitError as exc:
-                if exc.reason == "no_worker":
-                    raise _NoWorker(str(exc)) from None
-                error = f"line {number}: {exc}"
-        self.conn.hincrby(self.keys.batch(batch_id), "invalid", 1)
-        writer.final(status=JobStatus.FAILED, error=error)
 
-    def get(self, batch_id: str) -> dict[str, Any]:
-        """The batch object (OpenAI's shape, plus ``specfleet`` progress figures)."""
+    def _fail_line(self, batch_id: str, number: int, custom_id: str | None,
+                   error: str) -> None:
+        """Account a line that never became a job as failed, saying why."""
+        self._register(batch_id, number, {"custom_id": custom_id, "job_id": None})
+        self.conn.hincrby(self.keys.batch(batch_id), "invalid", 1)
+        self._writer(_job_id(batch_id, number)).final(status=JobStatus.FAILED, error=error)
+
+    def _writer(self, job_id: str) -> EventWriter:
+        return EventWriter.for_job(self.conn, self.coordinator.settings, job_id, 1)
+
+    def get(self, batch_id: str, *, tenant: Tenant = OPERATOR) -> dict[str, Any]:
+        """The batch object (OpenAI's shape, plus ``specfleet`` progress figures), if
+        ``tenant`` sees it: another's batch is "no such batch", as a missing one."""
         raw = {text(k): text(v) for k, v in
                self.conn.hgetall(self.keys.batch(batch_id)).items()}
-        if "meta" not in raw:
+        if "meta" not in raw or not tenant.sees(raw.get("owner") or ANONYMOUS):
             raise BatchError(f"no such batch: {batch_id}", status=404, param="batch_id")
         meta = json.loads(raw["meta"])
         status = raw["status"]
@@ -445,7 +758,8 @@ class BatchStore:
         has_output = terminal and counts["completed"] > 0
         has_errors = terminal and counts["failed"] > 0
         return {
-            "id": batch_id, "object": "batch", "endpoint": meta["endpoint"], "errors": None,
+            "id": batch_id, "object": "batch", "endpoint": meta["endpoint"],
+            "errors": json.loads(raw["errors"]) if "errors" in raw else None,
             "input_file_id": meta["input_file_id"],
             "completion_window": meta["completion_window"], "status": status,
             "output_file_id": f"file-{batch_id}-output" if has_output else None,
@@ -457,14 +771,19 @@ class BatchStore:
                           "generated_tokens": int(raw.get("generated_tokens", 0))},
         }
 
-    def list(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
-        """Batches, newest first; ``after`` continues a listing after that batch."""
-        return self._listing(self.keys.batches(), self.get, limit, after)
+    def list(self, limit: int = 20, after: str | None = None, *,
+             tenant: Tenant = OPERATOR) -> list[dict[str, Any]]:
+        """The batches ``tenant`` sees (an admin: everyone's), newest first; ``after``
+        continues a listing after that batch."""
+        index = self.keys.batches() if tenant.admin else self.keys.owner_batches(tenant.owner)
+        return self._listing(index, self.get, limit, after,
+                             lambda batch_id: self.conn.zrem(index, batch_id))
 
-    def cancel(self, batch_id: str) -> dict[str, Any]:
-        """Stop a batch: queued jobs are withdrawn, running ones stop at their next step; it
-        is ``cancelling`` until every line is accounted, then ``cancelled``."""
-        batch = self.get(batch_id)
+    def cancel(self, batch_id: str, *, tenant: Tenant = OPERATOR) -> dict[str, Any]:
+        """Stop a batch: queued jobs are withdrawn, running ones stop at their next step, lines
+        not queued yet are accounted cancelled unparsed; it is ``cancelling`` until every line
+        is accounted, then ``cancelled``."""
+        batch = self.get(batch_id, tenant=tenant)
         if batch["status"] in TERMINAL or batch["status"] == "cancelling":
             return batch
         self.conn.hset(self.keys.batch(batch_id), mapping={"status": "cancelling",
@@ -475,16 +794,16 @@ class BatchStore:
             # a job that already ended has its final event accounted (or on its way)
             with contextlib.suppress(LookupError, ValueError):
                 self.coordinator.cancel(record["job_id"])
-        return self.get(batch_id)
+        return self.get(batch_id, tenant=tenant)
 
     def _records(self, batch_id: str) -> dict[int, dict[str, Any]]:
         return {int(k): json.loads(v)
                 for k, v in self.conn.hgetall(self.keys.batch_jobs(batch_id)).items()}
 
-    def result_lines(self, batch_id: str,
-                     which: Literal["output", "errors", "all"]) -> Iterator[dict[str, Any]]:
+    def result_lines(self, batch_id: str, which: Literal["output", "errors", "all"], *,
+                     tenant: Tenant = OPERATOR) -> Iterator[dict[str, Any]]:
         """The batch's output lines, error lines, or both, in input order."""
-        batch = self.get(batch_id)
+        batch = self.get(batch_id, tenant=tenant)
         records = self._records(batch_id)
         results = {int(k): FinalEvent.model_validate_json(v)
                    for k, v in self.conn.hgetall(self.keys.batch_results(batch_id)).items()}
@@ -497,11 +816,29 @@ class BatchStore:
                                expired=batch["status"] == "expired")
 
 
-def _valid_metadata(metadata: object) -> bool:
-    """OpenAI's rule: at most 16 string pairs, keys up to 64 and values up to 512 characters."""
-    return isinstance(metadata, dict) and len(metadata) <= 16 and all(
-        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-        for k, v in metadata.items())
+def _lines(content: bytes) -> list[bytes]:
+    """A file's non-blank lines, in order."""
+    return [line for line in content.split(b"\n") if line.strip()]
+
+
+def _loads(raw: bytes | None) -> Any:
+    """A line's JSON value, or None when it is none: missing, malformed, not UTF-8, or nested
+    past the interpreter's recursion limit (``json`` raises ``RecursionError`` there, not
+    ``ValueError``: a line 100,000 brackets deep was a 500)."""
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _custom_id(raw: bytes | None) -> str | None:
+    """A line's ``custom_id`` read plainly (nothing else of the line is looked at), for the
+    record of a line accounted without being parsed as a request."""
+    line = _loads(raw)
+    custom_id = line.get("custom_id") if isinstance(line, dict) else None
+    return custom_id if isinstance(custom_id, str) else None
 
 
 def _check_jsonl(content: bytes) -> None:
@@ -512,13 +849,10 @@ def _check_jsonl(content: bytes) -> None:
     if nul >= 0:
         raise BatchError(f"the file is not JSONL (one JSON object per line): byte {nul} is "
                          "NUL, so it is binary data", param="file")
-    lines = [line for line in content.split(b"\n") if line.strip()]
-    for line in lines:
-        with contextlib.suppress(ValueError):  # JSON errors and bad UTF-8 alike
-            if isinstance(json.loads(line), dict):
-                return
-    if lines:  # an empty file is refused at create, for having no lines
-            raise BatchError("the file is not JSONL (one JSON object per line): no line is a "
+    lines = _lines(content)
+    if lines and not any(isinstance(_loads(line), dict) for line in lines):
+        # an empty file is refused at create, for having no lines
+        raise BatchError("the file is not JSONL (one JSON object per line): no line is a "
                          "JSON object", param="file")
 
 
@@ -527,17 +861,37 @@ def _check_unique(raw_lines: Sequence[bytes]) -> None:
     requests by it); lines that are not JSON objects are left to fail on their own."""
     seen: dict[str, int] = {}
     for number, raw in enumerate(raw_lines, 1):
-        try:
-            line = json.loads(raw)
-        except ValueError:
-            continue
-        custom_id = line.get("custom_id") if isinstance(line, dict) else None
-        if not isinstance(custom_id, str):
+        custom_id = _custom_id(raw)
+        if custom_id is None:
             continue
         if custom_id in seen:
             raise BatchError(f"custom_id {custom_id!r} is on lines {seen[custom_id]} and "
                              f"{number}: each line needs its own", param="input_file_id")
         seen[custom_id] = number
+
+
+def _behind(queued: object, total: object) -> bool:
+    """Whether a batch has lines left to queue; True for counts that do not read as numbers
+    (advancing such a batch fails it, see :meth:`BatchStore._advance_failed`)."""
+    try:
+        return int(text(queued) or 0) < int(text(total) or 0)
+    except ValueError:
+        return True
+
+
+def _lease_token() -> str:
+    """A creator lease's value: unique, and naming its holder (``HOST:PID:TOKEN``) for an
+    operator who wants to know which process is queueing a batch."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+
+
+def _job_id(batch_id: str, number: int) -> str:
+    """The job of a batch's line: it follows from both, so no line is queued twice."""
+    return f"{batch_id.removeprefix('batch_')}-{number}"
+
+
+def _no_file(file_id: str) -> BatchError:
+    return BatchError(f"no such file: {file_id}", status=404, param="file_id")
 
 
 def _result_file(file_id: str) -> tuple[str | None, str]:
@@ -550,33 +904,32 @@ def _result_file(file_id: str) -> tuple[str | None, str]:
 
 
 def _parse_line(endpoint: str, number: int, raw: bytes, model: str | None,
-                aliases: dict[str, str]) -> tuple[str | None, requests.Parsed | None, str | None]:
-    """``(custom_id, the body read, None)`` for a line that can be submitted, else
-    ``(custom_id or None, None, "line N: why")``."""
+                aliases: dict[str, str]) -> tuple[str | None, requests.Parsed | str]:
+    """``(custom_id, the body read)`` for a line that can be submitted, else
+    ``(custom_id or None, "line N: why")``."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return None, None, f"line {number}: not valid UTF-8 (byte {exc.start})"
+        return None, f"line {number}: not valid UTF-8 (byte {exc.start})"
     try:
         line = BatchLine.model_validate_json(text)
     except ValidationError as exc:
-        return None, None, f"line {number}: {describe_validation_error(exc)}"
+        return None, f"line {number}: {describe_validation_error(exc)}"
     if line.url is not None and line.url != endpoint:
-        return line.custom_id, None, (f"line {number}: url {line.url!r} differs from the "
-                                      f"batch's endpoint {endpoint!r}")
+        return line.custom_id, (f"line {number}: url {line.url!r} differs from the batch's "
+                                f"endpoint {endpoint!r}")
     body = dict(line.body)
     if model is not None:
         body.setdefault("model", model)
     try:
         parsed = requests.parse_body(endpoint, body, aliases)
     except RequestError as exc:
-        return line.custom_id, None, f"line {number}: {exc}"
+        return line.custom_id, f"line {number}: {exc}"
     if parsed.stream:
-        return line.custom_id, None, f"line {number}: a batch line cannot stream"
+        return line.custom_id, f"line {number}: a batch line cannot stream"
     if len(parsed.choices) > 1:
-        return line.custom_id, None, (f"line {number}: a batch line is one job (n 1, one "
-                                      "prompt)")
-    return line.custom_id, parsed, None
+        return line.custom_id, f"line {number}: a batch line is one job (n 1, one prompt)"
+    return line.custom_id, parsed
 
 
 def _output_line(endpoint: str, number: int, record: dict[str, Any], final: FinalEvent,

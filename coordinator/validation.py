@@ -47,7 +47,10 @@ def parse_request(request: GenerationRequest | dict[str, Any]) -> GenerationRequ
         try:
             request = GenerationRequest.model_validate(request)
         except ValidationError as exc:
-            raise SubmitError(f"invalid request: {describe_validation_error(exc)}") from None
+            errors = exc.errors()
+            param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+            raise SubmitError(f"invalid request: {describe_validation_error(exc)}",
+                              param=param or None) from None
     if request.constraint is not None:
         try:
             check_constraint(request.constraint)
@@ -88,7 +91,7 @@ def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
                 within_capacity(request.speculative, w.capacity)
             except CapacityError as exc:
                 raise SubmitError(f"speculative: {exc} (worker {w.name} of model "
-                                  f"'{request.model}')") from None
+                                  f"'{request.model}')", param="speculative") from None
     largest = max(w.n_ctx for w in workers)
     lowest, _ = prompt_token_bounds(request)
     if lowest + request.max_tokens > largest:

@@ -194,6 +194,26 @@ class Keys:
         the job's outcome to its batch in the same atomic step."""
         return f"{self.prefix}:job:{job_id}:batch"
 
+    def owner_batches(self, owner: str) -> str:
+        """Sorted set of one owner's batches scored by creation time: the listing an API key
+        sees (``owner`` is its key id, never the key)."""
+        return f"{self.prefix}:owner:{owner}:batches"
+
+    def owner_open_batches(self, owner: str) -> str:
+        """Sorted set of one owner's batches that may still be open, scored by when their
+        window closes: what its open-batches quota counts (ended ones leave it as it counts)."""
+        return f"{self.prefix}:owner:{owner}:batches:open"
+
+    def owner_files(self, owner: str) -> str:
+        """Sorted set of one owner's uploads scored by when they expire: the listing an API
+        key sees, and what its stored-bytes quota counts (expired ones leave it as it counts)."""
+        return f"{self.prefix}:owner:{owner}:files"
+
+    def owner_file_bytes(self, owner: str) -> str:
+        """Hash of one owner's uploads in :meth:`owner_files`: file id -> bytes, and their sum
+        in field ``total`` (the stored-bytes quota reads it, not every upload)."""
+        return f"{self.prefix}:owner:{owner}:files:bytes"
+
     def file(self, file_id: str) -> str:
         """Hash of an uploaded file (``meta`` JSON and ``content`` bytes)."""
         return f"{self.prefix}:file:{file_id}"

@@ -1,5 +1,5 @@
 """The gateway's ASGI application: routes, errors, API keys, request size and time limits,
-admission, CORS.
+admission, cross-site refusals, CORS.
 
 Stateless: everything it knows is in Redis (jobs, streams, batches, files), so any number of
 gateways can serve one fleet, and a restarted one picks up where the last left off. Its Redis
@@ -7,6 +7,9 @@ connections are bounded whatever the load: one for the stream hub's read of ever
 (``hub.py``), a small async pool, and one per thread of the synchronous pool (submits,
 cancels, batches); requests past ``max_concurrent_requests`` are answered 503 with
 ``Retry-After`` before they cost anything.
+
+A web page must not be able to drive a gateway it was not allowed to (``cross_site``): the
+Host, the Origin and the Content-Type of every request are checked before anything runs.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from coordinator.batch import MAX_FILE_BYTES, BatchStore
 from coordinator.client import Coordinator
 from coordinator.gateway import batches, errors, routes
 from coordinator.gateway.auth import ApiKeys, GatewaySettings
+from coordinator.gateway.cross_site import CrossSite, allowed_hosts
 from coordinator.gateway.errors import RETRY_OVERLOADED, APIError
 from coordinator.gateway.hub import StreamHub
 from coordinator.gateway.streaming import connect_async
+from shared.constraint import sandbox as constraint_sandbox
 from shared.logs import get_logger
 from shared.redis_client import connect
 from shared.settings import Settings
@@ -122,8 +127,10 @@ def _too_large(limit: int) -> ASGIApp:
     return APIError(413, f"request body exceeds {limit} bytes", code="too_large").response()
 
 
-def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> FastAPI:
-    """The gateway app for one deployment (one Redis, one key prefix)."""
+def create_app(settings: Settings, gateway: GatewaySettings | None = None,
+               bind: str = "127.0.0.1") -> FastAPI:
+    """The gateway app for one deployment (one Redis, one key prefix), served at ``bind``
+    (what the Host header may name unless ``gateway.allowed_hosts`` says)."""
     gateway = gateway or GatewaySettings()
 
     @asynccontextmanager
@@ -141,6 +148,9 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
                                   settings.keys.gateway_wake(uuid.uuid4().hex[:12]),
                                   settings.redis_outage_seconds)
         app.state.hub.start()
+        # Constraints compile in child processes (shared/constraint_sandbox.py): started
+        # now, so a request's first schema does not wait for an interpreter.
+        await asyncio.to_thread(constraint_sandbox().start)
         pump = asyncio.create_task(batches.pump(app.state.batches), name="batch-pump")
         app.state.aliases = gateway.aliases()
         app.state.keepalive_seconds = gateway.sse_keepalive_seconds
@@ -154,16 +164,22 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None) -> Fa
             await app.state.hub.close()
             await app.state.redis.aclose()
             coordinator.connection.close()
+            constraint_sandbox().close()
 
-    app = FastAPI(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # the schema is served behind the API key (routes.openapi), not by FastAPI to anyone
+    app = FastAPI(title="specfleet", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     errors.install(app)
-    auth = [Depends(ApiKeys(gateway.keys()))]
+    auth = [Depends(ApiKeys.from_settings(gateway))]
     app.include_router(routes.public)
     app.include_router(routes.router, dependencies=auth)
     app.include_router(batches.router, dependencies=auth)
     app.add_middleware(BodyLimit, limit=gateway.max_request_bytes,
                        seconds=gateway.body_timeout_seconds)
     app.add_middleware(Admission, limit=gateway.max_concurrent_requests)
+    # inside CORS: a refusal sent to an allowed origin carries its CORS headers (readable)
+    app.add_middleware(CrossSite, allowed=allowed_hosts(gateway.allowed_hosts, bind),
+                       origins=gateway.origins())
     if gateway.origins():  # outermost: a preflight is answered before keys are asked for
         app.add_middleware(CORSMiddleware, allow_origins=gateway.origins(),
                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],

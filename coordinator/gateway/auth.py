@@ -1,19 +1,25 @@
 """Optional Bearer API keys (``SPECFLEET_API_KEYS``, comma-separated) and the gateway's own
-settings (limits, timeouts, keep-alives, CORS origins, model aliases).
+settings (limits, timeouts, keep-alives, CORS origins, model aliases, per-key quotas).
 
 Keys are held as secrets (never in a repr, a log line or an error) and compared in constant
 time. With no keys configured the gateway is open, as llama-server and vLLM are by default.
+Each key is a tenant (``coordinator.batch.Tenant``), decided here once per request and put
+on ``request.state.tenant``: files and batches are stored under its key id (a digest, never
+the key), admin keys (``SPECFLEET_ADMIN_API_KEYS``) see everyone's, an open gateway's callers
+are one anonymous tenant.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from fastapi import Request
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from coordinator.batch import ANONYMOUS, Quota, Tenant
 from coordinator.gateway.errors import APIError
 
 
@@ -23,6 +29,16 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECFLEET_", extra="ignore")
 
     api_keys: SecretStr = SecretStr("")
+    admin_api_keys: SecretStr = Field(
+        default=SecretStr(""), description="comma-separated keys that also see and act on "
+                                           "every key's files and batches")
+    max_stored_bytes_per_key: int = Field(
+        default=256 * 1024 * 1024, gt=0,
+        description="bytes of live uploads one API key may hold (the anonymous tenant of an "
+                    "open gateway too); one more upload past it is a 429")
+    max_open_batches_per_key: int = Field(
+        default=100, gt=0,
+        description="batches of one API key not yet ended; one more create is a 429")
     max_request_bytes: int = Field(default=1024 * 1024, gt=0,
                                    description="largest JSON body (file uploads excepted)")
     sse_keepalive_seconds: float = Field(
@@ -51,10 +67,19 @@ class GatewaySettings(BaseSettings):
     model_aliases: str = Field(
         default="", description="comma-separated ALIAS=MODEL: names clients may use for a "
                                 "served model")
+    allowed_hosts: str = Field(
+        default="", description="comma-separated host names the Host header may carry ('*': "
+                                "any); empty: what the gateway binds (specfleet serve --host)")
 
     def keys(self) -> list[bytes]:
-        return [k.strip().encode() for k in self.api_keys.get_secret_value().split(",")
-                if k.strip()]
+        """Every key that may call the API, admin keys included."""
+        return _split_keys(self.api_keys) + self.admin_keys()
+
+    def admin_keys(self) -> list[bytes]:
+        return _split_keys(self.admin_api_keys)
+
+    def quota(self) -> Quota:
+        return Quota(self.max_stored_bytes_per_key, self.max_open_batches_per_key)
 
     def origins(self) -> list[str]:
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
@@ -62,6 +87,16 @@ class GatewaySettings(BaseSettings):
     def aliases(self) -> dict[str, str]:
         """``model_aliases`` as ``{alias: model}`` (``ValueError`` naming a bad entry)."""
         return parse_aliases(a for a in self.model_aliases.split(",") if a.strip())
+
+
+def _split_keys(keys: SecretStr) -> list[bytes]:
+    return [k.strip().encode() for k in keys.get_secret_value().split(",") if k.strip()]
+
+
+def key_id(key: bytes) -> str:
+    """The id a key's objects are stored under: the first 16 hex digits of its SHA-256, so
+    Redis, logs and listings never hold the key (and the id does not give it back)."""
+    return hashlib.sha256(key).hexdigest()[:16]
 
 
 def parse_aliases(entries: Iterable[str]) -> dict[str, str]:
@@ -78,17 +113,34 @@ def parse_aliases(entries: Iterable[str]) -> dict[str, str]:
 
 
 class ApiKeys:
-    """A FastAPI dependency: 401 unless the request carries one of the configured keys."""
+    """A FastAPI dependency: 401 unless the request carries one of the configured keys; the
+    caller's :class:`Tenant` on ``request.state.tenant`` (the one place it is decided)."""
 
-    def __init__(self, keys: list[bytes]) -> None:
-        self._keys = keys
+    def __init__(self, keys: Sequence[bytes], admin_keys: Sequence[bytes] = (),
+                 quota: Quota | None = None) -> None:
+        admins = set(admin_keys)
+        self._tenants = [(key, Tenant(key_id(key), admin=key in admins, quota=quota))
+                         for key in dict.fromkeys([*keys, *admin_keys])]
+        self._open = Tenant(ANONYMOUS, quota=quota)
+
+    @classmethod
+    def from_settings(cls, gateway: GatewaySettings) -> ApiKeys:
+        """The keys, admin keys and per-key quota of the gateway's settings."""
+        return cls(gateway.keys(), gateway.admin_keys(), gateway.quota())
 
     async def __call__(self, request: Request) -> None:
-        if not self._keys:
-            return
+        request.state.tenant = self._open if not self._tenants else self._tenant(request)
+
+    def _tenant(self, request: Request) -> Tenant:
+        """The tenant of the request's key: every key is compared (no early exit), so how
+        long it takes does not say which key matched or how far."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k)
-                                                 for k in self._keys):
+        found = None
+        for key, tenant in self._tenants:
+            if hmac.compare_digest(given, key):
+                found = tenant
+        if scheme.lower() != "bearer" or found is None:
             raise APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
                            "authentication_error", code="invalid_api_key")
+        return found

@@ -5,20 +5,25 @@ the batch itself lives in Redis. A create answers at once (``validating``); ever
 :func:`pump` then carries open batches on (:meth:`BatchStore.advance`: lines queued, waiting
 for workers, expiry), whichever gateway created them: the creator lease in Redis lets one
 process at a time at a batch, and lapses within seconds when that one dies.
+
+Every route acts as the caller's tenant (``request.state.tenant``, decided by
+``coordinator.gateway.auth.ApiKeys``), passed to the store by :func:`_call` alone: another
+key's objects are 404s, listings hold the caller's own, an admin key sees everyone's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
-from coordinator.batch import MAX_FILE_BYTES, BatchError, BatchStore
+from coordinator.batch import MAX_FILE_BYTES, BatchError, BatchStore, Tenant
 from coordinator.gateway.errors import APIError
 from coordinator.gateway.routes import json_body
 from shared.logs import get_logger
@@ -67,16 +72,28 @@ def _advanced(running: dict[str, asyncio.Future[bool]], batch_id: str,
                     error_type=type(exc).__name__, error=str(exc))
 
 
-def _store(request: Request) -> BatchStore:
-    return request.app.state.batches
+class QuotaExceeded(APIError):
+    """A 429 the OpenAI SDKs do not retry (``x-should-retry: false``): a quota frees up when
+    the caller deletes files or batches end, not within their seconds of backoff."""
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["x-should-retry"] = "false"
+        return response
 
 
-async def _call(func: Any, *args: Any, **kwargs: Any) -> Any:
+async def _call(request: Request, method: Callable[..., Any], *args: Any) -> Any:
+    """``method`` of the gateway's ``BatchStore`` in a thread, as the request's tenant (never
+    missing: a route without the API-key dependency fails here instead of seeing all)."""
+    tenant: Tenant = request.state.tenant
     try:
-        return await asyncio.to_thread(func, *args, **kwargs)
+        return await asyncio.to_thread(method, request.app.state.batches, *args, tenant=tenant)
     except BatchError as exc:
+        if exc.status == 429:
+            raise QuotaExceeded(429, str(exc), "insufficient_quota", param=exc.param,
+                                code=exc.code) from None
         type_ = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        raise APIError(exc.status, str(exc), type_, param=exc.param) from None
+        raise APIError(exc.status, str(exc), type_, param=exc.param, code=exc.code) from None
 
 
 @router.post("/v1/files")
@@ -86,35 +103,46 @@ async def upload_file(request: Request) -> dict[str, Any]:
     if not isinstance(upload, UploadFile):
         raise APIError(400, "a multipart 'file' field is required", param="file")
     content = await upload.read()
-    return await _call(_store(request).upload, content, upload.filename or "upload.jsonl",
+    return await _call(request, BatchStore.upload, content, upload.filename or "upload.jsonl",
                        purpose if isinstance(purpose, str) else "")
 
 
+#: A listing's page size: OpenAI's default and bounds (outside them: a 400 naming ``limit``).
+PageLimit = Annotated[int, Query(ge=1, le=100)]
+
+
+def _page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """A listing page of up to ``limit`` of ``items`` (fetched one past it: whether there
+    are more)."""
+    shown = items[:limit]
+    return {"object": "list", "data": shown,
+            "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
+
+
 @router.get("/v1/files")
-async def list_files(request: Request, limit: int = 20, after: str | None = None,
+async def list_files(request: Request, limit: PageLimit = 20, after: str | None = None,
                      purpose: str | None = None) -> dict[str, Any]:
-    """Uploaded files, newest first, each with its ``expires_at`` (its TTL in Redis)."""
+    """The caller's uploaded files (an admin: everyone's), newest first, each with its
+    ``expires_at`` (its TTL in Redis)."""
     if purpose not in (None, "batch"):
         raise APIError(400, "purpose: only 'batch' files are stored", param="purpose")
-    files = await _call(_store(request).files, max(1, min(limit, 100)), after)
-    return {"object": "list", "data": files,
-            "first_id": files[0]["id"] if files else None,
-            "last_id": files[-1]["id"] if files else None, "has_more": len(files) == limit}
+    return _page(await _call(request, BatchStore.files, limit + 1, after), limit)
 
 
 @router.get("/v1/files/{file_id}")
 async def get_file(request: Request, file_id: str) -> dict[str, Any]:
-    return await _call(_store(request).file, file_id)
+    return await _call(request, BatchStore.file, file_id)
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str) -> dict[str, Any]:
-    return await _call(_store(request).delete_file, file_id)
+    return await _call(request, BatchStore.delete_file, file_id)
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> Response:
-    content = await _call(_store(request).content, file_id)
+    content = await _call(request, BatchStore.content, file_id)
     return Response(content, media_type="application/jsonl")
 
 
@@ -125,25 +153,21 @@ async def create_batch(request: Request) -> dict[str, Any]:
         raise APIError(400, "input_file_id is required", param="input_file_id")
     if not isinstance(body.get("endpoint"), str):
         raise APIError(400, "endpoint is required", param="endpoint")
-    return await _call(_store(request).create, body["input_file_id"], body["endpoint"],
+    return await _call(request, BatchStore.create, body["input_file_id"], body["endpoint"],
                        body.get("completion_window", "24h"), body.get("metadata"))
 
 
 @router.get("/v1/batches")
-async def list_batches(request: Request, limit: int = 20,
+async def list_batches(request: Request, limit: PageLimit = 20,
                        after: str | None = None) -> dict[str, Any]:
-    batches = await _call(_store(request).list, max(1, min(limit, 100)), after)
-    return {"object": "list", "data": batches,
-            "first_id": batches[0]["id"] if batches else None,
-            "last_id": batches[-1]["id"] if batches else None,
-            "has_more": len(batches) == limit}
+    return _page(await _call(request, BatchStore.list, limit + 1, after), limit)
 
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
-    return await _call(_store(request).get, batch_id)
+    return await _call(request, BatchStore.get, batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
-    return await _call(_store(request).cancel, batch_id)
+    return await _call(request, BatchStore.cancel, batch_id)

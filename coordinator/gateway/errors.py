@@ -1,11 +1,13 @@
 """Errors in OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``).
 
 Every refusal maps to one status here: 400 a request we cannot run (naming the field), 401 a
-missing or wrong API key, 404 an unknown model or object, 408 a body that did not arrive in
-time, 413 a body over the size limit, 503 with ``Retry-After`` a request the gateway cannot
-serve now (no live worker, too many requests in flight, Redis unreachable); anything unexpected
-is a 500 whose message names only its type (the log has the rest), so internals and secrets
-never reach a client.
+missing or wrong API key, 403 a browser request from an origin not allowed, 404 an unknown
+model or object, 408 a body that did not arrive in time, 413 a body over the size limit, 415 a
+body that is not JSON by its Content-Type, 421 a Host the gateway is not served as, 503 with
+``Retry-After`` a request the gateway cannot serve now (no live worker, too many requests in
+flight, Redis unreachable); anything unexpected is a 500 whose message names only its type (the
+log has the rest), so internals and secrets never reach a client. A client's mistake is never a
+500: the OpenAI SDKs retry those.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from coordinator.validation import SubmitError
 from shared import redis_faults
 from shared.logs import get_logger
 from shared.outage import RedisOutage
-from shared.protocol import describe_validation_error
+from shared.protocol import Rejection, describe_validation_error
 
 log = get_logger("gateway")
 
@@ -35,13 +37,16 @@ RETRY_OVERLOADED = 1
 RETRY_NO_WORKER = 5
 RETRY_REDIS = 5
 
-#: SubmitError.reason -> (status, OpenAI error type, code)
+#: SubmitError.reason -> (status, OpenAI error type, code, the field at fault when the error
+#: names none)
 _SUBMIT_STATUS = {
-    "invalid": (400, "invalid_request_error", None),
-    "context_length_exceeded": (400, "invalid_request_error", "context_length_exceeded"),
-    "unknown_model": (404, "invalid_request_error", "model_not_found"),
-    "no_worker": (503, "service_unavailable", "no_live_worker"),
+    "invalid": (400, "invalid_request_error", None, None),
+    "context_length_exceeded": (400, "invalid_request_error", "context_length_exceeded", None),
+    "unknown_model": (404, "invalid_request_error", "model_not_found", "model"),
+    "no_worker": (503, "service_unavailable", "no_live_worker", "model"),
 }
+#: Where FastAPI found a bad request parameter: the first item of its error's ``loc``.
+_LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})
 
 
 class APIError(Exception):
@@ -60,19 +65,43 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
-        return JSONResponse(status_code=self.status, headers=headers, content=error_body(
-            self.message, self.type, self.param, self.code))
+        return JSONResponse(status_code=self.status, headers=headers, content=self.body())
+
+    def body(self) -> dict[str, Any]:
+        """The error's JSON body (what a stream's error event carries too)."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def printable(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a lone surrogate (a JSON ``\\ud800`` escape, which is
+    not text) is shown escaped, so an error that echoes what a client sent can always be
+    sent back (rendering it raised ``UnicodeEncodeError``: a 500 for a client's mistake)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": printable(message), "type": type_,
+                      "param": None if param is None else printable(param), "code": code}}
 
 
 def from_submit(exc: SubmitError) -> APIError:
-    status, type_, code = _SUBMIT_STATUS.get(exc.reason, _SUBMIT_STATUS["invalid"])
-    return APIError(status, str(exc), type_, param=exc.param, code=code,
+    status, type_, code, param = _SUBMIT_STATUS.get(exc.reason, _SUBMIT_STATUS["invalid"])
+    return APIError(status, str(exc), type_, param=exc.param or param, code=code,
                     retry_after=RETRY_NO_WORKER if exc.reason == "no_worker" else None)
+
+
+def from_job(error: str | None, error_type: str | None) -> APIError:
+    """A failed job's error, answered or streamed: 400 when the worker refused the request
+    itself (a :class:`~shared.protocol.Rejection`; one too long for the worker's context is
+    ``context_length_exceeded`` naming ``max_tokens``, as at submit), else a 500."""
+    message = error or "the job failed"
+    rejection = Rejection.of(error_type)
+    if rejection is Rejection.CONTEXT:
+        return APIError(400, message, param="max_tokens", code="context_length_exceeded")
+    if rejection is not None:
+        return APIError(400, message, code="job_rejected")
+    return APIError(500, message, "server_error", code="job_failed")
 
 
 def from_redis(exc: Exception) -> APIError:
@@ -87,12 +116,21 @@ def from_redis(exc: Exception) -> APIError:
 
 
 def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
-    """A 400 naming the first bad field (``param``) and every problem in the message."""
-    errors = [{**err, "loc": tuple(p for p in err.get("loc", ()) if p != "body")}
-              for err in exc.errors()]
+    """A 400 naming the first bad field (``param``: ``limit``, as OpenAI names it, not
+    FastAPI's ``query.limit``) and every problem in the message."""
+    errors = [{**err, "loc": _field(exc, tuple(err.get("loc", ())))} for err in exc.errors()]
     first = (".".join(str(p) for p in errors[0]["loc"]) or "body") if errors else None
     return APIError(400, describe_validation_error(errors, subject="body") or "invalid request",
                     param=first)
+
+
+def _field(exc: ValidationError | RequestValidationError,
+           loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A bad field's path without FastAPI's first item, where the field was (body, query,
+    path, header)."""
+    if isinstance(exc, RequestValidationError) and loc and loc[0] in _LOCATIONS:
+        return loc[1:]
+    return loc
 
 
 def install(app: FastAPI) -> None:

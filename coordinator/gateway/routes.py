@@ -12,19 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, TypeAlias
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from rq.exceptions import NoSuchJobError
-from rq.job import Job
+from rq.job import JOB_ID_PATTERN, Job
 from rq.serializers import JSONSerializer
 from sse_starlette import EventSourceResponse
 
 from coordinator.client import Coordinator
-from coordinator.gateway.errors import APIError
+from coordinator.gateway.errors import APIError, from_job
 from coordinator.gateway.streaming import (
     Ending,
     completion_sse,
@@ -49,11 +50,13 @@ public = APIRouter()
 
 #: Deepest nesting of arrays and objects a JSON body may have (OpenAI's bodies need < 10).
 MAX_JSON_DEPTH = 64
+#: How a lone surrogate reaches a body: a ``\uD800``-``\uDFFF`` escape (raw bytes must be
+#: UTF-8, and json pairs a high escape and a low one into one character). A body without one
+#: is not walked for them.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 #: Longest a stream's headers wait for its job to be taken and not refused.
 REFUSAL_WAIT_SECONDS = 1.0
-#: Why a worker refused a job (``ErrorEvent.error_type``) when the request itself is at fault:
-#: answered 400, like the refusals made before queueing.
-_REQUEST_FAULTS = frozenset({"context", "validation", "prompt", "capacity", "wrong_model"})
 
 
 def _coordinator(request: Request) -> Coordinator:
@@ -64,24 +67,60 @@ def _aliases(request: Request) -> dict[str, str]:
     return request.app.state.aliases
 
 
+#: Where a value sits in a JSON body: ``(parent's path, key or index)``, None for the body.
+_Path: TypeAlias = tuple["_Path", str | int] | None
+
+
+def _nodes(value: object) -> Iterator[tuple[object, int, _Path]]:
+    """Every value in ``value`` with its depth (the body's own: 1) and path, without
+    recursion (nothing to exhaust), entering nothing deeper than ``MAX_JSON_DEPTH + 1``."""
+    stack: list[tuple[object, int, _Path]] = [(value, 1, None)]
+    while stack:
+        item, depth, path = stack.pop()
+        yield item, depth, path
+        if depth > MAX_JSON_DEPTH:
+            continue
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1, (path, k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1, (path, i)) for i, v in enumerate(item))
+
+
 def json_depth(value: object) -> int:
     """How deeply arrays and objects nest in ``value`` (iterative: no recursion to exhaust)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            if depth <= MAX_JSON_DEPTH:
-                stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
-                                                      else item))
-    return deepest
+    return max((depth for item, depth, _ in _nodes(value) if isinstance(item, dict | list)),
+               default=0)
 
 
-async def json_body(request: Request) -> dict[str, Any]:
-    """The body as a JSON object, or a 400 saying why not (nesting included: a 100k-deep
-    body is refused, not a RecursionError)."""
+def _dotted(path: _Path) -> str:
+    """A path as a 400's ``param`` names a field (``messages.0.content``)."""
+    parts: list[str] = []
+    while path is not None:
+        path, key = path
+        parts.append(str(key))
+    return ".".join(reversed(parts))
+
+
+def lone_surrogate(body: object) -> str | None:
+    """The path of a key or string in ``body`` holding a lone surrogate, or None. JSON can
+    carry one (an unpaired ``\\ud800`` escape) but it is not text: UTF-8 cannot encode it,
+    so wherever it is echoed or written (an error message, Redis) it raised a 500."""
+    for item, _, path in _nodes(body):
+        if isinstance(item, str) and _LONE_SURROGATE.search(item):
+            return _dotted(path)
+        if isinstance(item, dict):
+            for key in item:
+                if _LONE_SURROGATE.search(key):
+                    return _dotted((path, key))
+    return None
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object, or a 400 saying why not: not JSON, nested deeper than
+    ``MAX_JSON_DEPTH`` (a 100k-deep body is refused, not a RecursionError), not an object,
+    or a string holding a lone surrogate (``param``: its path)."""
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -91,7 +130,18 @@ async def json_body(request: Request) -> dict[str, Any]:
                        code="too_deep")
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
+    where = lone_surrogate(body) if _SURROGATE_ESCAPE.search(raw) else None
+    if where is not None:
+        raise APIError(400, f"{where}: holds a lone UTF-16 surrogate (an unpaired "
+                       "\\ud800-\\udfff escape), which is not text", param=where,
+                       code="invalid_unicode")
     return body
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object (:func:`decode_json`), decoded in a thread: a 1 MiB body
+    parsed and walked in the event loop would hold up every open stream meanwhile."""
+    return await asyncio.to_thread(decode_json, await request.body())
 
 
 def _served(workers: Sequence[WorkerInfo]) -> dict[str, list[WorkerInfo]]:
@@ -155,13 +205,15 @@ async def model(request: Request, model_id: str) -> dict[str, Any]:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Any:
-    parsed = requests.parse_body(COMPLETIONS, await json_body(request), _aliases(request))
+    parsed = await asyncio.to_thread(requests.parse_body, COMPLETIONS, await json_body(request),
+                                     _aliases(request))
     return await _generate(request, parsed)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
-    parsed = requests.parse_body(CHAT, await json_body(request), _aliases(request))
+    parsed = await asyncio.to_thread(requests.parse_body, CHAT, await json_body(request),
+                                     _aliases(request))
     return await _generate(request, parsed)
 
 
@@ -180,18 +232,10 @@ def _submit_all(coordinator: Coordinator, choices: Sequence[Choice]) -> list[str
 
 
 def _check(endings: Sequence[Ending]) -> None:
-    """An ``APIError`` for the first failed job: 400 when the worker refused the request
-    itself (``context_length_exceeded`` for one too long for its context), else 500."""
+    """The ``APIError`` of the first failed job (``errors.from_job``), if one failed."""
     for ending in endings:
-        final = ending.final
-        if final.status is not JobStatus.FAILED:
-            continue
-        message = final.error or "the job failed"
-        if ending.error_type == "context":
-            raise APIError(400, message, code="context_length_exceeded")
-        if ending.error_type in _REQUEST_FAULTS:
-            raise APIError(400, message, code="job_rejected")
-        raise APIError(500, message, "server_error", code="job_failed")
+        if ending.final.status is JobStatus.FAILED:
+            raise from_job(ending.final.error, ending.error_type)
 
 
 async def _finish(request: Request, job_ids: Sequence[str]) -> list[Ending] | JSONResponse:
@@ -234,7 +278,8 @@ async def _generate(request: Request, parsed: Parsed) -> Any:
 @router.post("/v1/responses")
 async def responses(request: Request) -> Any:
     """OpenAI's Responses API over one chat job (``coordinator.openai_api.responses``)."""
-    parsed, body = parse_responses(await json_body(request), _aliases(request))
+    parsed, body = await asyncio.to_thread(parse_responses, await json_body(request),
+                                           _aliases(request))
     [job_id] = await asyncio.to_thread(_submit_all, _coordinator(request), parsed.choices)
     created = int(time.time())
     if parsed.stream:
@@ -276,18 +321,22 @@ async def _cancel(coordinator: Coordinator, job_id: str, reason: str) -> None:
 async def resume_stream(request: Request, completion_id: str,
                         include_usage: bool = False) -> EventSourceResponse:
     """Resume a streamed one-choice completion (after a dropped connection or a gateway
-    restart): ``Last-Event-ID`` is the ``id`` of the last SSE event received."""
+    restart): ``Last-Event-ID`` is the ``id`` of the last SSE event received. An id no job
+    can have (rq's job ids are letters, digits, ``_`` and ``-``) is a 404 like an unknown
+    one, never a ``ValueError`` from rq."""
     kind, _, job_id = completion_id.partition("-")
-    if kind not in ("cmpl", "chatcmpl") or not job_id:
-        raise APIError(404, f"no such completion: {completion_id}", "not_found_error")
+    unknown = APIError(404, f"no such completion: {completion_id}", "not_found_error",
+                       param="completion_id")
+    if kind not in ("cmpl", "chatcmpl") or not JOB_ID_PATTERN.fullmatch(job_id):
+        raise unknown
     coordinator = _coordinator(request)
     try:
         job = await asyncio.to_thread(Job.fetch, job_id, connection=coordinator.connection,
                                       serializer=JSONSerializer)
     except NoSuchJobError:
-        raise APIError(404, f"no such completion: {completion_id}", "not_found_error") from None
+        raise unknown from None
     last = request.headers.get("last-event-id", "0")
-    if not last.isdigit():
+    if not (last.isascii() and last.isdigit()):  # "²" is a digit to str, not to int
         raise APIError(400, "Last-Event-ID must be the id of an event of this stream",
                        param="Last-Event-ID")
     queued = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
@@ -297,6 +346,13 @@ async def resume_stream(request: Request, completion_id: str,
                     include_usage)
     return _sse(request, completion_sse(request.app.state.hub, coordinator.keys, parsed,
                                         [job_id], int(time.time()), shown=int(last)), [job_id])
+
+
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi(request: Request) -> dict[str, Any]:
+    """The OpenAPI schema, behind the API key like the routes it describes (FastAPI's own
+    is served to anyone)."""
+    return request.app.openapi()
 
 
 @public.get("/metrics")

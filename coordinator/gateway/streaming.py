@@ -38,6 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.types import Receive
 
 from coordinator.events import StreamCursor, TextDeltas
+from coordinator.gateway.errors import from_job
 from coordinator.gateway.hub import GatewayClosing, StreamHub
 from coordinator.openai_api import replies
 from coordinator.openai_api.requests import Parsed
@@ -283,11 +284,9 @@ def interrupted(exc: Exception, job_ids: Sequence[str]) -> dict[str, Any]:
 
 
 def failure(ending: Ending) -> dict[str, Any]:
-    """The error body of a failed job (in a stream, after which it ends)."""
-    final = ending.final
-    code = "context_length_exceeded" if ending.error_type == "context" else "job_failed"
-    return {"error": {"message": final.error or "the job failed", "type": "server_error",
-                      "param": None, "code": code}}
+    """The error body of a failed job (in a stream, after which it ends): the one a
+    non-streamed request gets (``errors.from_job``)."""
+    return from_job(ending.final.error, ending.error_type).body()
 
 
 async def completion_sse(hub: StreamHub, keys: Keys, parsed: Parsed,

@@ -3,24 +3,22 @@ refused with a 400 that names it.
 
 OpenAI clients send fields that carry no behaviour in OpenAI's own answer (who the end user
 is, tags for its dashboard, storage and routing hints): those are accepted and listed in
-docs/http.md (``NO_EFFECT``). Fields that would change the answer and that we cannot honour
-are refused by name with the reason (``REFUSED``), except at their neutral value (``tools:
-[]`` changes nothing). Anything else unknown is refused as unknown: a typo, or a field of
-another server (``guided_json``), never silently does nothing.
+docs/http.md (``NO_EFFECT``), typed as OpenAI types them (:class:`NoEffect`: a wrong type is a
+400 naming the field, as OpenAI answers it, so a client that works here works there). Fields
+that would change the answer and that we cannot honour are refused by name with the reason
+(``REFUSED``), except at their neutral value (``tools: []`` changes nothing). Anything else
+unknown is refused as unknown: a typo, or a field of another server (``guided_json``), never
+silently does nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from shared.protocol import describe_validation_error
-
-#: Accepted and ignored: OpenAI's answer does not depend on them either.
-NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                       "safety_identifier", "parallel_tool_calls"})
 
 _TOOLS = "tools are served on /v1/chat/completions"
 _FUNCTIONS = "the deprecated functions API is not supported: send tools and tool_choice"
@@ -60,6 +58,48 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+#: OpenAI's limits on ``metadata``: pairs, and characters per key and per value.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+def _metadata(pairs: dict[str, str]) -> dict[str, str]:
+    """OpenAI's rule for ``metadata``, checked here so the 400 names the field (and the key)
+    rather than a position inside it."""
+    if len(pairs) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs, not {len(pairs)}")
+    for key, value in pairs.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise ValueError(f"key {key[:MAX_METADATA_KEY]!r}...: keys are at most "
+                             f"{MAX_METADATA_KEY} characters")
+        if len(value) > MAX_METADATA_VALUE:
+            raise ValueError(f"key {key!r}: values are at most {MAX_METADATA_VALUE} characters")
+    return pairs
+
+
+#: OpenAI's ``metadata``: string pairs within its limits.
+Metadata = Annotated[dict[str, str], AfterValidator(_metadata)]
+
+
+class NoEffect(Strict):
+    """The fields accepted without effect, with OpenAI's types (null is each one's default):
+    checked, then dropped. ``NO_EFFECT`` is read from here, so a field added here is accepted
+    on every endpoint, typed, at once."""
+
+    user: str | None = None
+    metadata: Metadata | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
+
+
+#: Accepted and ignored: OpenAI's answer does not depend on them either.
+NO_EFFECT = frozenset(NoEffect.model_fields)
+
+
 class RequestError(ValueError):
     """A request that cannot be served as sent; ``param`` names the field, ``code`` is
     OpenAI's error code where it has one (``context_length_exceeded``)."""
@@ -72,12 +112,19 @@ class RequestError(ValueError):
 
 
 def screen(body: Mapping[str, Any], honoured: Collection[str]) -> dict[str, Any]:
-    """``body`` without the fields that have no effect; ``RequestError`` for a refused field
-    that asks for something. ``honoured`` are the fields this endpoint reads (a field both
-    refused here and honoured there, such as ``text`` on the Responses API, is read)."""
+    """``body`` without the fields that have no effect (once their types are checked);
+    ``RequestError`` for one of the wrong type, or for a refused field that asks for
+    something. ``honoured`` are the fields this endpoint reads (a field both refused here and
+    honoured there, such as ``text`` on the Responses API, is read)."""
+    unread = {name: value for name, value in body.items()
+              if name in NO_EFFECT and name not in honoured}
+    try:
+        NoEffect.model_validate(unread)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
     kept: dict[str, Any] = {}
     for name, value in body.items():
-        if name in NO_EFFECT and name not in honoured:
+        if name in unread:
             continue
         if name in REFUSED and name not in honoured:
             if value is None or any(value == n for n in NEUTRAL.get(name, ())):

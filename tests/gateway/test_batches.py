@@ -111,6 +111,25 @@ def test_batch_refusals(deployment: Deployment) -> None:
         assert exc.body["param"] == "endpoint"
 
 
+def test_listings_page_with_has_more_and_refuse_a_limit_out_of_range(
+        settings: Settings, gateway: Gateway) -> None:
+    """A page of ``limit`` says whether more follow (the SDK's auto-pagination reads it);
+    a limit outside OpenAI's 1..100 is a 400 naming it, not clamped in silence."""
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    uploaded = {_upload(client, [_line(n)]) for n in range(3)}
+    first = client.files.list(limit=2)
+    assert len(first.data) == 2 and first.has_more
+    rest = client.files.list(limit=2, after=first.data[-1].id)
+    assert len(rest.data) == 1 and not rest.has_more
+    assert {f.id for f in [*first.data, *rest.data]} == uploaded
+    paged = [f.id for f in client.files.list(limit=1)]  # the SDK follows has_more
+    assert len(paged) == 3 and set(paged) == uploaded
+    for limit in (0, 101):
+        for path in ("/v1/files", "/v1/batches"):
+            r = httpx.get(f"{gateway.url}{path}?limit={limit}")
+            assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+
+
 def test_gateway_killed_mid_batch_and_mid_stream_loses_nothing(
         fleet: Fleet, settings: Settings, tmp_path: Any) -> None:
     fleet.start("w1", step_delay=0.02)

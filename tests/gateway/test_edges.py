@@ -33,11 +33,11 @@ def test_api_keys_and_body_limits(settings: Settings, tmp_path: Path) -> None:
         with pytest.raises(openai.APIStatusError) as big:
             client.completions.create(model=MODEL_NAME, prompt="x" * 5000, max_tokens=1)
         assert big.value.status_code == 413 and "exceeds 4096 bytes" in big.value.message
-        chunked = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        chunked = httpx.post(url + "/v1/completions", headers=headers,
                              content=iter([b"{" + b" " * 3000, b" " * 3000 + b"}"]))
         assert chunked.status_code == 413
-        bad = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                         content=b"[1, 2]")
+        bad = httpx.post(url + "/v1/completions", headers=headers, content=b"[1, 2]")
         assert bad.status_code == 400 and "JSON object" in bad.json()["error"]["message"]
     finally:
         gateway.stop()

@@ -145,7 +145,8 @@ def test_requests_the_fleet_can_judge_are_400s(deployment: Deployment,
         client.completions.create(model="org/model", prompt=PROMPT, max_tokens=2)
     assert slashed.value.body["code"] == "model_not_found"
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    r = httpx.post(deployment.gateway.url + "/v1/completions", content=deep, timeout=30)
+    r = httpx.post(deployment.gateway.url + "/v1/completions", content=deep, timeout=30,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "deeper than 64" in r.json()["error"]["message"]
 
 
