@@ -62,6 +62,7 @@ JSON = (("Content-Type", "application/json"),)
 #: A right value of each field accepted without effect: a field added to ``NO_EFFECT`` without
 #: one here fails :func:`probes` (KeyError), so it is probed from its first day.
 RIGHT: dict[str, Any] = {"user": "user-1", "metadata": {"run": "nightly"}, "store": False,
+                         "prompt_cache_retention": "24h", "prompt_cache_options": {},
                          "service_tier": "auto", "prompt_cache_key": "key-1",
                          "safety_identifier": "hash-1", "parallel_tool_calls": True}
 #: The keys of OpenAI's error object, each a string or null (``message`` and ``type``

@@ -7,7 +7,6 @@ message that names it (pydantic's ``loc``), before anything is queued.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -246,19 +245,10 @@ class ToolDefinition(_Strict):
 
 class ToolCallFunction(_Strict):
     name: str = Field(pattern=TOOL_NAME_PATTERN)
-    #: The arguments as JSON text (OpenAI's shape), an object.
+    #: The arguments as the model wrote them: JSON text of an object (OpenAI's shape), or
+    #: whatever a call cut by its budget left. OpenAI takes any string here, and agent loops
+    #: (the Node SDK, the Agents SDK) send a cut call back as history.
     arguments: str = Field(max_length=MAX_PROMPT_CHARS)
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v: str) -> str:
-        try:
-            value = json.loads(v)
-        except ValueError as exc:
-            raise ValueError(f"must be JSON text ({exc})") from None
-        if not isinstance(value, dict):
-            raise ValueError("must be a JSON object")
-        return v
 
 
 class ToolCall(_Strict):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
 
 from shared.protocol import describe_validation_error
 
@@ -42,6 +42,10 @@ REFUSED: dict[str, str] = {
     "truncation": "only truncation 'disabled' is supported (a prompt too long is a 400)",
     "max_tool_calls": _TOOLS,
     "prompt": "stored prompt templates are not supported",
+    "moderation": "moderation of the output is not supported",
+    "conversation": "conversations are not stored: send the turns so far in input",
+    "context_management": "responses are not stored, so there is no context to manage",
+    "top_logprobs": "logprobs are served on /v1/chat/completions and /v1/completions",
 }
 #: The values of refused fields that ask for nothing (what the default answer already is).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -53,9 +57,19 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 class Strict(BaseModel):
     """Types are strict (``true`` is not a number, ``"10"`` is not an int), as on our own
-    wire, and an unknown field is refused by name."""
+    wire, and an unknown field is refused by name. ``null`` is the field's default, as
+    OpenAI's schema types every optional field nullable (``"n": null`` is ``n`` 1, not "Input
+    should be a valid integer"); a required field sent as ``null`` is still missing."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        return {k: v for k, v in data.items() if v is not None or k not in known}
 
 
 #: OpenAI's limits on ``metadata``: pairs, and characters per key and per value.
@@ -92,6 +106,9 @@ class NoEffect(Strict):
     store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
+    #: How long OpenAI keeps a prompt's cache (prefix reuse here is the worker's own).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     parallel_tool_calls: bool | None = None
 

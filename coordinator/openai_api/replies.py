@@ -10,6 +10,7 @@ read as tool calls (``Choice.tool_calls``) answers ``message.tool_calls`` and
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -186,6 +187,7 @@ class ChoiceStream:
     def __init__(self, parsed: Parsed, index: int, completion: str, created: int,
                  job_id: str, shown: int = 0) -> None:
         self.endpoint, self.model, self.index = parsed.endpoint, parsed.model, index
+        self.include_usage, self.obfuscate = parsed.include_usage, parsed.obfuscate
         self.completion, self.created, self.shown = completion, created, shown
         choice = parsed.choices[index] if index < len(parsed.choices) else Choice({})
         self.echo = choice.echo
@@ -193,15 +195,24 @@ class ChoiceStream:
         self.read_from = 0 if self.reader is not None else shown
 
     def _chunk(self, **fields: Any) -> dict[str, Any]:
-        return chunk(self.endpoint, self.completion, self.model, self.created, self.index,
+        """A chunk as OpenAI streams it: ``usage`` null on every chunk but the last when the
+        request asked for usage, random ``obfuscation`` padding when it asked for that."""
+        body = chunk(self.endpoint, self.completion, self.model, self.created, self.index,
                      **fields)
+        if self.include_usage:
+            body["usage"] = None
+        if self.obfuscate:
+            body["obfuscation"] = obfuscation()
+        return body
 
     def opening(self) -> dict[str, Any] | None:
-        """The chat role chunk, or completions' echo (none when resuming)."""
+        """The chat role chunk, or completions' echo (none when resuming). A choice read as
+        tool calls opens with no content (``""`` made the AI SDK open an empty text part
+        before the calls)."""
         if self.shown:
             return None
         if self.endpoint == CHAT:
-            return self._chunk(role=True, text="")
+            return self._chunk(role=True, text=None if self.reader is not None else "")
         return self._chunk(text=self.echo) if self.echo else None
 
     def text(self, text: str, logprobs: list[TokenLogprob] | None, offset: int,
@@ -235,8 +246,20 @@ class ChoiceStream:
 def usage_chunk(parsed: Parsed, completion: str, created: int,
                 finals: Sequence[FinalEvent]) -> dict[str, Any]:
     """The trailing chunk of ``stream_options.include_usage``: no choices, the usage."""
-    return {**_chunk_base(parsed.endpoint, completion, parsed.model, created), "choices": [],
+    body = {**_chunk_base(parsed.endpoint, completion, parsed.model, created), "choices": [],
             "usage": usage(parsed, finals), "specfleet": extensions(finals)}
+    if parsed.obfuscate:
+        body["obfuscation"] = obfuscation()
+    return body
+
+
+#: Most characters of one chunk's ``obfuscation`` padding.
+OBFUSCATION_CHARS = 32
+
+
+def obfuscation() -> str:
+    """Random padding of random length (``stream_options.include_obfuscation``)."""
+    return secrets.token_urlsafe(OBFUSCATION_CHARS)[:1 + secrets.randbelow(OBFUSCATION_CHARS)]
 
 
 def _chunk_base(endpoint: str, completion: str, model: str, created: int) -> dict[str, Any]:

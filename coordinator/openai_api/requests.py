@@ -100,6 +100,9 @@ class Extension(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    #: OpenAI's padding of every streamed chunk with random characters (so a chunk's size
+    #: does not tell its token's length to whoever sees the traffic): honoured when asked.
+    include_obfuscation: bool = False
 
 
 class Sampled(_Strict):
@@ -358,6 +361,8 @@ class Parsed:
     choices: list[Choice]
     stream: bool = False
     include_usage: bool = False
+    #: ``stream_options.include_obfuscation``: every chunk carries random padding.
+    obfuscate: bool = False
 
 
 def reads_tool_calls(request: Mapping[str, Any]) -> bool:
@@ -415,5 +420,6 @@ def parse_body(endpoint: str, body: dict[str, Any],
             choices.append(Choice(job, p, echo, reads_tool_calls(job)))
     if parsed.stream_options is not None and not parsed.stream:
         raise RequestError("stream_options needs stream: true", param="stream_options")
-    return Parsed(endpoint, parsed.model, choices, parsed.stream,
-                  bool(parsed.stream_options and parsed.stream_options.include_usage))
+    options = parsed.stream_options or StreamOptions()
+    return Parsed(endpoint, parsed.model, choices, parsed.stream, options.include_usage,
+                  options.include_obfuscation)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from coordinator.openai_api.fields import RequestError, from_validation, screen
-from coordinator.openai_api.replies import extension
+from coordinator.openai_api.replies import extension, obfuscation
 from coordinator.openai_api.requests import (
     DEFAULT_CHAT_MAX_TOKENS,
     Choice,
@@ -57,11 +57,18 @@ class TextConfig(_Strict):
     format: TextFormat | None = None
 
 
+class ResponsesStreamOptions(_Strict):
+    """The Responses API's ``stream_options``: random padding on every text delta."""
+
+    include_obfuscation: bool = False
+
+
 class ResponsesRequest(Sampled):
     input: str | list[InputMessage]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     text: TextConfig | None = None
+    stream_options: ResponsesStreamOptions | None = None
 
     def text_format(self) -> TextFormat:
         return (self.text.format if self.text is not None and self.text.format is not None
@@ -89,7 +96,11 @@ def parse_responses(body: dict[str, Any], aliases: dict[str, str]) -> tuple[Pars
                                   request.text_format().response_format(),
                                   format_param="text.format"),
            "messages": our_messages(request.turns())}
-    return Parsed(RESPONSES, request.model, [Choice(job)], request.stream), request
+    if request.stream_options is not None and not request.stream:
+        raise RequestError("stream_options needs stream: true", param="stream_options")
+    obfuscate = request.stream_options is not None and request.stream_options.include_obfuscation
+    return Parsed(RESPONSES, request.model, [Choice(job)], request.stream,
+                  obfuscate=obfuscate), request
 
 
 def response_id(job_id: str) -> str:
@@ -183,8 +194,9 @@ class EventSequence:
 
     def delta(self, text: str) -> dict[str, Any]:
         self.text += text
+        padding = {"obfuscation": obfuscation()} if self.parsed.obfuscate else {}
         return self._event("response.output_text.delta", **self._where(), delta=text,
-                           logprobs=[])
+                           logprobs=[], **padding)
 
     def closing(self, final: FinalEvent) -> list[dict[str, Any]]:
         response = response_object(self.job_id, self.parsed, self.request, self.created, final)

@@ -12,6 +12,7 @@ where it departs, never dropped.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -98,15 +99,30 @@ class CallReader:
 
     def finish(self) -> Pieces:
         """Hand out what was held back: the text ended (a message that was a prefix of the
-        marker, or a call cut short by the budget)."""
+        marker, or a call cut short by the budget). A call cut inside its closing keeps
+        exactly its arguments (:meth:`_closing_started`)."""
         out = Pieces()
         if self._state in (_State.UNDECIDED, _State.MESSAGE):
             out.content, self._held = self._held, ""
         elif self._state is _State.ARGUMENTS and self._held:
-            self._arguments(out, self._held)
+            if not self._closing_started():
+                self._arguments(out, self._held)
             self._held = ""
         self.content += out.content
         return out
+
+    def _closing_started(self) -> bool:
+        """Whether the text held back at the end of a call's arguments (the start of
+        ``CALL_CLOSE`` by construction) is that closing, cut by the budget, rather than the
+        arguments' own last brace. Arguments are compact JSON, so held text with a newline
+        is the closing; a lone ``}`` is when the arguments before it are a whole object."""
+        if "\n" in self._held:
+            return True
+        try:
+            json.loads(self.calls[-1].arguments)
+        except ValueError:
+            return False
+        return True
 
     # -- the layout, one step at a time (True: progress was made, try again) ------------
     def _step(self, out: Pieces) -> bool:

@@ -26,7 +26,7 @@ from coordinator.openai_api.tool_calls import CallReader
 from coordinator.validation import SubmitError, parse_request
 from shared.constraint import Constraint
 from shared.protocol import FinalEvent, FinishReason, GenerationRequest, JobStatus
-from shared.tool_calls import render_call, render_calls
+from shared.tool_calls import CALL_CLOSE, render_call, render_calls
 
 from helpers import SPECFLEET  # isort: skip
 
@@ -297,15 +297,28 @@ def test_a_history_of_calls_and_results_reaches_our_request() -> None:
     assert tool.role == "tool" and tool.tool_call_id == "call_1" and tool.content == "18 C"
     for turn, param in (({"role": "tool", "content": "x"}, "messages"),
                         ({"role": "user", "content": None}, "messages"),
-                        ({"role": "assistant", "content": None, "tool_calls": [
-                            {"id": "c", "type": "function",
-                             "function": {"name": "f", "arguments": "[1]"}}]}, "messages"),
                         ({"role": "assistant", "content": "x", "refusal": "no"},
                          "messages.0.refusal")):
         with pytest.raises((RequestError, SubmitError)) as info:
             parse_request(parse_body(CHAT, {**CHAT_BODY, "messages": [turn]})
                           .choices[0].request)
         assert param in (getattr(info.value, "param", None) or str(info.value))
+
+
+def test_a_call_cut_by_its_budget_comes_back_as_history() -> None:
+    """Agent loops (the Node SDK, the Agents SDK) send a call the budget cut back in the next
+    turn's history; OpenAI takes any string as its arguments, and so do we: the turn is the
+    text the model wrote."""
+    cut = '{"city":"Par'
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": cut}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "no such city"}]
+    request = parse_request(parse_body(CHAT, {**CHAT_BODY, "messages": history,
+                                              "tools": [WEATHER]}).choices[0].request)
+    assert request.messages is not None
+    assert request.messages[1].text() == call("get_weather", cut)
 
 
 # -- the text of calls read back ---------------------------------------------------------------
@@ -328,7 +341,8 @@ def _streamed(parsed: Parsed, text: str, final: FinalEvent, cuts: list[int]) -> 
     for body in bodies:
         if body is not None:
             state.handle_chunk(ChatCompletionChunk.model_validate(body))
-    return state.get_final_completion()
+    # the package's own reassembly (get_final_completion refuses a length finish)
+    return ChatCompletion.model_validate(state.current_completion_snapshot.model_dump())
 
 
 def _calls(calls: Any) -> list[tuple[str, str, str, str]]:
@@ -378,6 +392,24 @@ def test_a_call_cut_short_by_the_budget_is_a_length_finish() -> None:
         '"arguments": ')[1]
 
 
+@pytest.mark.parametrize("arguments", [PARIS, '{"city":""}', "{}"])
+def test_a_call_cut_inside_its_closing_keeps_exactly_its_arguments(arguments: str) -> None:
+    """The budget can end the text anywhere in a call's closing ``}\\n</tool_call>`` (or in
+    the next call's opening): the arguments are what the model wrote, never with the
+    closing's first characters appended, whole and streamed alike."""
+    parsed = parse_body(CHAT, {**CHAT_BODY, "tools": [WEATHER, TIME]})
+    text = render_calls([("get_weather", arguments), ("get_time", '{"zone":"UTC"}')])
+    end = len(call("get_weather", arguments)) - len(CALL_CLOSE)
+    for cut in range(end, end + len(CALL_CLOSE) + 15):
+        final = _final(text[:cut], FinishReason.LENGTH)
+        whole = ChatCompletion.model_validate(response_body(parsed, [final]))
+        first = (whole.choices[0].message.tool_calls or [])[0]
+        assert first.function.arguments == arguments, (cut, text[end:cut])
+        streamed = _streamed(parsed, text[:cut], final, list(range(1, cut)))
+        assert _calls(streamed.choices[0].message.tool_calls) == _calls(
+            whole.choices[0].message.tool_calls)
+
+
 def test_text_that_leaves_the_layout_is_kept_as_message_text() -> None:
     """What the constraint rules out is still never dropped."""
     reader = CallReader("j")
@@ -409,3 +441,40 @@ def test_a_resumed_tool_call_stream_sends_exactly_the_rest() -> None:
     whole = events(0)
     for cut in {i for i, _ in whole[1:-1]}:  # the closing chunk is sent whatever was seen
         assert events(cut) == [(i, body) for i, body in whole[:-1] if i > cut] + whole[-1:]
+
+
+def _chunks(parsed: Parsed, text: str) -> list[dict[str, Any]]:
+    """Every chunk of choice 0 streaming ``text`` in two pieces."""
+    stream = ChoiceStream(parsed, 0, completion_id(CHAT, "j1"), 1, "j1")
+    half = len(text) // 2
+    bodies = [stream.opening(), stream.text(text[:half], None, 0, half),
+              stream.text(text[half:], None, half, len(text)), stream.closing(_final(text))]
+    return [b for b in bodies if b is not None]
+
+
+def test_stream_chunks_carry_null_usage_and_open_a_call_without_content() -> None:
+    """OpenAI's chunk shape: with ``include_usage`` every chunk but the usage one has
+    ``usage: null``; a choice read as calls opens with no ``content`` (``""`` made the AI
+    SDK open an empty text part before the calls); a message opens with ``""``."""
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    calls = parse_body(CHAT, {**CHAT_BODY, **stream, "tools": [WEATHER]})
+    chunks = _chunks(calls, call("get_weather", PARIS))
+    assert all("usage" in c and c["usage"] is None for c in chunks)
+    opening = chunks[0]["choices"][0]["delta"]
+    assert opening == {"role": "assistant"}
+    message = _chunks(parse_body(CHAT, {**CHAT_BODY, "stream": True}), "Sunny.")
+    assert message[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("usage" not in c for c in message)  # usage not asked for: absent, as OpenAI
+
+
+def test_include_obfuscation_pads_every_chunk_with_random_characters() -> None:
+    obfuscated = parse_body(CHAT, {**CHAT_BODY, "stream": True,
+                                   "stream_options": {"include_obfuscation": True}})
+    padding = [c["obfuscation"] for c in _chunks(obfuscated, "Sunny in Paris.")]
+    assert all(isinstance(p, str) and p for p in padding) and len(set(padding)) > 1
+    plain = parse_body(CHAT, {**CHAT_BODY, "stream": True,
+                              "stream_options": {"include_obfuscation": False}})
+    assert all("obfuscation" not in c for c in _chunks(plain, "Sunny in Paris."))
+    parsed, _ = parse_responses({"model": "m", "input": "hi", "stream": True,
+                                 "stream_options": {"include_obfuscation": True}}, {})
+    assert parsed.obfuscate

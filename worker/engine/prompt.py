@@ -177,11 +177,20 @@ def _placeholder(message: ChatMessage, content: str) -> dict[str, Any]:
     if message.tool_calls is not None:
         turn["tool_calls"] = [
             {"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                "name": c.function.name, "arguments": _decoded(c.function.arguments)}}
             for c in message.tool_calls]
     if message.tool_call_id is not None:
         turn["tool_call_id"] = message.tool_call_id
     return turn
+
+
+def _decoded(arguments: str) -> Any:
+    """A call's arguments as a template writes them: the value their JSON encodes, or, for
+    text that is not JSON (a call its budget cut), the text itself, as llama-server keeps it."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _uses_tools(messages: list[ChatMessage]) -> bool:
