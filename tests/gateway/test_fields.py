@@ -60,7 +60,9 @@ def test_a_field_that_cannot_be_honoured_is_a_400_naming_it(
 
 def test_fields_without_effect_are_accepted_and_documented() -> None:
     no_effect = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
-                 "prompt_cache_key": "k", "safety_identifier": "s", "parallel_tool_calls": True}
+                 "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+                 "prompt_cache_options": {}, "safety_identifier": "s",
+                 "parallel_tool_calls": True}
     assert set(no_effect) == fields.NO_EFFECT
     plain = parse_body(CHAT, CHAT_BODY).choices[0].request
     with_them = parse_body(CHAT, {**CHAT_BODY, **no_effect, "tools": [],
