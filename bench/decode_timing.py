@@ -1,12 +1,12 @@
 """What a decode of r rows costs where the engine runs, and what changes that cost on a GPU.
 
-The row-cost tables (worker/engine/draft_cost.py, verify_shape.py) decide how wide to draft;
+The row-cost tables (worker/engine/cost_curve.py, draft_cost.py) decide how wide to draft;
 on a GPU two things move the true cost away from a naive timing, and this measures both:
 
 - ``queued_ms`` against ``finished_ms``: one decode of r rows on an empty context, timed
   around ``llama_decode`` alone (what the tables timed until they waited for the device: on
   CUDA that call returns once the kernels are queued) and as the tables time it now
-  (:func:`~worker.engine.verify_shape.measure_costs`, which waits). On the CPU backend the
+  (:func:`~worker.engine.cost_curve.time_decodes`, which waits). On the CPU backend the
   two agree.
 - ``steady_ms_per_step``: 300 steps decoding at a growing position, reading every row's
   argmax and rolling back all but two rows, as a verify does: at one row, at a constant 9
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.logs import configure_logging  # noqa: E402
-from worker.engine.verify_shape import measure_costs  # noqa: E402
+from worker.engine.cost_curve import time_decodes  # noqa: E402
 from worker.llm import Batch, Context, ContextSpec, Model, ModelSpec  # noqa: E402
 from worker.testmodels import build_tiny_models  # noqa: E402
 from worker.testmodels.gemma import gemma_q4_path  # noqa: E402
@@ -86,7 +86,7 @@ def measure(model_path: Path, gpu: bool, reps: int, threads: int) -> dict[str, o
             Context(model, ContextSpec(n_ctx=4096, n_batch=128, n_ubatch=128,
                                        n_threads=threads)) as context:
         batch = Batch(128)
-        finished = measure_costs(context, batch, max(WIDTHS), reps, WIDTHS)
+        finished = time_decodes(context, batch, WIDTHS, reps=reps)
         out: dict[str, object] = {
             "queued_ms": {r: queued(context, batch, r, reps) for r in WIDTHS},
             "finished_ms": {r: round(finished[r] * 1e3, 3) for r in WIDTHS},

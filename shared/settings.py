@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import AfterValidator, AliasChoices, Field
@@ -55,6 +57,12 @@ class Settings(BaseSettings):
         default=None, description="worker: a named chat template (chatml, gemma, llama3) "
         "to render chats with instead of the model's own",
     )
+    cost_cache_dir: str | None = Field(
+        default=None, description="worker: where row-cost curves are kept between starts, "
+        "one per model, device, build and thread count (worker/engine/cost_cache.py); unset: "
+        "$SPECFLEET_CACHE_DIR/rowcosts or ~/.cache/specfleet/rowcosts; empty: time at every "
+        "start",
+    )
     step_delay_seconds: float = Field(
         default=0.0, ge=0, le=10,
         description="test/drill only: sleep this long per decode step (slows a worker down)",
@@ -66,6 +74,13 @@ class Settings(BaseSettings):
     @property
     def keys(self) -> Keys:
         return Keys(self.prefix)
+
+    def cost_cache(self) -> str | None:
+        """The row-cost cache's directory (None: none is kept)."""
+        if self.cost_cache_dir is not None:
+            return self.cost_cache_dir or None
+        base = os.environ.get("SPECFLEET_CACHE_DIR") or str(Path.home() / ".cache" / "specfleet")
+        return str(Path(base) / "rowcosts")
 
 
 @lru_cache(maxsize=1)

@@ -14,7 +14,9 @@ or one that runs a single short process stays fast.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import CodeType
@@ -75,6 +77,13 @@ def pytest_runtest_makereport(item: pytest.Item,
             fleet.dump_stacks()
             for name, text in fleet.log_tails():
                 report.sections.append((f"worker {name}: log tail", text))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every process the suite starts keeps its row-cost curves in a directory of this run
+    (``SPECFLEET_COST_CACHE_DIR``), never in the user's cache: no test meets a curve an
+    earlier run timed (``service.workers.Fleet`` gives each test's workers their own)."""
+    os.environ["SPECFLEET_COST_CACHE_DIR"] = tempfile.mkdtemp(prefix="specfleet-rowcosts-")
 
 
 @pytest.fixture(scope="session")

@@ -72,9 +72,11 @@ def generate(
     # Loaded for exactly what the request asks (build_request has checked N and D); the
     # request itself carries the drafter knobs, as a submitted one does.
     capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
+    settings = environment_settings()
     config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, capacity=capacity,
                           checkpoint=checkpoint, calibrate_verify=calibrate_verify,
-                          fail_device_checkpoint=environment_settings().fail_device_checkpoint)
+                          fail_device_checkpoint=settings.fail_device_checkpoint,
+                          cost_cache=settings.cost_cache())
     try:
         with SpeculativeEngine(config) as engine:
             tokens = req.prompt_tokens or engine.tokenize(req.prompt or "")

@@ -18,10 +18,10 @@ import llama_cpp
 from helpers import PROMPT, ReplaysRepeats
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.cost_curve import measure_curve
 from worker.engine.draft_cost import RowCosts
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import SlotRequest
-from worker.engine.verify_shape import measure_costs
 from worker.launch import EngineCapacity
 from worker.llm import Batch, Context, ContextSpec, Model, ModelSpec
 
@@ -51,10 +51,11 @@ def test_plain_widths_are_timed_steady_where_the_device_replays_them(dense_model
     with Model(ModelSpec(str(dense_model))) as model, \
             Context(model, ContextSpec(n_ctx=256, n_batch=16, n_threads=1)) as context:
         device = ReplaysRepeats(context, WAIT)
-        one_slot = RowCosts.measure(device, Batch(16), 4, replays=True)  # type: ignore[arg-type]
-        two_slots = RowCosts.measure_steps(device, Batch(16), 2, 3,  # type: ignore[arg-type]
-                                           replays=True)
-        unreplayed = RowCosts.measure(device, Batch(16), 4)  # type: ignore[arg-type]
+        replayed = measure_curve(device, Batch(16), 8, replays=True)  # type: ignore[arg-type]
+        unreplayed_curve = measure_curve(device, Batch(16), 8)  # type: ignore[arg-type]
+    one_slot = RowCosts.for_one_slot(replayed, 3, replays=True)
+    two_slots = RowCosts.for_steps(replayed, 2, 3, replays=True)
+    unreplayed = RowCosts.for_one_slot(unreplayed_curve, 3)
     assert one_slot.seconds[1] < WAIT <= min(one_slot.seconds[2:])
     assert max(two_slots.seconds[1:3]) < WAIT <= min(two_slots.seconds[3:])
     assert min(unreplayed.seconds[1:]) >= WAIT
@@ -72,8 +73,8 @@ def test_only_layers_on_a_gpu_replay(dense_model: Path) -> None:
 def test_calibration_times_the_device_s_work(dense_model: Path) -> None:
     with Model(ModelSpec(str(dense_model))) as model, \
             Context(model, ContextSpec(n_ctx=256, n_batch=8, n_threads=1)) as context:
-        costs = measure_costs(QueuedDevice(context), Batch(8), 4, reps=1)  # type: ignore[arg-type]
-    assert min(costs[1:]) >= WAIT
+        curve = measure_curve(QueuedDevice(context), Batch(8), 4)  # type: ignore[arg-type]
+    assert min(curve.timed.values()) >= WAIT
 
 
 def test_a_verify_s_decode_time_includes_the_device_s_work(dense_model: Path) -> None:

@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod
+from worker.engine.cost_curve import PROBE_WIDTHS, CostCurve
 from worker.engine.draft_cost import (
     FLOOR,
-    NARROW_ROWS,
     RESIDUAL_RATE,
-    TILE,
     WIDER_FROM,
     RowCosts,
-    calibrated_widths,
     cap_wide,
 )
 from worker.engine.draft_length_policy import PLAIN_MARGIN, best_draft_length
@@ -139,23 +137,33 @@ def test_a_width_that_runs_is_priced_at_what_it_ran() -> None:
     assert costs.seconds[25] == pytest.approx(idle[25] + 0.5 * 25, rel=0.03)
 
 
-def test_calibration_times_narrow_widths_and_a_sparse_ladder(dense_model: Path) -> None:
-    """At load every narrow row count is timed, wider ones sparsely on whole tiles (never one
-    row past a tile, the dearest count: priced at it, the tile-aligned widths below it would
-    never be chosen; twice as sparse past 64 rows) and the capacity; an untimed count costs
-    what the next wider timed one does, and no entry exceeds a wider one."""
-    assert calibrated_widths(5) == [1, 2, 3, 4, 5]
-    assert calibrated_widths(33) == [*range(1, 18), 24, 32, 33]
-    assert calibrated_widths(65) == [*range(1, 18), 24, 32, 40, 48, 56, 64, 65]
-    assert calibrated_widths(128) == [*range(1, 18), 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
-    for top in (65, 128):
-        assert all(w % TILE == 0 for w in calibrated_widths(top)[NARROW_ROWS:-1])
+def test_a_curve_prices_untimed_widths_at_their_tile_s_end_and_extends_its_line() -> None:
+    """A width the curve did not time costs what its tile's end does (cheap inside a CPU
+    tile: tried, then learnt), on the line between the timed widths around it; past the
+    widest timed, the line through the widest two (never falling); the steady timings price
+    only the widths asked for."""
+    curve = CostCurve({1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0}, steady={1: 0.5, 2: 1.2})
+    table = curve.table(20)
+    assert table[:9] == [0.0, 1.0, 1.5, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0]
+    assert table[9:17] == [4.0] * 4 + [5.0] * 4  # 12 rows: halfway from 8 to 16
+    assert table[17:] == pytest.approx([5.25, 5.5, 5.75, 6.0])
+    assert curve.table(4, steady=[1])[:3] == [0.0, 0.5, 1.5]
+    assert CostCurve({1: 2.0, 8: 1.0}).table(10)[9:] == [1.0, 1.0]  # a line never falls
+    assert CostCurve.from_json(curve.as_json()) == curve
+    with pytest.raises(ValueError):
+        CostCurve({2: 1.0})
+
+
+def test_an_engine_times_its_curve_once_and_every_table_reads_it(dense_model: Path) -> None:
+    """One curve of the probe widths that fit the target's output rows: the suffix drafter's
+    one-slot table and (with several slots) the row budget's steps both read it."""
     with open_engine(dense_model, SpecMethod.SUFFIX, draft_max=30) as engine:
-        assert engine.suffix is not None
+        assert engine.suffix is not None and engine.curve is not None
+        assert sorted(engine.curve.timed) == [w for w in PROBE_WIDTHS if w <= 31]
         seconds = engine.suffix.costs.seconds
         assert len(seconds) == 32 and seconds[0] == 0.0
         assert all(0 < seconds[r] <= seconds[r + 1] for r in range(1, 31))
-        assert seconds[18] <= seconds[25] and seconds[26] <= seconds[31]
+        assert seconds == cap_wide(engine.curve.table(31))
 
 
 def test_a_wide_width_is_never_priced_dearer_a_row_than_the_ladder_s_base() -> None:

@@ -46,6 +46,8 @@ class Fleet:
                 "SPECFLEET_TOKEN_CHUNK": str(s.token_chunk),
                 "SPECFLEET_TOKEN_FLUSH_SECONDS": str(s.token_flush_seconds),
                 "SPECFLEET_STEP_DELAY_SECONDS": str(step_delay),
+                # each test's workers time their own row costs: no curve from an earlier run
+                "SPECFLEET_COST_CACHE_DIR": str(self.logs / "rowcosts"),
                 "CUDA_VISIBLE_DEVICES": "", **extra}
 
     def start(self, name: str, *, step_delay: float = 0.0, wait: bool = True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
+from worker.engine.cost_curve import CostCurve
 from worker.engine.proposers.output_cache import DEFAULT_CACHE_BYTES
 from worker.launch import (
     CAPACITY_FIELDS,
@@ -55,6 +56,12 @@ class EngineConfig:
     #: per second (row_budget.py; the row costs are timed at load). Off: every draft as
     #: proposed (tests that schedule exact rejection depths).
     row_budget: bool = True
+    #: Where row-cost curves are kept between starts (``cost_cache.py``; None: timed at
+    #: every load). A worker passes its cache directory; engines in tests time their own.
+    cost_cache: str | None = None
+    #: The row-cost curve to plan with instead of timing one (tests that must not depend on
+    #: how fast the host runs: a drafting decision then follows from the curve alone).
+    row_costs: CostCurve | None = None
     #: Bound of the suffix drafter's cache of recent outputs (method suffix / mtp+suffix);
     #: host memory, counted by the fitter as ``lookup_cache``.
     lookup_cache_bytes: int = DEFAULT_CACHE_BYTES

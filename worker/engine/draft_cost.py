@@ -1,54 +1,25 @@
-"""What a verify of ``r`` rows costs on this model and device, measured and kept current.
+"""What a verify of ``r`` rows costs on this model and device, kept current while serving.
 
 The draft-length decision weighs expected accepted tokens against verify rows, so it needs
 the price of a row where the engine runs: on a CPU with Gemma's 262k-vocabulary output layer
-a second row nearly doubles a decode, on a GPU rows are nearly free. The table starts from
-decodes timed at load on an empty context (the minimum over :data:`CALIBRATION_REPS`
-interleaved repeats: load spikes only ever add time), which gives its shape (the CPU's tile
-steps). A real verify runs dearer than that, the wider the more so: its rows attend what is
-cached (one slot of 200-300 tokens: 1 row +5 %, 16 rows +20-30 %; 8 slots of 150-600
-tokens: 6-39 % at 8-32 rows). So every verify the engine runs anyway, whatever its width,
-refits one line for what the load adds (:meth:`RowCosts.observe`), and every width is priced
-at the current load, the widths seldom run included.
+a second row nearly doubles a decode, on a GPU rows are nearly free. A table starts from the
+engine's cost curve (:mod:`worker.engine.cost_curve`: decodes timed once on an empty context,
+or read from the worker's cache), which gives its shape (the CPU's tile steps). A real verify
+runs dearer than that, the wider the more so: its rows attend what is cached (one slot of
+200-300 tokens: 1 row +5 %, 16 rows +20-30 %; 8 slots of 150-600 tokens: 6-39 % at 8-32
+rows). So every verify the engine runs anyway, whatever its width, refits one line for what
+the load adds (:meth:`RowCosts.observe`), and every width is priced at the current load, the
+widths seldom run included; a width that runs also learns its own residual, which is how a
+width the curve did not time (priced as the next wider one timed: cheap, so it is tried)
+gets its price.
 """
 
 from __future__ import annotations
 
-from worker.engine.verify_shape import measure_costs
-from worker.llm import Batch, Context
+from worker.engine.cost_curve import CostCurve
 
-#: Timing repeats per row count at load.
-CALIBRATION_REPS = 3
-#: Rows the CPU backend's quantized matrix products take at once (a verify's width is
-#: costed in these steps beyond the narrow counts).
-TILE = 4
-#: Every row count up to this is timed at load; wider ones at the multiples of
-#: :data:`WIDE_STEP` and the capacity.
-NARROW_ROWS = 17
-#: The wide ladder's step: whole tiles, so every count it times ends a tile.
-WIDE_STEP = 2 * TILE
-#: From this count on the ladder's step doubles: a row past a tile boundary costs a smaller
-#: share of such a verify, and each count timed there is a tenth of a second or more on a CPU
-#: (Gemma 270M: one slot's capacity of 127 drafts loads in 16 s at steps of 8 rows).
+#: From this count on, no width may cost more a row than this many rows do (:func:`cap_wide`).
 WIDER_FROM = 64
-
-
-def calibrated_widths(max_rows: int) -> list[int]:
-    """Row counts timed at load: all narrow ones (where tile effects make neighbours differ
-    most), then a sparse ladder of whole tiles (8 rows apart, 16 from :data:`WIDER_FROM`), so
-    a capacity of 127 drafts costs seconds, not tens; the counts between get the next wider
-    one's cost (not a bound inside a tile: :func:`~worker.engine.verify_shape.measure_costs`).
-
-    The ladder sits on tile boundaries because a count one row past a boundary is the
-    dearest of its neighbours: the extra row costs a whole tile, or more (Gemma 270M Q4_K_M,
-    AVX-512, one slot: 32 rows 114 ms, 33 rows 132 ms, 36 rows 127 ms). A ladder of such counts
-    (17, 25, 33, ... as before) priced every width up to each at that worst case, so a
-    fully accepted repeat verified 33 rows for 33 tokens (249 tok/s of verify) where 32 rows
-    buy 32 tokens at 281, and 24- or 32-row verifies, never timed, were never chosen."""
-    first = (NARROW_ROWS // WIDE_STEP + 1) * WIDE_STEP
-    return sorted({*range(1, min(NARROW_ROWS, max_rows) + 1),
-                   *range(first, min(max_rows, WIDER_FROM), WIDE_STEP),
-                   *range(WIDER_FROM, max_rows, 2 * WIDE_STEP), max_rows})
 
 
 def no_dearer_than_wider(seconds: list[float]) -> list[float]:
@@ -125,46 +96,28 @@ class RowCosts:
         self.observed = self.predicted = 0.0
 
     @classmethod
-    def measure(cls, target: Context, batch: Batch, max_rows: int,
-                replays: bool = False) -> RowCosts:
-        """Time 1..``max_rows``-row decodes on an idle ``target`` (it is cleared afterwards).
-
-        The table is :func:`cap_wide`'s: no entry above the next wider one, and past
-        :data:`WIDER_FROM` rows no width dearer a row than that many rows.
+    def for_one_slot(cls, curve: CostCurve, draft_max: int, replays: bool = False) -> RowCosts:
+        """One slot's verifies of 1 .. ``draft_max`` + 1 rows (the suffix drafter's table),
+        as :func:`cap_wide` makes it safe to plan with.
 
         ``replays``: the device replays a repeated decode's graph (``Model.offloaded``), so
-        the plain row is timed as plain decoding runs it, the second of two decodes in a row;
-        every verify width is timed after another shape, as a verify runs. Timed like a
-        verify there, the plain row cost what two draft rows do, and drafts that lost to
-        plain decoding looked like gains (docs/benchmarks.md, "GPU, second run"). Not on a
-        CPU, where nothing is replayed: timed so there, a tiny test model's repeated decode
-        likely ran warm enough to price one row below its share of four, and one CI run's
-        engine declined every draft (docs/engine.md, "Row costs")."""
-        seconds = measure_costs(target, batch, max_rows, CALIBRATION_REPS,
-                                calibrated_widths(max_rows), steady={1} if replays else ())
-        return cls(cap_wide(seconds))
+        the plain row is priced as plain decoding runs it, steady; every verify width after
+        another shape, as a verify runs. Priced like a verify there, the plain row cost what
+        two draft rows do, and drafts that lost to plain decoding looked like gains
+        (docs/benchmarks.md, "GPU, second run"). Not on a CPU, where nothing is replayed."""
+        return cls(cap_wide(curve.table(draft_max + 1, steady={1} if replays else ())))
 
     @classmethod
-    def measure_steps(cls, target: Context, batch: Batch, slots: int,
-                      draft_max: int, replays: bool = False) -> RowCosts:
-        """Idle costs of verify decodes of 1 .. ``slots`` x (``draft_max`` + 1) rows.
-
-        A wide table is not timed row by row at load (520 rows for 8 slots of 64 drafts):
-        every count up to :data:`TILE` x 2 is, then every multiple of :data:`TILE`, and a
-        count between two gets the wider one's cost. That is how the CPU backend's costs
-        really run: its quantized products take rows in tiles of four and do the rest one by
-        one, so 5 to 7 rows cost what 8 do or more (Gemma 270M, 4 slots: 4 rows 39 ms, 5-7
-        rows 58-68 ms, 8 rows 51 ms), and a step that pays for a tile fills it with the
-        likeliest draft rows it has. Interpolating between timed counts instead made
-        every verify wider than four rows look up to 40 % cheaper than it ran.
-
-        ``replays`` as in :meth:`measure`: the plain steps' widths (a row per busy slot) are
-        then timed steady."""
-        top = slots * (draft_max + 1)
-        timed = sorted({*range(1, min(top, 2 * TILE) + 1), *range(TILE, top, TILE), top})
-        seconds = measure_costs(target, batch, top, widths=timed,
-                                steady=range(1, slots + 1) if replays else ())
-        return cls(no_dearer_than_wider(seconds))
+    def for_steps(cls, curve: CostCurve, slots: int, draft_max: int,
+                  replays: bool = False) -> RowCosts:
+        """Steps of several slots: verifies of 1 .. ``slots`` x (``draft_max`` + 1) rows (the
+        row budget's table), no entry above a wider one. Past the curve's widest timed width
+        the rows follow its line: on a CPU every row past ~16 costs the same (Gemma 270M: 5.2-
+        5.8 ms, up to 520 rows), where a table timed at load spent 417 s on 272 decodes of
+        up to 520 rows to find it. ``replays`` as in :meth:`for_one_slot`: the plain steps'
+        widths (a row per busy slot) are priced steady."""
+        return cls(no_dearer_than_wider(curve.table(
+            slots * (draft_max + 1), steady=range(1, slots + 1) if replays else ())))
 
     def observe(self, rows: int, seconds: float) -> None:
         """A verify of ``rows`` rows just took ``seconds``: refit the load and the table."""

@@ -28,6 +28,7 @@ from worker.engine.config import (
     target_spec,
 )
 from worker.engine.constraint.matcher import bind
+from worker.engine.cost_cache import curve_for
 from worker.engine.draft_bar import DraftBar
 from worker.engine.draft_cost import RowCosts
 from worker.engine.draft_length_policy import make_policy
@@ -39,6 +40,7 @@ from worker.engine.proposers.factory import (
     make_proposer,
     make_suffix_shared,
     uses_mtp,
+    uses_suffix,
 )
 from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
 from worker.engine.rollback import make_rollback
@@ -48,7 +50,7 @@ from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotU
 from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
 from worker.engine.verify import PrefillChunk, Verifier, VerifyJob
-from worker.engine.verify_shape import best_lengths, measure_costs
+from worker.engine.verify_shape import best_lengths
 from worker.llm import Context, Model
 
 __all__ = ["EngineConfig", "GenerationResult", "NoFreeSlotError", "SlotRequest", "SlotUpdate",
@@ -104,20 +106,24 @@ class SpeculativeEngine:
             self.verifier = Verifier(self.target, self.rollback, spec.n_batch)
             self._allocated.callback(self.verifier.close)
             # Calibration decodes on the target: a failure there must free the model too.
-            self.shape = (best_lengths(measure_costs(self.target, self.verifier.batch,
-                                                     self.draft_max + 1))
-                          if config.calibrate_verify and self.draft_max
+            replays = self.model.offloaded  # plain steps replay a graph on a GPU
+            #: What a verify of r rows costs here (None: nothing this engine decides prices
+            #: rows), timed once or read from the worker's cache.
+            self.curve = (config.row_costs or curve_for(self.target, self.verifier.batch, spec,
+                                                        replays, config.cost_cache)
+                          if self._prices_rows(config) else None)
+            self.shape = (best_lengths(self.curve.table(self.draft_max + 1))
+                          if config.calibrate_verify and self.curve is not None
                           else list(range(self.draft_max + 1)))
             #: The bar drafts must clear, corrected by what drafted steps really yielded.
             self.draft_bar = DraftBar(config.slots)
-            # Plain steps replay a graph on a GPU: their widths are timed as they run there.
-            replays = self.model.offloaded
-            self.suffix = make_suffix_shared(self.method, self.target, self.verifier.batch,
-                                             self.draft_max, config.lookup_cache_bytes,
-                                             self.draft_bar, replays)
-            self.step_costs = (RowCosts.measure_steps(self.target, self.verifier.batch,
-                                                      config.slots, self.draft_max, replays)
-                               if config.row_budget and config.slots > 1 and self.draft_max
+            self.suffix = make_suffix_shared(
+                self.method, self.target, config.lookup_cache_bytes, self.draft_bar,
+                RowCosts.for_one_slot(self.curve, self.draft_max, replays)
+                if self.curve is not None else None)
+            self.step_costs = (RowCosts.for_steps(self.curve, config.slots, self.draft_max,
+                                                  replays)
+                               if self.curve is not None and self._budgets_rows(config)
                                else None)
         except BaseException:
             self.close()
@@ -135,6 +141,16 @@ class SpeculativeEngine:
                  verify_shape=self.shape, deterministic=config.deterministic,
                  offloaded=self.model.offloaded,
                  row_costs=self.suffix.costs.relative() if self.suffix else None)
+
+    def _budgets_rows(self, config: EngineConfig) -> bool:
+        """Several slots share each step's rows (row_budget.py)."""
+        return config.row_budget and config.slots > 1 and self.draft_max > 0
+
+    def _prices_rows(self, config: EngineConfig) -> bool:
+        """Something this engine decides prices verify rows: the suffix drafter's lengths,
+        the row budget, or the verify shape."""
+        return self.draft_max > 0 and (uses_suffix(self.method) or self._budgets_rows(config)
+                                       or config.calibrate_verify)
 
     # -- tokens ----------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:

@@ -36,7 +36,8 @@ def load_engine(options: WorkerOptions, n_gpu_layers: int,
                      prefix_checkpoints=options.prefix_checkpoints,
                      deterministic=options.deterministic)
     engine = SpeculativeEngine(replace(fit.config, n_gpu_layers=n_gpu_layers,
-                                       fail_device_checkpoint=settings.fail_device_checkpoint))
+                                       fail_device_checkpoint=settings.fail_device_checkpoint,
+                                       cost_cache=settings.cost_cache()))
     try:
         return engine, reserve_checkpoints(engine, fit)
     except BaseException:

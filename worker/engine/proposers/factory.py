@@ -19,7 +19,7 @@ from worker.engine.proposers.ngram import NgramProposer
 from worker.engine.proposers.none import NoDraft
 from worker.engine.proposers.output_cache import OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
-from worker.llm import Batch, Context
+from worker.llm import Context
 
 
 def uses_mtp(method: SpecMethod) -> bool:
@@ -32,19 +32,18 @@ def uses_suffix(method: SpecMethod) -> bool:
     return method in (SpecMethod.SUFFIX, SpecMethod.MTP_SUFFIX)
 
 
-def make_suffix_shared(method: SpecMethod, target: Context, batch: Batch, draft_max: int,
-                       cache_bytes: int, bar: DraftBar,
-                       replays: bool = False) -> SuffixShared | None:
-    """The suffix drafters' engine-wide state, when ``method`` drafts by suffix lookup: the
-    row costs are timed on the idle ``target`` (so: at load, before any generation), the
-    margins of committed tokens are read from its verify rows, its vocabulary says which
-    tokens end a generation, and ``bar`` is the engine's draft bar (what a draft must promise
-    over a plain step); ``replays``: the plain row is timed steady (``RowCosts.measure``)."""
+def make_suffix_shared(method: SpecMethod, target: Context, cache_bytes: int, bar: DraftBar,
+                       costs: RowCosts | None) -> SuffixShared | None:
+    """The suffix drafters' engine-wide state, when ``method`` drafts by suffix lookup: one
+    slot's row ``costs`` (from the engine's cost curve), the margins of committed tokens read
+    from the ``target``'s verify rows, its vocabulary saying which tokens end a generation,
+    and ``bar``, the engine's draft bar (what a draft must promise over a plain step)."""
     if not uses_suffix(method):
         return None
-    return SuffixShared(RowCosts.measure(target, batch, draft_max + 1, replays),
-                        OutputCache(cache_bytes),
-                        margins=target.margins, ends=target.model.is_eog, bar=bar)
+    if costs is None:
+        raise ValueError(f"method {method} drafts by suffix lookup and needs row costs")
+    return SuffixShared(costs, OutputCache(cache_bytes), margins=target.margins,
+                        ends=target.model.is_eog, bar=bar)
 
 
 def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: MtpProposer | None,
