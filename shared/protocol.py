@@ -453,6 +453,14 @@ class Telemetry(_Strict):
         "prefill_seconds", "Seconds prefilling prompts")] = 0.0
     wall_seconds: Annotated[float, Summed(
         "generation_seconds", "Wall seconds of decode loops (drafting included)")] = 0.0
+    #: The host's share of the engine steps that committed this generation's tokens: each
+    #: step's wall time minus its verify decode (drafting, acceptance, commit, rollback and
+    #: its rare replays, the stream), split over the step's decoding slots by the tokens each
+    #: committed. On a GPU this is what the device waits for between decodes.
+    host_seconds: Annotated[float, Summed(
+        "host_seconds", "Host seconds of engine steps (step wall time minus its target "
+        "decode), by the tokens each generation committed")] = 0.0
+    host_seconds_per_token: float = 0.0
     tokens_per_second: float = 0.0
     effective_tokens_per_second: float = 0.0
     generated_tokens: Annotated[int, Summed("generated_tokens", "Tokens generated")] = 0

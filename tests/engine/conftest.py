@@ -109,4 +109,7 @@ def assert_consistent(result: GenerationResult) -> None:
     assert t.generated_tokens <= t.accepted + t.target_decodes
     assert t.tokens_per_second >= t.effective_tokens_per_second > 0
     assert t.wall_seconds >= t.decode_seconds + t.draft_seconds
+    # The host's share of the steps: drafting is host work, the verify's decode is not.
+    assert t.draft_seconds <= t.host_seconds <= t.wall_seconds
+    assert t.host_seconds_per_token == pytest.approx(t.host_seconds / t.generated_tokens)
     assert t.prompt_tokens == len(PROMPT)

@@ -24,6 +24,14 @@ def _engine(model: Path, cache: Path, threads: int = 1, draft_max: int = 7,
         cost_cache=str(cache)))
 
 
+@pytest.fixture
+def quiet_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every host counts as quiet (the suite runs beside itself: a curve timed then would
+    not be stored, which the last test covers)."""
+    monkeypatch.setattr(cost_cache, "QUIET_CORES", float("inf"))
+
+
+@pytest.mark.usefixtures("quiet_host")
 def test_a_second_start_reads_the_curve_the_first_timed(dense_model: Path,
                                                         tmp_path: Path) -> None:
     with _engine(dense_model, tmp_path) as first:
@@ -38,6 +46,7 @@ def test_a_second_start_reads_the_curve_the_first_timed(dense_model: Path,
     assert len(list(tmp_path.iterdir())) == 2
 
 
+@pytest.mark.usefixtures("quiet_host")
 def test_a_stored_curve_that_lacks_a_width_is_timed_again(dense_model: Path,
                                                           tmp_path: Path) -> None:
     """A curve timed where only two output rows fit cannot price a wider engine's rows."""

@@ -71,6 +71,16 @@ def _ignore(tokens: list[int], text: str) -> None:
     """Default ``on_tokens``: nobody is streaming."""
 
 
+def _charge_host(steps: list[tuple[Slot, list[int]]], seconds: float, tokens: int) -> None:
+    """A step's host time (its wall time so far minus the target's decode), shared by its
+    decoding slots in proportion to the tokens each committed (evenly when none did)."""
+    if not steps or seconds <= 0.0:
+        return
+    for slot, committed in steps:
+        share = len(committed) / tokens if tokens else 1 / len(steps)
+        slot.counters.host_seconds += seconds * share
+
+
 class SpeculativeEngine:
     """Loads the model and its contexts once; serves up to ``config.slots`` generations at a
     time through :meth:`admit` / :meth:`step` / :meth:`cancel`, or one with :meth:`generate`."""
@@ -322,7 +332,7 @@ class SpeculativeEngine:
         self.decode_seconds += times.decode
         if self.step_costs is not None and not chunks:
             self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.decode)
-        committed_tokens = 0
+        steps: list[tuple[Slot, list[int]]] = []
         for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
             c = slot.counters
             c.draft_seconds += times.observe
@@ -331,8 +341,10 @@ class SpeculativeEngine:
             # The width policy learns from the proposer's tokens, not the grammar's.
             forced = min(slot.forced, outcome.n_accepted)
             slot.policy.update(len(draft.tokens) - forced, outcome.n_accepted - forced)
-            committed = slot.commit(outcome, self.model, self.config.n_ctx)
-            committed_tokens += len(committed)
+            steps.append((slot, slot.commit(outcome, self.model, self.config.n_ctx)))
+        committed_tokens = sum(len(committed) for _, committed in steps)
+        _charge_host(steps, perf_counter() - started - times.decode, committed_tokens)
+        for slot, committed in steps:
             if slot.finish is not None:
                 updates.append(self._finish(slot, slot.finish, committed))
             else:

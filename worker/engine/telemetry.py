@@ -99,6 +99,8 @@ class SpecCounters:
     decode_seconds: float = count()
     #: Wall time of the decode loop (after prefill): drafting, verifying and bookkeeping.
     wall_seconds: float = count()
+    #: This generation's share of its steps' host time (step wall minus target decode).
+    host_seconds: float = count()
     #: Under a constraint (``worker/engine/constraint/``): tokens committed, forced tokens
     #: (jump-forward drafts) accepted, drafted tokens cut because the grammar forbids them,
     #: and seconds spent on masks, draft checks and the matcher's bookkeeping.
@@ -144,6 +146,7 @@ class SpecCounters:
             mean_acceptance_length=1.0 + ratio(self.accepted, self.drafts) if self.drafts else 0.0,
             tokens_per_verify=ratio(self.generated_tokens, self.target_decodes),
             draft_seconds_per_token=ratio(self.draft_seconds, self.generated_tokens),
+            host_seconds_per_token=ratio(self.host_seconds, self.generated_tokens),
             tokens_per_second=ratio(self.generated_tokens, self.decode_seconds),
             effective_tokens_per_second=ratio(self.generated_tokens, self.wall_seconds),
             # RollbackStats' fields are Telemetry's: a field only one of them has fails here.
