@@ -30,6 +30,9 @@ failure and exits non-zero if any check failed.
   (CUDA graphs); figures only, for the row-cost tables' model of the device.
 - ``slots``: ``bench/slots.py --gpu`` (the multi-slot bench, on Gemma), its markdown tables
   appended.
+- ``device-verify``: the same bench at K = 1 and 8 with greedy verify rows reduced on the
+  device and with every row read by Python: tokens per second, the host's share of a step,
+  logits rows read a token (none with it on; docs/engine.md, "Verify on the device").
 
 ``--model tiny`` runs the model checks (fit, pinning, service) on the project's tiny dense
 model instead of Gemma, for a host that cannot fetch Gemma (skip ``slots`` there).
@@ -376,11 +379,36 @@ def check_decode_timing(ctx: Context, check: Check) -> None:
         check.figures = json.loads(done.stdout)["models"]
 
 
+def _gemma(ctx: Context) -> tuple[str, ...]:
+    """The slots bench writes text prompts: Gemma's tokenizer, never the tiny models'."""
+    return () if ctx.args.model in ("gemma", "tiny") else ("--model", ctx.args.model)
+
+
 def check_slots(ctx: Context, check: Check) -> None:
-    # The bench writes text prompts: Gemma's tokenizer, never the tiny models'.
-    model = () if ctx.args.model in ("gemma", "tiny") else ("--model", ctx.args.model)
-    done = _bench(ctx, check, "slots.py", "--tokens", "64", "--markdown", *model, timeout=3600)
+    done = _bench(ctx, check, "slots.py", "--tokens", "64", "--markdown", *_gemma(ctx),
+                  timeout=3600)
     check.figures["output"] = done.stdout
+
+
+def check_device_verify(ctx: Context, check: Check) -> None:
+    """The default drafter with greedy verify rows reduced on the device against the same
+    with every row read by Python, K = 1 and 8, interleaved round by round (the slots
+    bench's own rounds): tokens per second, host share of the step, logits rows read."""
+    figures: dict[str, Any] = {}
+    for mode in ("off", "on"):
+        done = _bench(ctx, check, "slots.py", "--tokens", "64", "--concurrency", "1,8",
+                      "--methods", "plain,default", "--skip", "ttft,memory", "--reps", "2",
+                      "--device-verify", mode, *_gemma(ctx), timeout=1800)
+        if done.returncode == 0:
+            figures[mode] = {name: {k: {key: row.get(key) for key in (
+                "slots_tok_s", "vs_plain", "host_ms_per_token", "host_share",
+                "rows_read_per_token")} for k, row in rows.items()}
+                for name, rows in json.loads(done.stdout)["throughput"].items()}
+    check.figures = figures
+    if set(figures) == {"off", "on"}:
+        check.require(all(row["rows_read_per_token"] == 0
+                          for row in figures["on"]["default"].values()),
+                      "the default drafter read no logits row with device verify on")
 
 
 CHECKS: dict[str, Callable[[Context, Check], None]] = {
@@ -388,6 +416,7 @@ CHECKS: dict[str, Callable[[Context, Check], None]] = {
     "pinning": check_pinning, "device-checkpoint": check_device_checkpoint,
     "sampling": check_sampling, "greedy": check_greedy, "deterministic": check_deterministic,
     "service": check_service, "decode-timing": check_decode_timing, "slots": check_slots,
+    "device-verify": check_device_verify,
 }
 
 

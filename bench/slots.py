@@ -133,6 +133,8 @@ def round_requests(engine: SpeculativeEngine, k: int, rep: int,
 
 #: Every engine of the run is deterministic (``--deterministic``).
 DETERMINISTIC = [False]
+#: ``--device-verify``: greedy verify rows reduced on the device (None: where it is a GPU).
+DEVICE_VERIFY: list[bool | None] = [None]
 
 
 def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeEngine:
@@ -141,7 +143,8 @@ def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeE
     capacity = EngineCapacity(SpecMethod.AUTO)
     return SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, slots=slots, n_threads=threads,
                                           n_gpu_layers=-1 if gpu else 0, capacity=capacity,
-                                          deterministic=DETERMINISTIC[0]))
+                                          deterministic=DETERMINISTIC[0],
+                                          device_verify=DEVICE_VERIFY[0]))
 
 
 def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
@@ -150,6 +153,7 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
     the next request before the next step); aggregate generated tok/s, and each request's
     tokens in request order."""
     t0, decode0 = time.perf_counter(), engine.decode_seconds
+    read0 = engine.target.rows_read
     waiting, slots, steps = list(reqs), [], 0
     while waiting or engine.active:
         while waiting and engine.free_slots:
@@ -167,6 +171,9 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
              "tokens_per_step": generated / steps,
              # What is not the target's decode: drafting, acceptance, bookkeeping, streaming.
              "host_ms_per_token": 1000 * (wall - engine.decode_seconds + decode0) / generated,
+             "host_share": (wall - engine.decode_seconds + decode0) / wall,
+             # Logits rows Python read (0 where every verify row was reduced on the device).
+             "rows_read_per_token": (engine.target.rows_read - read0) / generated,
              "acceptance": accepted / drafted if drafted else 0.0,
              # The bar drafts had to clear at the end (1.1: the floor; higher: drafted steps
              # yielded less than plain ones, worker/engine/draft_bar.py).
@@ -266,6 +273,7 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                 row = {"slots_tok_s": par["tok_s"]} | {
                     key: par[key] for key in ("steps", "ms_per_step", "rows_per_step",
                                               "tokens_per_step", "host_ms_per_token",
+                                              "host_share", "rows_read_per_token",
                                               "acceptance", "draft_bar")}
                 if "step_cost_ratio" in par:
                     row["step_cost_ratio"] = par["step_cost_ratio"]
@@ -276,7 +284,9 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                 print(f"[{rep + 1}/{args.reps}] {name:7s} K={k}: slots {par['tok_s']:6.1f} tok/s"
                       f" ({par['ms_per_step']:.2f} ms, {par['rows_per_step']:.1f} rows, "
                       f"{par['tokens_per_step']:.2f} tokens a step, host "
-                      f"{par['host_ms_per_token']:.3f} ms a token, bar {par['draft_bar']:.2f})"
+                      f"{par['host_ms_per_token']:.3f} ms a token ({par['host_share']:.0%}), "
+                      f"{par['rows_read_per_token']:.2f} rows read a token, "
+                      f"bar {par['draft_bar']:.2f})"
                       + (f", sequential {seq['tok_s']:6.1f}" if seq else ""),
                       file=sys.stderr, flush=True)
             if server:
@@ -410,8 +420,8 @@ def markdown(summary: dict[str, object]) -> str:
     lines = ["| method | K | slots tok/s | vs plain | llama-server -np K tok/s (its peer) "
              "| vs llama-server plain | vs its peer | rounds ahead of its peer "
              "| same text as its peer | ms a step | rows a step | tokens a step "
-             "| host ms a token |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| host ms a token | host share | logits rows read a token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, rows in summary["throughput"].items():  # type: ignore[union-attr, attr-defined]
         for k, r in rows.items():
             lines.append(f"| {name} | {k} | {_cell(r, 'slots_tok_s')} | "
@@ -421,7 +431,9 @@ def markdown(summary: dict[str, object]) -> str:
                          f"{_cell(r, 'same_text_as_server', '.2f')} | "
                          f"{_cell(r, 'ms_per_step', '.2f')} | {_cell(r, 'rows_per_step', '.1f')} "
                          f"| {_cell(r, 'tokens_per_step', '.2f')} "
-                         f"| {_cell(r, 'host_ms_per_token', '.3f')} |")
+                         f"| {_cell(r, 'host_ms_per_token', '.3f')} "
+                         f"| {_cell(r, 'host_share', '.2f')} "
+                         f"| {_cell(r, 'rows_read_per_token', '.2f')} |")
     return "\n".join(lines)
 
 
@@ -450,9 +462,12 @@ def main() -> None:
                     "throughput,ttft,memory")
     ap.add_argument("--deterministic", action="store_true",
                     help="every engine in deterministic mode (compare with a run without)")
+    ap.add_argument("--device-verify", choices=("auto", "on", "off"), default="auto",
+                    help="greedy verify rows reduced on the device (auto: on a GPU only)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     DETERMINISTIC[0] = args.deterministic
+    DEVICE_VERIFY[0] = {"auto": None, "on": True, "off": False}[args.device_verify]
     args.concurrency = [int(k) for k in args.concurrency.split(",")]
     args.methods = args.methods.split(",")
     CHOSEN_TASKS[0] = TASK_SETS[args.tasks]
@@ -467,6 +482,7 @@ def main() -> None:
     summary: dict[str, object] = {"tokens": args.tokens, "threads": args.threads,
                                   "gpu": args.gpu, "n_ctx_per_slot": N_CTX,
                                   "draft_max": DRAFT_MAX, "deterministic": args.deterministic,
+                                  "device_verify": args.device_verify,
                                   "tasks": args.tasks, "same_requests": args.same_requests}
     if "throughput" not in skip:
         summary["throughput"] = throughput(args, model, server)

@@ -13,12 +13,13 @@ from helpers import run_bench
 ON_A_CPU = {"environment": "pass", "fit-vs-nvml": "pass", "pinning": "skipped",
             "device-checkpoint": "pass", "sampling": "pass", "greedy": "pass",
             "deterministic": "skipped", "service": "pass", "decode-timing": "pass",
-            "slots": "skipped"}
+            "slots": "skipped", "device-verify": "skipped"}
 
 
 def test_the_gpu_check_runs_its_plumbing_on_a_cpu(tmp_path: Path) -> None:
     report = tmp_path / "report.md"
-    done = run_bench("gpu_check.py", "--device", "cpu", "--model", "tiny", "--skip", "slots",
+    done = run_bench("gpu_check.py", "--device", "cpu", "--model", "tiny", "--skip",
+                     "slots,device-verify",
                      "--jobs", "2", "--tokens", "24", "--threads", "1", "--report", str(report))
     failed = report.read_text() if report.exists() else done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ON_A_CPU, failed

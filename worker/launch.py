@@ -134,6 +134,8 @@ class WorkerOptions:
     prefix_checkpoints: int = DEFAULT_CHECKPOINTS
     #: Width-invariant greedy decoding (EngineConfig.deterministic); CPU only.
     deterministic: bool = False
+    #: Greedy verify rows reduced on the device (EngineConfig.device_verify; None: on a GPU).
+    device_verify: bool | None = None
 
 
 def pin_device(device: DeviceRef) -> int:

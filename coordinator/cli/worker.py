@@ -55,6 +55,10 @@ def worker(
     deterministic: Annotated[bool, typer.Option(
         "--deterministic", help="greedy output independent of batch width, slots, draft "
         "length and worker (CPU only; slower: docs/engine.md, 'Deterministic mode')")] = False,
+    device_verify: Annotated[str, typer.Option(
+        "--device-verify", help="'on': greedy verify rows reduced to their top two on the "
+        "device, no logits row read by Python; 'off': every row read; 'auto': on where the "
+        "layers run on a GPU (docs/engine.md, 'Verify on the device')")] = "auto",
 ) -> None:
     """Run a resident-model worker: fit, load once, register, take jobs, heartbeat.
 
@@ -85,7 +89,9 @@ def worker(
         fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, capacity=capacity,
         checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots),
         prefix_cache=_on_off("--prefix-cache", prefix_cache),
-        prefix_checkpoints=prefix_checkpoints, deterministic=deterministic)
+        prefix_checkpoints=prefix_checkpoints, deterministic=deterministic,
+        device_verify=None if device_verify == "auto" else _on_off(
+            "--device-verify", device_verify))
     # Pinned before the serving code is imported: it loads llama.cpp, which reads the
     # visible devices once (docs/architecture.md, "Processes").
     n_gpu_layers = pin_device(device_ref)
@@ -102,7 +108,8 @@ def worker(
 
 def _on_off(flag: str, text: str) -> bool:
     if text not in ("on", "off"):
-        fail(f"{flag} takes 'on' or 'off', got {text!r}")
+        fail(f"{flag} takes 'on' or 'off'{' or auto' if flag == '--device-verify' else ''}, "
+             f"got {text!r}")
     return text == "on"
 
 

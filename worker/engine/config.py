@@ -62,6 +62,11 @@ class EngineConfig:
     #: The row-cost curve to plan with instead of timing one (tests that must not depend on
     #: how fast the host runs: a drafting decision then follows from the curve alone).
     row_costs: CostCurve | None = None
+    #: Greedy unconstrained verify rows reduced to their top two on the device instead of read
+    #: whole by Python (``EnginePlan.device_verify``). None: where the layers run on a GPU (on
+    #: a 2-core CPU llama.cpp's sampling graph made every verify row 0.5-0.7 ms dearer, and
+    #: saved 0.05-0.12 ms of host work a row).
+    device_verify: bool | None = None
     #: Bound of the suffix drafter's cache of recent outputs (method suffix / mtp+suffix);
     #: host memory, counted by the fitter as ``lookup_cache``.
     lookup_cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -106,19 +111,25 @@ def model_spec(config: EngineConfig, no_alloc: bool = False) -> ModelSpec:
                      repack=not config.deterministic)
 
 
-def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int) -> ContextSpec:
+def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int,
+                device_verify: bool = False) -> ContextSpec:
     """The target context: ``slots`` sequences of ``n_ctx`` tokens each (a cache of
     ``slots x n_ctx`` cells; the engine keeps each sequence within ``n_ctx``). One step's
     batch holds every slot's verify rows (``draft_max + 1`` each, all with logits) plus at
     most one prefill chunk, so the output buffer is capped at the verify rows instead of the
     batch width (notes: 514 -> 22 MiB) and the batch at chunk + verify rows. Deterministic
     mode adds a row per slot for :meth:`~worker.llm.Batch.pad_even` (a slot prefills or
-    verifies in a step, never both)."""
-    verify_rows = config.slots * (draft_max + 1 + config.deterministic)
+    verifies in a step, never both). ``device_verify``: every sequence is sampled on the
+    device from creation (the fitter measures the buffers that takes), at most a verify's
+    rows per sequence."""
+    per_slot = draft_max + 1 + config.deterministic
+    verify_rows = config.slots * per_slot
     return ContextSpec(n_ctx=config.n_ctx * config.slots, n_batch=PREFILL_CHUNK + verify_rows,
                        n_ubatch=TARGET_UBATCH, n_seq_max=config.slots, n_rs_seq=n_rs_seq,
                        n_outputs_max=verify_rows, n_threads=config.n_threads, swa_full=False,
-                       kv_unified=unified_kv(config), deterministic=config.deterministic)
+                       kv_unified=unified_kv(config), deterministic=config.deterministic,
+                       device_top2=device_verify,
+                       n_outputs_max_per_seq=per_slot if device_verify else 0)
 
 
 def unified_kv(config: EngineConfig) -> bool:

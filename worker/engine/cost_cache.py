@@ -38,8 +38,8 @@ SCHEMA = 1
 QUIET_CORES = 0.3
 
 
-def curve_key(model: Model, n_threads: int, n_ubatch: int,
-              deterministic: bool) -> dict[str, Any]:
+def curve_key(model: Model, n_threads: int, n_ubatch: int, deterministic: bool,
+              device_top2: bool = False) -> dict[str, Any]:
     """What a curve timed with this model and these settings on this host depends on (not
     the slot count or the context size: within 4 % at 4k to 262k cells)."""
     path = Path(model.spec.path).resolve()
@@ -50,7 +50,9 @@ def curve_key(model: Model, n_threads: int, n_ubatch: int,
             "cpu": _cpu_name(), "machine": platform.machine(), "threads": n_threads,
             "gpu_layers": model.spec.n_gpu_layers, "offloaded": model.offloaded,
             "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "repack": model.spec.repack,
-            "deterministic": deterministic, "n_ubatch": n_ubatch}
+            "deterministic": deterministic, "n_ubatch": n_ubatch,
+            # rows sampled on the device cost more to decode on a CPU (docs/engine.md)
+            "device_top2": device_top2}
 
 
 def _cpu_name() -> str:
@@ -134,11 +136,12 @@ def curve_for(target: Context, batch: Batch, spec: ContextSpec, replays: bool,
     covers every width this target can time (and its steady widths, where it ``replays``),
     else timed now (:func:`~worker.engine.cost_curve.measure_curve`) and stored if the host
     was quiet meanwhile. ``directory`` None: always timed, never stored."""
-    limit = min(spec.n_outputs_max or spec.n_batch, spec.n_batch)
+    per_seq = spec.n_outputs_max_per_seq or spec.n_batch
+    limit = min(spec.n_outputs_max or spec.n_batch, spec.n_batch, per_seq * spec.n_seq_max)
     wanted = {w for w in PROBE_WIDTHS if w <= limit} or {limit}
     cache = CostCache(Path(directory)) if directory else None
-    key = (curve_key(target.model, spec.n_threads, spec.n_ubatch, spec.deterministic)
-           if cache is not None else {})
+    key = (curve_key(target.model, spec.n_threads, spec.n_ubatch, spec.deterministic,
+                     spec.device_top2) if cache is not None else {})
     stored = cache.load(key) if cache is not None else None
     if stored is not None and wanted <= set(stored.timed) and (stored.steady or not replays):
         log.info("engine.cost_curve", source="cache", widths=sorted(stored.timed))

@@ -118,14 +118,29 @@ def time_decodes(target: Context, batch: Batch, widths: Iterable[int],
     for _ in range(reps):
         for rows in order:
             for _ in range(2 if rows in steady else 1):
-                target.seq_clear(0)
+                seqs = _fill(batch, rows, target.spec.n_outputs_max_per_seq, target.spec.n_seq_max)
+                for seq in range(seqs):
+                    target.seq_clear(seq)
                 t0 = perf_counter()
-                target.decode(batch.set([0] * rows, 0, True))
+                target.decode(batch)
                 target.synchronize()
                 took = perf_counter() - t0
             seconds[rows] = min(seconds[rows], took)
     target.clear()
     return seconds
+
+
+def _fill(batch: Batch, rows: int, per_seq: int, seqs: int) -> int:
+    """``batch`` holding ``rows`` dummy rows with logits, at most ``per_seq`` a sequence (a
+    target sampled on the device caps a sequence's rows: ``ContextSpec.n_outputs_max_per_seq``;
+    0: no cap), as a verify of several slots spreads them; returns the sequences used."""
+    batch.clear()
+    per_seq = per_seq or rows
+    used = 0
+    while used * per_seq < rows and used < seqs:
+        batch.add([0] * min(per_seq, rows - used * per_seq), 0, True, seq=used)
+        used += 1
+    return used
 
 
 def measure_curve(target: Context, batch: Batch, max_rows: int,

@@ -27,6 +27,7 @@ from worker.engine.config import (
     model_spec,
     target_spec,
 )
+from worker.engine.constraint.base import UNCONSTRAINED
 from worker.engine.constraint.matcher import bind
 from worker.engine.cost_cache import curve_for
 from worker.engine.draft_bar import DraftBar
@@ -45,7 +46,7 @@ from worker.engine.proposers.factory import (
 from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
 from worker.engine.rollback import make_rollback
 from worker.engine.row_budget import draft_chances, plan_widths
-from worker.engine.sampling import make_sampler
+from worker.engine.sampling import make_sampler, verifies_on_device
 from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
 from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
@@ -103,7 +104,8 @@ class SpeculativeEngine:
             self.draft_max = self.plan.draft_max
             self.rollback = make_rollback(self.plan, config.fail_device_checkpoint)
             self._allocated.callback(self.rollback.close)
-            spec = target_spec(config, self.plan.n_rs_seq, self.draft_max)
+            spec = target_spec(config, self.plan.n_rs_seq, self.draft_max,
+                               self.plan.device_verify)
             self.target = Context(self.model, spec)
             self._allocated.callback(self.target.close)
             #: Which sequence a request runs in and what of an earlier one it keeps.
@@ -207,7 +209,10 @@ class SpeculativeEngine:
                                       request.prefix_cache)
         reused = self.prefix.apply(placement, self.target, self.mtp, drafts_mtp)
         seq = placement.seq
-        sampler = make_sampler(request.sampling, len(request.prompt_tokens))
+        on_device = self.plan.device_verify and verifies_on_device(
+            request.sampling, request.logprobs, constraint is not UNCONSTRAINED)
+        self.target.sample_top2(seq, on_device)
+        sampler = make_sampler(request.sampling, len(request.prompt_tokens), on_device)
         mtp = self.mtp.proposer(seq, sampler, constraint) if self.mtp is not None else None
         slot = Slot(
             seq=seq, request=request, method=method, spec=spec, draft_max=draft_max,

@@ -240,6 +240,30 @@ class GreedySampler(_RequestSampler):
             n += 1
 
 
+class DeviceGreedySampler(GreedySampler):
+    """Greedy verification from each row's top two, reduced on the device
+    (:meth:`~worker.llm.Context.sample_top2`): no logits row reaches Python. Only for a
+    request :func:`verifies_on_device` (its target is the raw logits' argmax, unmasked, and it
+    asks for no logprobs), so each row's choice is its argmax, as :class:`GreedySampler`'s."""
+
+    def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
+               draft: Draft, mask: SlotConstraint) -> tuple[int, int]:
+        tokens = draft.tokens
+        for n, drafted in enumerate(tokens):
+            best, _ = ctx.top2(row0 + n)
+            if best != drafted:
+                return n, best
+        return len(tokens), ctx.top2(row0 + len(tokens))[0]
+
+
+def verifies_on_device(params: SamplingParams, logprobs: int | None,
+                       constrained: bool) -> bool:
+    """Whether a request's verify can be read from the device's top two of each row: greedy
+    on the raw logits (no bias, no penalties), no grammar mask, no logprobs. Every other
+    request reads its rows' logits (a distribution, a mask, alternatives need the row)."""
+    return params.greedy and not params.adjusted and logprobs is None and not constrained
+
+
 class RandomSampler(_RequestSampler):
     """Temperature > 0: draws from :func:`target_distribution` with keyed uniforms, and
     verifies drafts by rejection sampling (:func:`accept_or_resample`)."""
@@ -275,9 +299,12 @@ class RandomSampler(_RequestSampler):
         raise AssertionError("unreachable: the loop returns at the bonus row")
 
 
-def make_sampler(params: SamplingParams, n_prompt: int) -> Sampler:
-    """The sampler of one request; ``n_prompt`` tokens of its history are the prompt."""
+def make_sampler(params: SamplingParams, n_prompt: int, on_device: bool = False) -> Sampler:
+    """The sampler of one request; ``n_prompt`` tokens of its history are the prompt;
+    ``on_device``: its sequence is sampled on the device (:func:`verifies_on_device`)."""
     seed = params.seed if params.seed is not None else draw_seed()
+    if on_device:
+        return DeviceGreedySampler(params, seed, n_prompt)
     if params.greedy:
         return GreedySampler(params, seed, n_prompt)
     return RandomSampler(params, seed, n_prompt)

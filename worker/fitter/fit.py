@@ -218,7 +218,7 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
                n_ctx: int | None = None, allow_ctx_above_train: bool = False,
                prefix_cache: bool = True,
                prefix_checkpoints: int = DEFAULT_CHECKPOINTS,
-               deterministic: bool = False) -> FitResult:
+               deterministic: bool = False, device_verify: bool | None = None) -> FitResult:
     """Measure the model on ``device`` and fit the largest context that leaves the margin.
 
     With ``n_ctx`` (a worker's ``--ctx``) the context is not searched but checked the same
@@ -237,7 +237,8 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     ``request_defaults``, which size nothing. ``prefix_cache`` and ``prefix_checkpoints``
     (per slot) size the prefix checkpoints of a sliding-window or recurrent model;
     ``deterministic`` measures the layout of deterministic mode (no repacked weights, a full
-    sliding-window cache).
+    sliding-window cache); ``device_verify`` the target with its sequences sampled on the
+    device (None: where the layers are on a GPU).
     """
     if slots != AUTO_SLOTS and not (isinstance(slots, int) and 1 <= slots <= MAX_SLOTS):
         raise FitError(f"slots must be at least 1 and at most {MAX_SLOTS} (or 'auto'), "
@@ -254,7 +255,7 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
                           n_gpu_layers=-1 if ref.is_cuda else 0,
                           capacity=capacity or EngineCapacity(), checkpoint=checkpoint,
                           prefix_cache=prefix_cache, prefix_checkpoints=prefix_checkpoints,
-                          deterministic=deterministic)
+                          deterministic=deterministic, device_verify=device_verify)
     if slots == AUTO_SLOTS:
         # A fixed context is what every slot must hold; otherwise at least --ctx-min.
         slots = _most_slots(config, ref.name, n_ctx or ctx_min, budget)

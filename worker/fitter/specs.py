@@ -43,5 +43,6 @@ def engine_specs(config: EngineConfig, model: ModelFacts) -> EngineSpecs:
 
 
 def _specs(plan: EnginePlan, config: EngineConfig) -> EngineSpecs:
-    return EngineSpecs(plan, target_spec(config, plan.n_rs_seq, plan.draft_max),
+    return EngineSpecs(plan, target_spec(config, plan.n_rs_seq, plan.draft_max,
+                                         plan.device_verify),
                        draft_spec(config, plan.draft_max) if plan.mtp else None, config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -31,6 +32,13 @@ class ContextSpec:
     #: Output rows per ubatch: a verify needs draft_max + 1, so capping it shrinks the
     #: compute buffer from ubatch x vocab (hundreds of MiB on a 262k vocab) to a few MiB.
     n_outputs_max: int = 0
+    #: Output rows of one sequence per ubatch where a sequence is sampled on the device
+    #: (:meth:`Context.sample_top2`: llama.cpp refuses a decode past it; 0: n_outputs_max).
+    n_outputs_max_per_seq: int = 0
+    #: Every sequence is sampled on the device from creation (:meth:`Context.sample_top2`):
+    #: its chains are given to llama.cpp with the context, so the compute buffers they need
+    #: are reserved (and measured by the fitter) then, not grown at a later decode.
+    device_top2: bool = False
     n_threads: int = 0
     mtp: bool = False
     #: Full-size SWA cache is llama.cpp's default; off keeps only the window (Gemma: 6x less KV).
@@ -66,6 +74,7 @@ class ContextSpec:
         p.n_seq_max = self.n_seq_max
         p.n_rs_seq = self.n_rs_seq
         p.n_outputs_max = self.n_outputs_max
+        p.n_outputs_max_per_seq = self.n_outputs_max_per_seq
         if self.n_threads > 0:
             p.n_threads = self.n_threads
             p.n_threads_batch = self.n_threads
@@ -94,8 +103,18 @@ class Context:
             # Creating an MTP context on a model loaded without load_mtp aborts the process
             # inside llama.cpp (GGML_ASSERT); refuse here instead.
             raise LlamaError("an MTP draft context needs the model loaded with load_mtp=True")
-        ptr = llama_cpp.llama_init_from_model(model.ptr, spec.to_params())
+        params = spec.to_params()
+        chains = {seq: _top2_chain() for seq in range(spec.n_seq_max)} if spec.device_top2 else {}
+        if chains:
+            configs = (llama_cpp.llama_sampler_seq_config * len(chains))(
+                *(llama_cpp.llama_sampler_seq_config(seq, ctypes.cast(chain, ctypes.c_void_p))
+                  for seq, chain in chains.items()))
+            params.samplers = configs
+            params.n_samplers = len(chains)
+        ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not ptr:
+            for chain in chains.values():
+                llama_cpp.llama_sampler_free(chain)
             what = "MTP draft context" if spec.mtp else "context"
             raise LlamaError(
                 f"llama.cpp could not create the {what} (n_ctx={spec.n_ctx}, "
@@ -111,6 +130,13 @@ class Context:
         self._n_vocab = model.n_vocab
         self._logits_row = ctypes.c_float * self._n_vocab
         self._hidden_row = ctypes.c_float * model.n_embd
+        #: Sequences sampled on the device (their top-2 chain), and what the last decode's
+        #: rows of them said, read once each (:meth:`top2`).
+        self._chains: dict[int, Any] = chains
+        self._top2: dict[int, tuple[int, float]] = {}
+        #: Logits rows read into Python (what the device path exists to avoid: a verify row of
+        #: a 262k vocabulary is a megabyte copied off a GPU and reduced on the host).
+        self.rows_read = 0
 
     @property
     def n_rs_seq(self) -> int:
@@ -119,6 +145,7 @@ class Context:
 
     def decode(self, batch: Batch) -> None:
         note_decode()
+        self._top2.clear()
         pads = batch.pad_even() if self.spec.deterministic else []
         try:
             rc = llama_cpp.llama_decode(self.ptr, batch.raw)
@@ -139,10 +166,13 @@ class Context:
         llama_cpp.llama_synchronize(self.ptr)
 
     def logits(self, row: int) -> np.ndarray:
-        """Logits of output row ``row`` of the last decode (a view; copy to keep)."""
+        """Logits of output row ``row`` of the last decode (a view; copy to keep). Never a row
+        of a sequence sampled on the device (:meth:`sample_top2`): llama.cpp hands back its
+        sampled buffer there, of which only the top two are valid."""
         ptr = llama_cpp.llama_get_logits_ith(self.ptr, row)
         if not ptr:
             raise LlamaError(f"no logits for output row {row}")
+        self.rows_read += 1
         return _view(ptr, self._logits_row)
 
     def logits_rows(self, row0: int, n: int) -> np.ndarray:
@@ -156,6 +186,7 @@ class Context:
         gap = ctypes.addressof(last.contents) - ctypes.addressof(first.contents)
         if gap != (n - 1) * n_vocab * ctypes.sizeof(ctypes.c_float):
             return np.stack([self.logits(row0 + i) for i in range(n)])
+        self.rows_read += n
         return np.ctypeslib.as_array(first, shape=(n, n_vocab))
 
     def argmax(self, row: int) -> int:
@@ -165,15 +196,66 @@ class Context:
     def margins(self, row0: int, tokens: Sequence[int]) -> list[float]:
         """How far each token's logit led the best other one, at output rows ``row0..``
         (``tokens[i]`` at row ``row0 + i``; negative where another token led). Two max passes
-        over slices of the view per row, no copy (0.04 ms a token on a 262k vocabulary)."""
+        over slices of the view per row, no copy (0.04 ms a token on a 262k vocabulary); a
+        row sampled on the device answers from its top two (:meth:`top2`: the committed token
+        of such a row is its argmax)."""
         out = []
         for i, token in enumerate(tokens):
+            if row0 + i in self._top2:
+                best, margin = self._top2[row0 + i]
+                out.append(margin if token == best else -margin)
+                continue
             z = self.logits(row0 + i)
             left, right = z[:token], z[token + 1:]
             rival = max(float(left.max()) if left.size else -np.inf,
                         float(right.max()) if right.size else -np.inf)
             out.append(float(z[token]) - rival)
         return out
+
+    # -- device sampling ---------------------------------------------------------------------
+    def sample_top2(self, seq: int, on: bool) -> None:
+        """Have every output row of ``seq`` reduced to its two best tokens on the device
+        (llama.cpp's backend sampling: a fresh ``top_k(2)`` chain, nothing after it), or no
+        longer (``on`` False). Then no logits row of ``seq`` is copied to the host or read by
+        Python: :meth:`top2` answers. A change costs the next decode a graph rebuild (~18 ms
+        on a 2-core CPU), so a sequence keeps its chain while its requests can use it.
+
+        llama.cpp aborts on a chain attached twice or a bare sampler, and never frees one:
+        each attach builds its own chain, which is freed once detached."""
+        chain = self._chains.pop(seq, None)
+        if on and chain is not None:
+            self._chains[seq] = chain
+            return
+        if chain is not None:
+            llama_cpp.llama_set_sampler(self.ptr, seq, None)
+            llama_cpp.llama_sampler_free(chain)
+        if not on:
+            return
+        chain = _top2_chain()
+        if not llama_cpp.llama_set_sampler(self.ptr, seq, chain):
+            llama_cpp.llama_sampler_free(chain)
+            raise LlamaError(f"llama.cpp refused a device sampler for sequence {seq}")
+        self._chains[seq] = chain
+
+    def samples_on_device(self, seq: int) -> bool:
+        return seq in self._chains
+
+    def top2(self, row: int) -> tuple[int, float]:
+        """The argmax of output row ``row`` of a sequence sampled on the device, and its lead
+        over the runner-up: read from the two candidates llama.cpp kept (their order is not
+        the logits', so the larger logit wins, the lower id on a tie, as ``np.argmax``)."""
+        found = self._top2.get(row)
+        if found is not None:
+            return found
+        if llama_cpp.llama_get_sampled_candidates_count_ith(self.ptr, row) != 2:
+            raise LlamaError(f"output row {row} was not sampled on the device")
+        ids = llama_cpp.llama_get_sampled_candidates_ith(self.ptr, row)
+        logits = llama_cpp.llama_get_sampled_logits_ith(self.ptr, row)
+        if not ids or not logits:
+            raise LlamaError(f"no device samples for output row {row}")
+        a, b = (0, 1) if (logits[0], -ids[0]) >= (logits[1], -ids[1]) else (1, 0)
+        found = self._top2[row] = (int(ids[a]), float(logits[a] - logits[b]))
+        return found
 
     # -- hidden states (MTP hand-over) -----------------------------------------------------
     def expose_hidden(self, masked: bool) -> None:
@@ -239,12 +321,23 @@ class Context:
         if self.ptr:
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
+            for chain in self._chains.values():  # llama.cpp never frees an attached chain
+                llama_cpp.llama_sampler_free(chain)
+            self._chains.clear()
 
     def __enter__(self) -> Context:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _top2_chain() -> Any:
+    """A new sampler chain that keeps each row's two best tokens and chooses none (a chain
+    that chose after ``top_k`` would hand back positions, not ids)."""
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(2))
+    return chain
 
 
 def _view(ptr: ctypes._Pointer, row_type: type[ctypes.Array]) -> np.ndarray:

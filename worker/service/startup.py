@@ -34,7 +34,7 @@ def load_engine(options: WorkerOptions, n_gpu_layers: int,
                      allow_ctx_above_train=options.allow_ctx_above_train,
                      prefix_cache=options.prefix_cache,
                      prefix_checkpoints=options.prefix_checkpoints,
-                     deterministic=options.deterministic)
+                     deterministic=options.deterministic, device_verify=options.device_verify)
     engine = SpeculativeEngine(replace(fit.config, n_gpu_layers=n_gpu_layers,
                                        fail_device_checkpoint=settings.fail_device_checkpoint,
                                        cost_cache=settings.cost_cache()))
