@@ -1,12 +1,12 @@
 """What a decode of r rows costs where the engine runs, and what changes that cost on a GPU.
 
-The row-cost tables (worker/engine/cost_curve.py, draft_cost.py) decide how wide to draft;
+The row-cost tables (worker/engine/drafting/curve.py, draft_cost.py) decide how wide to draft;
 on a GPU two things move the true cost away from a naive timing, and this measures both:
 
 - ``queued_ms`` against ``finished_ms``: one decode of r rows on an empty context, timed
   around ``llama_decode`` alone (what the tables timed until they waited for the device: on
   CUDA that call returns once the kernels are queued) and as the tables time it now
-  (:func:`~worker.engine.cost_curve.time_decodes`, which waits). On the CPU backend the
+  (:func:`~worker.engine.drafting.curve.time_decodes`, which waits). On the CPU backend the
   two agree.
 - ``steady_ms_per_step``: 300 steps decoding at a growing position, reading every row's
   argmax and rolling back all but two rows, as a verify does: at one row, at a constant 9
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.logs import configure_logging  # noqa: E402
-from worker.engine.cost_curve import time_decodes  # noqa: E402
+from worker.engine.drafting.curve import time_decodes  # noqa: E402
 from worker.llm import Batch, Context, ContextSpec, Model, ModelSpec  # noqa: E402
 from worker.testmodels import build_tiny_models  # noqa: E402
 from worker.testmodels.gemma import gemma_q4_path  # noqa: E402

@@ -176,12 +176,12 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
              "rows_read_per_token": (engine.target.rows_read - read0) / generated,
              "acceptance": accepted / drafted if drafted else 0.0,
              # The bar drafts had to clear at the end (1.1: the floor; higher: drafted steps
-             # yielded less than plain ones, worker/engine/draft_bar.py).
-             "draft_bar": engine.draft_bar.level}
-    if engine.step_costs is not None and engine.step_costs.predicted:
+             # yielded less than plain ones, worker/engine/drafting/bar.py).
+             "draft_bar": engine.planner.bar.level}
+    if engine.planner.steps is not None and engine.planner.steps.predicted:
         # How far the row budget's step costs were off (1: exact; above 1: dearer than it
         # planned with).
-        rates["step_cost_ratio"] = engine.step_costs.observed / engine.step_costs.predicted
+        rates["step_cost_ratio"] = engine.planner.steps.observed / engine.planner.steps.predicted
     return rates, [list(s.generated) for s in slots]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -38,15 +37,14 @@ from shared.protocol import (
     GenerationRequest,
     JobStatus,
     Priority,
-    Telemetry,
     TokenEvent,
-    TokenLogprob,
     WorkerInfo,
 )
 from shared.recovery import RecoveryMonitor
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
 from shared.replies import text
+from shared.results import JobResult
 from shared.settings import Settings, get_settings
 
 log = get_logger("coordinator")
@@ -54,44 +52,7 @@ log = get_logger("coordinator")
 #: rq states from which a job never runs again: cancelling them would only leave a flag.
 _ENDED = frozenset({RqStatus.FINISHED, RqStatus.FAILED, RqStatus.CANCELED, RqStatus.STOPPED})
 
-__all__ = ["Coordinator", "JobHandle", "JobResult", "StreamGapError", "SubmitError"]
-
-
-@dataclass
-class JobResult:
-    """A job's outcome, from its final event (the CLI's ``--json`` object)."""
-
-    job_id: str
-    status: JobStatus
-    tokens: list[int]
-    text: str
-    telemetry: Telemetry | None
-    worker: str | None
-    attempts: int
-    finish_reason: str | None = None
-    error: str | None = None
-    #: The sampling seed the job ran with: the same request with it gives the same tokens.
-    seed: int | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-    @classmethod
-    def from_final(cls, final: FinalEvent) -> JobResult:
-        """The result a job's final event describes (its attempt number is the attempts)."""
-        return cls(job_id=final.job_id, status=final.status, tokens=final.tokens,
-                   text=final.text, telemetry=final.telemetry, worker=final.worker,
-                   attempts=final.attempt,
-                   finish_reason=str(final.finish_reason) if final.finish_reason else None,
-                   error=final.error, seed=final.seed, logprobs=final.logprobs)
-
-    def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "job_id": self.job_id, "status": str(self.status), "tokens": self.tokens,
-            "text": self.text, "telemetry": self.telemetry.model_dump() if self.telemetry else None,
-            "worker": self.worker, "attempts": self.attempts,
-            "finish_reason": self.finish_reason, "error": self.error, "seed": self.seed}
-        if self.logprobs is not None:
-            body["logprobs"] = [lp.model_dump(mode="json") for lp in self.logprobs]
-        return body
+__all__ = ["Coordinator", "JobHandle", "StreamGapError", "SubmitError"]
 
 
 class StreamGapError(RuntimeError):

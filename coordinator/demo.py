@@ -29,11 +29,12 @@ from rq.queue import Queue
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from coordinator.client import Coordinator, JobResult
+from coordinator.client import Coordinator
 from coordinator.processes import stop_processes
 from coordinator.redis_local import RedisUnavailable, local_redis
 from shared.protocol import FinalEvent, GenerationRequest, SpecMethod, SpecSettings, TokenEvent
 from shared.redact import redact
+from shared.results import JobResult
 from shared.settings import Settings
 from worker.testmodels.gemma import gemma_q4_path
 

@@ -59,7 +59,7 @@ class Settings(BaseSettings):
     )
     cost_cache_dir: str | None = Field(
         default=None, description="worker: where row-cost curves are kept between starts, "
-        "one per model, device, build and thread count (worker/engine/cost_cache.py); unset: "
+        "one per model, device, build and thread count (worker/engine/drafting/cache.py); unset: "
         "$SPECFLEET_CACHE_DIR/rowcosts or ~/.cache/specfleet/rowcosts; empty: time at every "
         "start",
     )

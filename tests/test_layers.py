@@ -7,7 +7,10 @@ commands that run worker code in-process. Every import statement of every module
 including those inside functions and ``TYPE_CHECKING`` blocks: a lazy import is still a
 dependency. The picture is in ``docs/architecture.md`` ("Package layers"). Within the layers,
 no two modules import each other, directly or around a circle: a circle means neither can be
-read, tested or moved alone (a value both need belongs in a leaf module below them).
+read, tested or moved alone (a value both need belongs in a leaf module below them). The same
+holds for folders: no folder's modules import a folder that imports them back, its own
+parent included (a subpackage that reaches up into the package around it is one knot with
+it: ``worker/engine/core`` holds the leaf types every engine folder shares instead).
 """
 
 from __future__ import annotations
@@ -98,6 +101,22 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     return graph
 
 
+def folder_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Folder -> the other project folders its modules import (a package's own modules and
+    its subpackages are different folders: ``worker/engine`` and ``worker/engine/core``)."""
+    graph: dict[str, set[str]] = {}
+    for module, imports in import_graph(root).items():
+        here = _folder(module, root)
+        graph.setdefault(here, set()).update(
+            folder for folder in (_folder(m, root) for m in imports) if folder != here)
+    return graph
+
+
+def _folder(module: str, root: Path) -> str:
+    path = root.joinpath(*module.split("."))
+    return (path.relative_to(root) if path.is_dir() else path.parent.relative_to(root)).as_posix()
+
+
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The modules that reach each other, one sorted group a circle (strongly connected
     components of more than one module, Tarjan's algorithm without recursion)."""
@@ -139,6 +158,27 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_modules_import_each_other_around_a_circle() -> None:
     assert circles(import_graph()) == []
+
+
+def test_no_folders_import_each_other_around_a_circle() -> None:
+    assert circles(folder_graph()) == []
+
+
+def test_the_folder_check_finds_a_subpackage_that_reaches_up(tmp_path: Path) -> None:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "worker" / "engine" / "proposers").mkdir(parents=True)
+    (tmp_path / "worker" / "engine" / "core").mkdir()
+    (tmp_path / "worker" / "engine" / "engine.py").write_text(
+        "from worker.engine.proposers import suffix\n")
+    (tmp_path / "worker" / "engine" / "costs.py").write_text("import numpy\n")
+    (tmp_path / "worker" / "engine" / "proposers" / "suffix.py").write_text(
+        "from worker.engine.costs import x\nfrom worker.engine.core.draft import Draft\n")
+    (tmp_path / "worker" / "engine" / "core" / "draft.py").write_text("import numpy\n")
+    assert circles(folder_graph(tmp_path)) == [["worker/engine", "worker/engine/proposers"]]
+    (tmp_path / "worker" / "engine" / "proposers" / "suffix.py").write_text(
+        "from worker.engine.core.draft import Draft\n")
+    assert circles(folder_graph(tmp_path)) == []
 
 
 def test_the_circle_check_finds_direct_and_longer_circles(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ import pytest
 
 from coordinator.monitor import Tally
 from shared.protocol import Telemetry
+from worker.engine.core.telemetry import SUMMED_FIELDS, SpecCounters, count, merge_rules
 from worker.engine.rollback.base import RollbackStats
-from worker.engine.telemetry import SUMMED_FIELDS, SpecCounters, count, merge_rules
 from worker.service.metrics import PREFIX, WorkerMetrics
 
 _LABELS = {"worker": "w", "model": "m", "device": "cpu", "method": "ngram"}

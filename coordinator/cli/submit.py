@@ -19,13 +19,14 @@ from redis import RedisError
 
 from coordinator.cli import options as opt
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
-from coordinator.client import Coordinator, JobResult
+from coordinator.client import Coordinator
 from coordinator.openai_api.structured import closed
 from coordinator.validation import SubmitError
 from shared.constraint import Constraint, ConstraintError, ConstraintKind, check_constraint
 from shared.logs import configure_logging
 from shared.outage import RedisOutage
 from shared.protocol import JobStatus, Priority, SamplingParams, describe_validation_error
+from shared.results import JobResult
 
 GrammarSyntax = Literal["lark", "gbnf", "regex"]
 

@@ -14,10 +14,10 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from coordinator.client import JobResult
 from coordinator.openai_api.requests import CHAT, NATIVE, Choice, Parsed
 from coordinator.openai_api.tool_calls import CallReader, Pieces
 from shared.protocol import FinalEvent, FinishReason, TokenLogprob
+from shared.results import JobResult
 from shared.version import package_version
 
 #: OpenAI's ``system_fingerprint``: which backend configuration answered (ours: the version).

@@ -18,7 +18,7 @@ import pytest
 from helpers import N_CTX, PROMPT, greedy
 
 from shared.protocol import SpecMethod, Telemetry
-from worker.engine.cost_curve import CostCurve
+from worker.engine.drafting.curve import CostCurve
 from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
 from worker.launch import EngineCapacity
 from worker.testmodels import write_qwen35_hybrid

@@ -25,10 +25,10 @@ from llguidance import LLMatcher
 
 from shared.constraint import Constraint, ConstraintKind
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings
-from worker.engine.constraint.base import UNCONSTRAINED
 from worker.engine.constraint.tokenizer import grammar_vocab
+from worker.engine.core.constraint import UNCONSTRAINED
+from worker.engine.core.draft import Draft, VerifyOutcome
 from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
-from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.engine.proposers.none import NoDraft
 from worker.engine.slot import SlotRequest
 from worker.engine.verify import Verifier

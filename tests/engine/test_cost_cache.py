@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod
-from worker.engine import cost_cache
-from worker.engine.cost_cache import CostCache, curve_key
-from worker.engine.cost_curve import CostCurve
+from worker.engine.drafting import cache as cost_cache
+from worker.engine.drafting.cache import CostCache, curve_key
+from worker.engine.drafting.curve import CostCurve
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.launch import EngineCapacity
 

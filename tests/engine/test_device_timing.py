@@ -18,8 +18,8 @@ import llama_cpp
 from helpers import PROMPT, ReplaysRepeats
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.cost_curve import measure_curve
-from worker.engine.draft_cost import RowCosts
+from worker.engine.drafting.costs import RowCosts
+from worker.engine.drafting.curve import measure_curve
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import SlotRequest
 from worker.launch import EngineCapacity
@@ -82,16 +82,16 @@ def test_a_verify_s_decode_time_includes_the_device_s_work(dense_model: Path) ->
     spec = SpecSettings(method=SpecMethod.NGRAM, draft_max=4, adaptive=False)
     with SpeculativeEngine(EngineConfig(str(dense_model), n_ctx=512, slots=2, n_threads=1,
                                         capacity=EngineCapacity(SpecMethod.NGRAM, 4))) as engine:
-        assert engine.step_costs is not None
+        assert engine.planner.steps is not None
         engine.verifier.target = QueuedDevice(engine.verifier.target)  # type: ignore[assignment]
         seen: list[float] = []
-        learn = engine.step_costs.observe
+        learn = engine.planner.steps.observe
 
         def observe(rows: int, seconds: float) -> None:
             seen.append(seconds)
             learn(rows, seconds)
 
-        engine.step_costs.observe = observe  # type: ignore[method-assign]
+        engine.planner.steps.observe = observe  # type: ignore[method-assign]
         for _ in range(2):
             engine.admit(SlotRequest(PROMPT * 2, 12, spec))
         while engine.active:

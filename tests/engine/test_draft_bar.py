@@ -1,5 +1,5 @@
 """The draft bar: what drafted steps really yielded against plain ones moves what a draft must
-promise (worker/engine/draft_bar.py)."""
+promise (worker/engine/drafting/bar.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 from helpers import PROMPT, ReplaysRepeats
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.draft_bar import CEILING, PROBE_AFTER, DraftBar
-from worker.engine.draft_length_policy import PLAIN_BAR, best_draft_length
+from worker.engine.core.draft import Draft, VerifyOutcome
+from worker.engine.drafting.bar import CEILING, PROBE_AFTER, DraftBar
+from worker.engine.drafting.budget import plan_widths
+from worker.engine.drafting.width import PLAIN_BAR, best_draft_length
 from worker.engine.engine import EngineConfig, SpeculativeEngine
-from worker.engine.proposers.base import Draft, VerifyOutcome
-from worker.engine.row_budget import plan_widths
 from worker.engine.slot import SlotRequest
 from worker.launch import EngineCapacity
 
@@ -137,7 +137,7 @@ def test_an_engine_whose_drafts_lose_stops_drafting(dense_model: Path) -> None:
             before = sum(s.counters.drafted for s in slots)
             engine.step()
             drafted.append(sum(s.counters.drafted for s in slots) - before)
-        level = engine.draft_bar.level
+        level = engine.planner.bar.level
         assert all(s.generated == answer for s in slots)
     assert level > 2 * PLAIN_BAR
     third = len(drafted) // 3

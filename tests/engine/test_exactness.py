@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
+from worker.engine.core.draft import Draft, VerifyOutcome
 from worker.engine.engine import EngineConfig, SpeculativeEngine
-from worker.engine.proposers.base import Draft, VerifyOutcome
 from worker.launch import EngineCapacity
 
 from .conftest import N_MAX, PROMPT, TOKENS, Subject, assert_consistent, first_difference
@@ -99,8 +99,8 @@ def test_calibrated_verify_shape_keeps_output_exact(dense_model: Path,
     config = EngineConfig(str(dense_model), n_ctx=512, n_threads=1, calibrate_verify=True,
                           capacity=EngineCapacity(method=SpecMethod.NGRAM, draft_max=N_MAX))
     with SpeculativeEngine(config) as engine:
-        assert len(engine.shape) == N_MAX + 1
-        assert all(m <= n for n, m in enumerate(engine.shape))
+        assert len(engine.planner.shape) == N_MAX + 1
+        assert all(m <= n for n, m in enumerate(engine.planner.shape))
         for adaptive in (False, True):
             result = engine.generate(PROMPT, TOKENS, spec.model_copy(update={"adaptive": adaptive}))
             assert first_difference(result.tokens, dense_ngram.reference) is None

@@ -10,12 +10,12 @@ from pathlib import Path
 from helpers import PROMPT
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.draft_cost import RowCosts
+from worker.engine.core.draft import Draft
+from worker.engine.core.telemetry import SpecCounters
+from worker.engine.drafting.budget import draft_chances, plan_widths
+from worker.engine.drafting.costs import RowCosts
 from worker.engine.engine import EngineConfig, SpeculativeEngine
-from worker.engine.proposers.base import Draft
-from worker.engine.row_budget import draft_chances, plan_widths
 from worker.engine.slot import SlotRequest
-from worker.engine.telemetry import SpecCounters
 from worker.launch import EngineCapacity
 
 
@@ -93,11 +93,11 @@ def test_the_engine_verifies_what_the_step_costs_pay_for(dense_model: Path) -> N
     prompt = PROMPT * 3
     with SpeculativeEngine(EngineConfig(str(dense_model), n_ctx=512, slots=4, n_threads=1,
                                         capacity=capacity)) as engine:
-        assert engine.step_costs is not None
-        rows = len(engine.step_costs.seconds) - 1
+        assert engine.planner.steps is not None
+        rows = len(engine.planner.steps.seconds) - 1
 
         def drafted(costs: list[float]) -> int:
-            engine.step_costs = RowCosts(costs)
+            engine.planner.steps = RowCosts(costs)
             slots = [engine.admit(SlotRequest(prompt, 24, spec)) for _ in range(4)]
             while engine.active:
                 engine.step()

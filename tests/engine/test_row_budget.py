@@ -4,9 +4,9 @@ decode's fixed cost."""
 
 from __future__ import annotations
 
-from worker.engine.draft_length_policy import PLAIN_MARGIN
-from worker.engine.row_budget import FIRST_GUESS, plan_widths, reach
-from worker.engine.telemetry import SpecCounters
+from worker.engine.core.telemetry import SpecCounters
+from worker.engine.drafting.budget import FIRST_GUESS, plan_widths, reach
+from worker.engine.drafting.width import PLAIN_MARGIN
 
 
 def linear(fixed: float, per_row: float, rows: int) -> list[float]:

@@ -21,10 +21,10 @@ from helpers import PROMPT
 
 from shared.protocol import SamplingParams, SpecMethod, SpecSettings
 from worker.engine import sampling
-from worker.engine.constraint.base import UNCONSTRAINED
+from worker.engine.core.constraint import UNCONSTRAINED
+from worker.engine.core.draft import Draft
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.logprobs import make_logprobs
-from worker.engine.proposers.base import Draft
 from worker.engine.sampling import (
     Distribution,
     Stream,

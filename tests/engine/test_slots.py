@@ -132,7 +132,7 @@ def test_row_budget_trims_without_changing_any_slot(hybrid_model: Path) -> None:
         Arrival(4, req(prompt(53, 5), 100, SpecMethod.MTP, width=3)),
     ]
     with engine(hybrid_model, SpecMethod.MTP, slots=3, row_budget=True) as e:
-        assert e.step_costs is not None
+        assert e.planner.steps is not None
         run = run_schedule(e, arrivals)
     assert_exact(hybrid_model, arrivals, run)
 

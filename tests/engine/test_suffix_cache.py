@@ -11,8 +11,8 @@ from typing import cast
 
 import pytest
 
-from worker.engine.draft_cost import RowCosts
-from worker.engine.proposers.base import Draft, VerifyOutcome
+from worker.engine.core.draft import Draft, VerifyOutcome
+from worker.engine.drafting.costs import RowCosts
 from worker.engine.proposers.combined import MtpSuffixProposer
 from worker.engine.proposers.confidence import FRAGILE_MARGIN, NEAR_TIE_MARGIN
 from worker.engine.proposers.mtp import MtpProposer

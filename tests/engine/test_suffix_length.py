@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import SpecMethod
-from worker.engine.cost_curve import PROBE_WIDTHS, CostCurve
-from worker.engine.draft_cost import (
+from worker.engine.drafting.costs import (
     FLOOR,
     RESIDUAL_RATE,
     WIDER_FROM,
     RowCosts,
     cap_wide,
 )
-from worker.engine.draft_length_policy import PLAIN_MARGIN, best_draft_length
+from worker.engine.drafting.curve import PROBE_WIDTHS, CostCurve
+from worker.engine.drafting.width import PLAIN_MARGIN, best_draft_length
 
 from .conftest import open_engine
 

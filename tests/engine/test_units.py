@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.draft_length_policy import AdaptiveWidth, FixedWidth
+from worker.engine.drafting.shape import best_lengths
+from worker.engine.drafting.width import AdaptiveWidth, FixedWidth
 from worker.engine.proposers.factory import make_proposer
 from worker.engine.proposers.ngram import NgramProposer
 from worker.engine.proposers.none import NoDraft
-from worker.engine.verify_shape import best_lengths
 
 
 def test_fixed_width_never_moves() -> None:

@@ -23,10 +23,11 @@ from redis import Redis
 from service.conftest import _delete_namespace
 from service.workers import MODEL_NAME, Fleet
 
-from coordinator.client import Coordinator, JobResult
+from coordinator.client import Coordinator
 from coordinator.redis_local import DEFAULT_URL, answers
 from shared.protocol import Telemetry, WorkerInfo
 from shared.redact import redact
+from shared.results import JobResult
 from shared.settings import Settings
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 8, 61], [7, 7, 31, 2, 99, 64], [120, 3, 3, 45, 9, 17, 200]]

@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.engine.proposers.base import Draft, VerifyOutcome
+from worker.engine.core.draft import Draft, VerifyOutcome
 
 
 @dataclass(frozen=True)

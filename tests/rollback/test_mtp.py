@@ -13,7 +13,8 @@ import pytest
 from helpers import PROMPT
 
 from shared.protocol import CheckpointMode, SamplingParams, SpecMethod, SpecSettings
-from worker.engine.proposers.base import Draft, Proposer, VerifyOutcome
+from worker.engine.core.draft import Draft, VerifyOutcome
+from worker.engine.proposers.base import Proposer
 from worker.engine.sampling import make_sampler
 
 from .conftest import LONG_TOKENS, engine_for

@@ -32,8 +32,9 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
-from coordinator.client import Coordinator, JobHandle, JobResult
+from coordinator.client import Coordinator, JobHandle
 from shared.protocol import FinalEvent, JobStatus, TokenEvent
+from shared.results import JobResult
 from shared.settings import Settings
 
 from .private_redis import RedisServer

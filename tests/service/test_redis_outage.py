@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.client import Coordinator, JobResult
+from coordinator.client import Coordinator
 from shared.protocol import FinalEvent, JobStatus, TokenEvent
+from shared.results import JobResult
 from shared.settings import Settings
 
 from .private_redis import RedisServer

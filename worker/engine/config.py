@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.protocol import CheckpointMode, SpecMethod, SpecSettings
-from worker.engine.cost_curve import CostCurve
+from worker.engine.drafting.curve import CostCurve
 from worker.engine.proposers.output_cache import DEFAULT_CACHE_BYTES
 from worker.launch import (
     CAPACITY_FIELDS,
@@ -50,13 +50,13 @@ class EngineConfig:
     checkpoint: CheckpointMode = CheckpointMode.DEVICE
     fail_device_checkpoint: bool = False
     #: Time the target's verify decodes at load (1..N+1 rows) and verify only draft lengths
-    #: that pay for themselves (see verify_shape.py). Costs a few seconds at start on CPU.
+    #: that pay for themselves (drafting/shape.py). Costs a few seconds at start on CPU.
     calibrate_verify: bool = False
     #: With several slots, verify only the draft rows that raise the step's expected tokens
-    #: per second (row_budget.py; the row costs are timed at load). Off: every draft as
+    #: per second (drafting/budget.py; the row costs are timed at load). Off: every draft as
     #: proposed (tests that schedule exact rejection depths).
     row_budget: bool = True
-    #: Where row-cost curves are kept between starts (``cost_cache.py``; None: timed at
+    #: Where row-cost curves are kept between starts (``drafting/cache.py``; None: timed at
     #: every load). A worker passes its cache directory; engines in tests time their own.
     cost_cache: str | None = None
     #: The row-cost curve to plan with instead of timing one (tests that must not depend on

@@ -27,16 +27,16 @@ from worker.engine.config import (
     model_spec,
     target_spec,
 )
-from worker.engine.constraint.base import UNCONSTRAINED
 from worker.engine.constraint.matcher import bind
-from worker.engine.cost_cache import curve_for
-from worker.engine.draft_bar import DraftBar
-from worker.engine.draft_cost import RowCosts
-from worker.engine.draft_length_policy import make_policy
+from worker.engine.core.constraint import UNCONSTRAINED
+from worker.engine.core.draft import Draft
+from worker.engine.core.telemetry import SpecCounters
+from worker.engine.drafting.cache import curve_for
+from worker.engine.drafting.planner import DraftPlanner, Proposed, StepRecord, Verified
 from worker.engine.logprobs import make_logprobs
 from worker.engine.plan import ModelFacts, plan_engine
 from worker.engine.prefix_cache import Placement, PrefixStats, make_prefix_policy
-from worker.engine.proposers.base import Draft, Proposer
+from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.factory import (
     make_proposer,
     make_suffix_shared,
@@ -44,14 +44,10 @@ from worker.engine.proposers.factory import (
     uses_suffix,
 )
 from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
-from worker.engine.rollback import make_rollback
-from worker.engine.row_budget import draft_chances, plan_widths
 from worker.engine.sampling import make_sampler, verifies_on_device
 from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
-from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
 from worker.engine.verify import PrefillChunk, Verifier, VerifyJob
-from worker.engine.verify_shape import best_lengths
 from worker.llm import Context, Model
 
 __all__ = ["EngineConfig", "GenerationResult", "NoFreeSlotError", "SlotRequest", "SlotUpdate",
@@ -102,7 +98,7 @@ class SpeculativeEngine:
             self.plan = plan_engine(config, ModelFacts.of(self.model))
             self.method = self.plan.method
             self.draft_max = self.plan.draft_max
-            self.rollback = make_rollback(self.plan, config.fail_device_checkpoint)
+            self.rollback = self.plan.rollback_policy(config.fail_device_checkpoint)
             self._allocated.callback(self.rollback.close)
             spec = target_spec(config, self.plan.n_rs_seq, self.draft_max,
                                self.plan.device_verify)
@@ -124,45 +120,33 @@ class SpeculativeEngine:
             self.curve = (config.row_costs or curve_for(self.target, self.verifier.batch, spec,
                                                         replays, config.cost_cache)
                           if self._prices_rows(config) else None)
-            self.shape = (best_lengths(self.curve.table(self.draft_max + 1))
-                          if config.calibrate_verify and self.curve is not None
-                          else list(range(self.draft_max + 1)))
-            #: The bar drafts must clear, corrected by what drafted steps really yielded.
-            self.draft_bar = DraftBar(config.slots)
-            self.suffix = make_suffix_shared(
-                self.method, self.target, config.lookup_cache_bytes, self.draft_bar,
-                RowCosts.for_one_slot(self.curve, self.draft_max, replays)
-                if self.curve is not None else None)
-            self.step_costs = (RowCosts.for_steps(self.curve, config.slots, self.draft_max,
-                                                  replays)
-                               if self.curve is not None and self._budgets_rows(config)
-                               else None)
+            #: How far every slot drafts each step (``drafting/planner.py``).
+            self.planner = DraftPlanner(self.curve, config.slots, self.draft_max, replays,
+                                        budget=config.row_budget,
+                                        shape=config.calibrate_verify)
+            self.suffix = make_suffix_shared(self.method, self.target,
+                                             config.lookup_cache_bytes, self.planner.bar,
+                                             self.planner.one_slot)
         except BaseException:
             self.close()
             raise
         self._lifetime = SpecCounters(spec_method=self.method, draft_max=self.draft_max,
                                       deterministic=config.deterministic)
-        #: Finished requests' counters per method: the row budget's prior for the next ones.
-        self._by_method: dict[SpecMethod, SpecCounters] = {}
         #: Seconds the steps' target decodes took (synchronised, prefill chunks included):
         #: the rest of a step's wall time is host work (bench/slots.py: host ms a token).
         self.decode_seconds = 0.0
         log.info("engine.loaded", model=config.model_path, method=str(self.method),
                  draft_max=self.draft_max, n_ctx=config.n_ctx, slots=config.slots,
                  n_rs_seq=self.target.n_rs_seq, rollback=type(self.rollback).__name__,
-                 verify_shape=self.shape, deterministic=config.deterministic,
+                 verify_shape=self.planner.shape, deterministic=config.deterministic,
                  offloaded=self.model.offloaded,
                  row_costs=self.suffix.costs.relative() if self.suffix else None)
 
-    def _budgets_rows(self, config: EngineConfig) -> bool:
-        """Several slots share each step's rows (row_budget.py)."""
-        return config.row_budget and config.slots > 1 and self.draft_max > 0
-
     def _prices_rows(self, config: EngineConfig) -> bool:
         """Something this engine decides prices verify rows: the suffix drafter's lengths,
-        the row budget, or the verify shape."""
-        return self.draft_max > 0 and (uses_suffix(self.method) or self._budgets_rows(config)
-                                       or config.calibrate_verify)
+        the row budget of several slots, or the verify shape."""
+        return self.draft_max > 0 and (uses_suffix(self.method) or config.calibrate_verify
+                                       or (config.row_budget and config.slots > 1))
 
     # -- tokens ----------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -217,7 +201,7 @@ class SpeculativeEngine:
         slot = Slot(
             seq=seq, request=request, method=method, spec=spec, draft_max=draft_max,
             proposer=request.proposer or make_proposer(method, spec, mtp, self.suffix),
-            policy=make_policy(draft_max, spec.adaptive, self.shape),
+            policy=self.planner.policy(draft_max, spec.adaptive),
             sampler=sampler, logprobs=make_logprobs(self.model, request.logprobs),
             stream=TextStream(self.model, request.stop),
             counters=counters,
@@ -315,19 +299,9 @@ class SpeculativeEngine:
                    for s in self.active if s.cancelled]
         decoding = [s for s in self.active if s.phase is Phase.DECODE]
         chunks = self._chunks([s for s in self.active if s.phase is Phase.PREFILL])
-        drafts = self._draft(decoding)
-        if self.step_costs is not None and len(decoding) > 1:
-            if self.draft_bar.probe(len(decoding)):  # a plain step to measure (DraftBar)
-                widths = [0] * len(decoding)
-            else:
-                chances = [draft_chances(d, s.counters, self._by_method.get(s.method))
-                           for s, d in zip(decoding, drafts, strict=True)]
-                widths = plan_widths(chances, self.step_costs.seconds, self.draft_bar.level)
-            # A sampled draft keeps its width: which positions are drafts decides its tokens,
-            # and they must not depend on the neighbours' (point masses do not care).
-            # Forced tokens stay: the grammar allows nothing else there.
-            drafts = [d.cut(max(w, s.forced)) if d.dists is None else d
-                      for s, d, w in zip(decoding, drafts, widths, strict=True)]
+        drafts = self.planner.plan([Proposed(d, s.forced, s.counters, s.method)
+                                    for s, d in zip(decoding, self._draft(decoding),
+                                                    strict=True)])
         jobs = [VerifyJob(s.seq, s.history[-1], d, len(s.history) - 1, s.sampler, s.proposer,
                           s.history, s.logprobs, s.constraint)
                 for s, d in zip(decoding, drafts, strict=True)]
@@ -335,17 +309,12 @@ class SpeculativeEngine:
             return updates
         outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
         self.decode_seconds += times.decode
-        if self.step_costs is not None and not chunks:
-            self.step_costs.observe(sum(len(j.draft.tokens) + 1 for j in jobs), times.decode)
         steps: list[tuple[Slot, list[int]]] = []
         for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
             c = slot.counters
             c.draft_seconds += times.observe
             c.decode_seconds += times.target
             c.record_verify(len(draft.tokens), outcome.n_accepted)
-            # The width policy learns from the proposer's tokens, not the grammar's.
-            forced = min(slot.forced, outcome.n_accepted)
-            slot.policy.update(len(draft.tokens) - forced, outcome.n_accepted - forced)
             steps.append((slot, slot.commit(outcome, self.model, self.config.n_ctx)))
         committed_tokens = sum(len(committed) for _, committed in steps)
         _charge_host(steps, perf_counter() - started - times.decode, committed_tokens)
@@ -355,9 +324,11 @@ class SpeculativeEngine:
             else:
                 updates.append(SlotUpdate(slot, committed, slot.stream.take(final=False), True,
                                           logprobs=slot.logprobs_of_last(len(committed))))
-        if not chunks:
-            self.draft_bar.record(len(jobs), committed_tokens, perf_counter() - started,
-                                  any(j.draft.tokens for j in jobs))
+        self.planner.observe(StepRecord(
+            sum(len(d.tokens) + 1 for d in drafts), times.decode,
+            [Verified(s.policy, len(d.tokens), o.n_accepted, s.forced)
+             for s, d, o in zip(decoding, drafts, outcomes, strict=True)],
+            committed_tokens, perf_counter() - started, prefilled=bool(chunks)))
         return updates
 
     def _chunks(self, loading: list[Slot]) -> list[PrefillChunk]:
@@ -434,17 +405,14 @@ class SpeculativeEngine:
                 t0 = perf_counter()
                 draft = slot.proposer.propose(slot.history, width, slot.spec.p_min)
                 slot.counters.draft_seconds += perf_counter() - t0
-            # The grammar cuts what it forbids and puts its forced run in front; the verify
-            # shape and draft_min then cut what the proposer added, never the forced run.
+            # The grammar cuts what it forbids and puts its forced run in front; the planner
+            # then cuts what the proposer added (draft_min, the verify shape), never that run.
             draft, slot.forced = slot.constraint.guide(draft, self._room(slot))
-            n = len(draft.tokens)
-            out.append(draft.cut(max(self.shape[n] if n >= slot.spec.draft_min else 0,
-                                     slot.forced)))
+            out.append(self.planner.trim(draft, slot.forced, slot.spec.draft_min))
         return out
 
     def _width(self, slot: Slot) -> int:
-        """The policy's width within :meth:`_room`, on the verify shape."""
-        return self.shape[min(slot.policy.width(), self._room(slot))]
+        return self.planner.width(slot.policy, self._room(slot))
 
     def _room(self, slot: Slot) -> int:
         """The most drafts this step may verify: the slot's width, capped so the step can
@@ -465,7 +433,7 @@ class SpeculativeEngine:
         c.set_rollback(slot.rollback_before, self.rollback.telemetry(slot.seq))
         self._release(slot, keep=slot.request.prefix_cache)
         self._lifetime.merge(c)
-        self._by_method.setdefault(slot.method, SpecCounters()).merge(c)
+        self.planner.finished(slot.method, c)
         telemetry = c.to_telemetry()
         text = slot.stream.take(final=True)
         result = GenerationResult(slot.generated, slot.stream.text, reason, telemetry,

@@ -19,6 +19,7 @@ from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings,
 from worker.engine.config import EngineConfig, unified_kv
 from worker.engine.proposers.factory import uses_mtp, uses_suffix
 from worker.engine.proposers.mtp import MtpUnavailableError
+from worker.engine.rollback import CompactRollback, KvTrimRollback, Rollback, SnapshotRollback
 from worker.launch import check_rollback_depth
 from worker.llm import Model
 
@@ -41,7 +42,7 @@ class ModelFacts:
 
 
 class RollbackKind(Enum):
-    """Which rollback policy the target gets (:func:`worker.engine.rollback.make_rollback`)."""
+    """Which rollback policy the target gets (:meth:`EnginePlan.rollback_policy`)."""
 
     #: Pure attention: rejected positions are trimmed from the KV cache.
     KV_TRIM = "kv_trim"
@@ -92,6 +93,16 @@ class EnginePlan:
         """The snapshots a recurrent target keeps (what a request's ``rollback_depth`` must
         match); None for a pure-attention model, which has nothing to roll back."""
         return None if self.rollback is RollbackKind.KV_TRIM else self.n_rs_seq
+
+    def rollback_policy(self, fail_device_checkpoint: bool = False) -> Rollback:
+        """The rollback policy of this plan's target context (``slots`` sequences, drafts of
+        up to ``draft_max``); ``fail_device_checkpoint`` is the fault-injection switch."""
+        if self.rollback is RollbackKind.KV_TRIM:
+            return KvTrimRollback()
+        if self.checkpoint is None:  # snapshots only: D = N
+            return SnapshotRollback(self.n_rs_seq)
+        return CompactRollback(self.n_rs_seq, self.draft_max, self.checkpoint,
+                               fail_device_checkpoint, self.slots)
 
     def capacity(self) -> WorkerCapacity:
         """What a worker loaded from this plan can serve (requests may only narrow it)."""

@@ -22,14 +22,15 @@ from shared.protocol import (
     Telemetry,
     TokenLogprob,
 )
-from worker.engine.constraint.base import UNCONSTRAINED, SlotConstraint
 from worker.engine.constraint.matcher import CompiledGrammar
-from worker.engine.draft_length_policy import DraftLengthPolicy
+from worker.engine.core.constraint import UNCONSTRAINED, SlotConstraint
+from worker.engine.core.draft import VerifyOutcome
+from worker.engine.core.sampler import Sampler
+from worker.engine.core.telemetry import SpecCounters
+from worker.engine.drafting.width import DraftLengthPolicy
 from worker.engine.logprobs import LogprobReporter
-from worker.engine.proposers.base import Proposer, VerifyOutcome
+from worker.engine.proposers.base import Proposer
 from worker.engine.rollback.base import RollbackStats
-from worker.engine.sampling import Sampler
-from worker.engine.telemetry import SpecCounters
 from worker.engine.text import TextStream
 from worker.llm import Model
 

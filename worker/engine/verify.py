@@ -18,11 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 
-from worker.engine.constraint.base import SlotConstraint
+from worker.engine.core.constraint import SlotConstraint
+from worker.engine.core.draft import Draft, VerifyOutcome
+from worker.engine.core.sampler import Sampler
 from worker.engine.logprobs import LogprobReporter
-from worker.engine.proposers.base import Draft, Proposer, VerifyOutcome
+from worker.engine.proposers.base import Proposer
 from worker.engine.rollback import Rollback
-from worker.engine.sampling import Sampler
 from worker.llm import Batch, Context
 
 

@@ -19,7 +19,7 @@ tokens. Every step asks it four things, in this order (docs/structured.md):
    target's rollback did (a trim, a snapshot or a checkpoint restore and replay); a grammar
    that can say no more ends the generation (``stop``).
 
-:data:`~worker.engine.constraint.base.UNCONSTRAINED` answers all of them with "no change",
+:data:`~worker.engine.core.constraint.UNCONSTRAINED` answers all of them with "no change",
 so the hot loop never asks whether a slot is constrained.
 """
 
@@ -37,10 +37,10 @@ from llguidance import LLMatcher
 
 from shared.constraint import Constraint, ConstraintError, check_constraint
 from shared.constraint_sandbox import WORKER_STACK_MIB, parser_limits
-from worker.engine.constraint.base import UNCONSTRAINED, SlotConstraint
 from worker.engine.constraint.tokenizer import GrammarVocab, grammar_vocab
-from worker.engine.proposers.base import Draft
-from worker.engine.telemetry import SpecCounters
+from worker.engine.core.constraint import UNCONSTRAINED, SlotConstraint
+from worker.engine.core.draft import Draft
+from worker.engine.core.telemetry import SpecCounters
 from worker.llm import Model
 
 

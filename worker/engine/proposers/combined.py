@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.engine.proposers.base import Draft, VerifyOutcome
+from worker.engine.core.draft import Draft, VerifyOutcome
 from worker.engine.proposers.mtp import MtpProposer
 from worker.engine.proposers.suffix import SuffixProposer
 

@@ -10,8 +10,8 @@ engine was built for is an error with a message, never a silent fallback to some
 from __future__ import annotations
 
 from shared.protocol import SpecMethod, SpecSettings
-from worker.engine.draft_bar import DraftBar
-from worker.engine.draft_cost import RowCosts
+from worker.engine.drafting.bar import DraftBar
+from worker.engine.drafting.costs import RowCosts
 from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.combined import MtpSuffixProposer
 from worker.engine.proposers.mtp import MtpProposer

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shared.logs import get_logger
-from worker.engine.constraint.base import UNCONSTRAINED, SlotConstraint
-from worker.engine.proposers.base import Draft, VerifyOutcome
+from worker.engine.core.constraint import UNCONSTRAINED, SlotConstraint
+from worker.engine.core.draft import Draft, VerifyOutcome
 from worker.llm import Batch, Context, ContextSpec, LlamaError, Model
 
 if TYPE_CHECKING:
-    from worker.engine.sampling import Distribution, Sampler
+    from worker.engine.core.distribution import Distribution
+    from worker.engine.core.sampler import Sampler
 
 log = get_logger("engine.mtp")
 

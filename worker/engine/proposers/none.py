@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.engine.proposers.base import Draft, VerifyOutcome
+from worker.engine.core.draft import Draft, VerifyOutcome
 
 _EMPTY = Draft([])
 

@@ -16,9 +16,9 @@ row costs nearly a whole decode. This drafter instead
    those; every token gets a calibrated acceptance probability
    (:class:`~worker.engine.proposers.confidence.AcceptanceStats`, per source);
 3. keeps, of each source's draft, only the length with the most expected tokens per second
-   of verify (:func:`~worker.engine.draft_length_policy.best_draft_length`), costed by the
+   of verify (:func:`~worker.engine.drafting.width.best_draft_length`), costed by the
    measured row costs of this model on this device
-   (:class:`~worker.engine.draft_cost.RowCosts`), and verifies the source's draft that
+   (:class:`~worker.engine.drafting.costs.RowCosts`), and verifies the source's draft that
    promises more (SuffixDecoding scores its prompt tree and its global tree the same way).
 
 The sources are walked apart because pooling them let the larger one outvote the right one:
@@ -41,10 +41,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from time import perf_counter
 
-from worker.engine.draft_bar import DraftBar
-from worker.engine.draft_cost import RowCosts
-from worker.engine.draft_length_policy import best_draft_length, expected_tokens
-from worker.engine.proposers.base import Draft, VerifyOutcome
+from worker.engine.core.draft import Draft, VerifyOutcome
+from worker.engine.drafting.bar import DraftBar
+from worker.engine.drafting.costs import RowCosts
+from worker.engine.drafting.width import best_draft_length, expected_tokens
 from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
 from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.repeat_shape import Shape, aligned_length, next_verify

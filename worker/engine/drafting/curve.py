@@ -13,11 +13,11 @@ rows), and the cost does not depend on the slot count or the context size (withi
 So a worker times :data:`PROBE_WIDTHS` once (every count to two tiles' end, where neighbours
 differ most, then 12, 16 and 32 rows), after one untimed decode of the widest (a new width's
 first decode grows the output buffer, ~25 % slow), and keeps the curve on disk keyed by what
-it depends on (:mod:`worker.engine.cost_cache`): a restart or a scale-up reads it instead
+it depends on (:mod:`worker.engine.drafting.cache`): a restart or a scale-up reads it instead
 (~1 s saved on Gemma's CPU worker). A count not timed is priced at its tile's end
 (:data:`TILE`), on the line between the timed widths around it, and past 32 rows on the line
 through 16 and 32. On a CPU a count inside a tile runs dearer than the tile's end, so that
-estimate errs cheap: the width is tried, and :class:`~worker.engine.draft_cost.RowCosts`
+estimate errs cheap: the width is tried, and :class:`~worker.engine.drafting.costs.RowCosts`
 learns its price from the verifies that run it (a width priced too dear would never run, and
 never be corrected).
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from worker.engine.proposers.base import Draft
+from worker.engine.core.draft import Draft
 
 
 class SlotConstraint(Protocol):

@@ -1,7 +1,7 @@
 """Row-cost curves kept on disk, one per model, device, build and thread count, so a worker
 that restarts or scales up reads its curve instead of timing it again.
 
-A curve (:class:`~worker.engine.cost_curve.CostCurve`) depends on what the decodes run: the
+A curve (:class:`~worker.engine.drafting.curve.CostCurve`) depends on what the decodes run: the
 model file, the llama.cpp build and the kernels it picks on this CPU (its system info), the
 CPU, the thread count, how many layers are offloaded and to what, whether weights are
 repacked, and the batch shape. All of that is the key (:func:`curve_key`); a key that differs
@@ -9,7 +9,7 @@ in anything is a miss, and the curve is timed again and stored beside the others
 stored only when its timing ran on a quiet host (:func:`quiet`): a busy neighbour made
 entries 2-23x too dear on a 2-core machine, and a dear entry, never drafted, is never
 corrected by the verifies that run. What the curve misses afterwards (load, a context that
-grew) the engine learns online (:class:`~worker.engine.draft_cost.RowCosts`).
+grew) the engine learns online (:class:`~worker.engine.drafting.costs.RowCosts`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import llama_cpp
 import psutil
 
 from shared.logs import get_logger
-from worker.engine.cost_curve import PROBE_WIDTHS, CostCurve, measure_curve
+from worker.engine.drafting.curve import PROBE_WIDTHS, CostCurve, measure_curve
 from worker.llm import Batch, Context, ContextSpec, Model
 
 log = get_logger("engine")
@@ -134,7 +134,7 @@ def curve_for(target: Context, batch: Batch, spec: ContextSpec, replays: bool,
               directory: str | None) -> CostCurve:
     """The target's cost curve: the one stored under its key in ``directory`` when that one
     covers every width this target can time (and its steady widths, where it ``replays``),
-    else timed now (:func:`~worker.engine.cost_curve.measure_curve`) and stored if the host
+    else timed now (:func:`~worker.engine.drafting.curve.measure_curve`) and stored if the host
     was quiet meanwhile. ``directory`` None: always timed, never stored."""
     per_seq = spec.n_outputs_max_per_seq or spec.n_batch
     limit = min(spec.n_outputs_max or spec.n_batch, spec.n_batch, per_seq * spec.n_seq_max)

@@ -51,7 +51,7 @@ class AdaptiveWidth:
     A draft shorter than the ceiling was cut short (p-min, no n-gram continuation, token or
     context limit, a failed draft decode) and says nothing about the ceiling, so it neither
     counts nor breaks a streak. "The ceiling" is as the verify shape trims it
-    (:mod:`worker.engine.verify_shape`): with ``shape[16] = 15``, a 15-token draft reached it.
+    (:mod:`worker.engine.drafting.shape`): with ``shape[16] = 15``, a 15-token draft reached it.
     """
 
     def __init__(self, draft_max: int, shape: list[int] | None = None) -> None:
@@ -93,7 +93,7 @@ def make_policy(draft_max: int, adaptive: bool, shape: list[int]) -> DraftLength
 #: 4 of 43 tokens accepted, 0.8x plain). A margin gives up only gains as small as itself.
 PLAIN_MARGIN = 0.1
 #: The factor a draft's predicted rate must beat a plain step's by, before anything was
-#: measured: the draft bar's floor (:class:`~worker.engine.draft_bar.DraftBar`).
+#: measured: the draft bar's floor (:class:`~worker.engine.drafting.bar.DraftBar`).
 PLAIN_BAR = 1.0 + PLAIN_MARGIN
 
 
@@ -101,7 +101,7 @@ def best_draft_length(confidences: Sequence[float], row_seconds: Sequence[float]
                       bar: float = PLAIN_BAR) -> int:
     """How many of the drafted tokens to verify: the length with the most expected tokens per
     second of verify, if that beats a plain step's by the factor ``bar`` (at least
-    :data:`PLAIN_MARGIN` more; the engine's :class:`~worker.engine.draft_bar.DraftBar` raises
+    :data:`PLAIN_MARGIN` more; the engine's :class:`~worker.engine.drafting.bar.DraftBar` raises
     it where drafted steps yield less than the costs promised).
 
     ``confidences[i]`` is the probability that draft token ``i`` is accepted given that all

@@ -3,7 +3,7 @@
 The draft-length decision weighs expected accepted tokens against verify rows, so it needs
 the price of a row where the engine runs: on a CPU with Gemma's 262k-vocabulary output layer
 a second row nearly doubles a decode, on a GPU rows are nearly free. A table starts from the
-engine's cost curve (:mod:`worker.engine.cost_curve`: decodes timed once on an empty context,
+engine's cost curve (:mod:`worker.engine.drafting.curve`: decodes timed once on an empty context,
 or read from the worker's cache), which gives its shape (the CPU's tile steps). A real verify
 runs dearer than that, the wider the more so: its rows attend what is cached (one slot of
 200-300 tokens: 1 row +5 %, 16 rows +20-30 %; 8 slots of 150-600 tokens: 6-39 % at 8-32
@@ -16,7 +16,7 @@ gets its price.
 
 from __future__ import annotations
 
-from worker.engine.cost_curve import CostCurve
+from worker.engine.drafting.curve import CostCurve
 
 #: From this count on, no width may cost more a row than this many rows do (:func:`cap_wide`).
 WIDER_FROM = 64

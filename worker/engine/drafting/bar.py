@@ -1,8 +1,8 @@
 """How much more than a plain step a draft must promise, learned from what drafted steps
 really yielded against plain ones on this engine.
 
-The draft decisions (:func:`~worker.engine.draft_length_policy.best_draft_length` for one
-slot, :func:`~worker.engine.row_budget.plan_widths` for several) weigh a draft's expected
+The draft decisions (:func:`~worker.engine.drafting.width.best_draft_length` for one
+slot, :func:`~worker.engine.drafting.budget.plan_widths` for several) weigh a draft's expected
 tokens against modelled row costs, and verify it when its predicted rate beats a plain step's
 by a bar. The model misses what it cannot see, and on a GPU that is most of a step: one NVIDIA
 H200, Gemma 270M Q4_K_M, a one-row decode replays a CUDA graph at 1.16 ms while a decode of
@@ -20,7 +20,7 @@ number of decoding slots, plain steps give the plain rate; every drafted step is
 with the plain rate at its occupancy, as the tokens it committed against the tokens plain
 steps commit in the same seconds. While drafted steps yield less, the bar rises (only the
 drafts that promise the most still pass); while they yield more, it falls back to the floor
-(:data:`~worker.engine.draft_length_policy.PLAIN_BAR`). Where drafting pays (a CPU, a copy),
+(:data:`~worker.engine.drafting.width.PLAIN_BAR`). Where drafting pays (a CPU, a copy),
 the bar stays at the floor and nothing changes.
 
 A rate needs plain steps to compare with: when every step of an occupancy drafts (eight busy
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 
-from worker.engine.draft_length_policy import PLAIN_BAR
+from worker.engine.drafting.width import PLAIN_BAR
 
 #: The bar's ceiling: past it only drafts of near-certain long repeats pass (a verbatim copy
 #: promises ~4x a plain step on the H200 and ~3-4x on a CPU).

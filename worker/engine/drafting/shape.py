@@ -1,5 +1,5 @@
 """Which draft lengths are worth verifying, from the target's own measured cost per batch width
-(its cost curve, :mod:`worker.engine.cost_curve`).
+(its cost curve, :mod:`worker.engine.drafting.curve`).
 
 A verify of ``n`` drafts is a decode of ``n + 1`` rows with logits on every row, and its cost
 is not linear in the rows: on CPU builds the matmul kernels process columns in tiles, so an

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.engine.draft_length_policy import PLAIN_BAR
-from worker.engine.proposers.base import Draft
-from worker.engine.telemetry import SpecCounters
+from worker.engine.core.draft import Draft
+from worker.engine.core.telemetry import SpecCounters
+from worker.engine.drafting.width import PLAIN_BAR
 
 #: A position's chance before anything was measured there.
 FIRST_GUESS = 0.8
@@ -78,9 +78,9 @@ def plan_widths(chances: Sequence[Sequence[float]], costs: Sequence[float],
     each total R the likeliest ``R - slots`` draft rows are the best R rows, and the R with
     the most tokens per second wins (ties: fewer rows) if it beats the plain rows alone by
     the factor ``bar``, at least
-    :data:`~worker.engine.draft_length_policy.PLAIN_BAR`: the rows taken are the
+    :data:`~worker.engine.drafting.width.PLAIN_BAR`: the rows taken are the
     likeliest-looking of every slot's draft, so their chances err high as one slot's do (and
-    the engine's :class:`~worker.engine.draft_bar.DraftBar` raises it further where drafted
+    the engine's :class:`~worker.engine.drafting.bar.DraftBar` raises it further where drafted
     steps yield less than the costs promised). The
     cost table is searched whole, not
     climbed row by row, so a tile step in the costs (rows 5..8 costing what 8 do) cannot stop
