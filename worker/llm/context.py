@@ -237,9 +237,6 @@ class Context:
             raise LlamaError(f"llama.cpp refused a device sampler for sequence {seq}")
         self._chains[seq] = chain
 
-    def samples_on_device(self, seq: int) -> bool:
-        return seq in self._chains
-
     def top2(self, row: int) -> tuple[int, float]:
         """The argmax of output row ``row`` of a sequence sampled on the device, and its lead
         over the runner-up: read from the two candidates llama.cpp kept (their order is not
