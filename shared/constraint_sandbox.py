@@ -10,10 +10,16 @@ died of one request, and every gateway pumping a batch that held one died in tur
 So every verdict on a constraint is given by a child process (:class:`CompileSandbox`): a
 few warm ``python -m shared.constraint_sandbox`` processes that compile one grammar at a
 time on a thread with a fixed stack (:data:`STACK_MIB`), under llguidance's own parser
-limits and an address-space cap, and answer in JSON lines (no pickle). The parent waits at
-most ``seconds`` for the answer: a child that runs past it is killed, one that dies is
+limits and an address-space cap, and answer in JSON lines (no pickle). A compile may use
+``seconds`` of the child's CPU time: a child that uses more is killed, one that dies is
 replaced, and either way the request gets a :class:`~shared.constraint.ConstraintError`
 naming the limit it hit. Nothing the child is sent can reach the parent's stack or heap.
+
+The budget is CPU time, not wall time, and a child's start (an interpreter and llguidance,
+~0.2 s idle, seconds on a loaded host) is not charged to it: a wall-clock budget refused
+trivial schemas on a busy 2-core machine, where the child waited for a core longer than the
+compile took. A child starved of CPU is still given up on after :data:`WALL_FACTOR` times
+the budget of wall time, so a stalled machine cannot hold a request forever.
 """
 
 from __future__ import annotations
@@ -40,6 +46,14 @@ if TYPE_CHECKING:
 STACK_MIB = 8
 WORKER_STACK_MIB = 64
 
+#: Wall time a compile may take, in multiples of its CPU budget, while the child is starved
+#: of CPU by other processes.
+WALL_FACTOR = 20
+#: Wall time a child may take to start (interpreter, llguidance import) before the request
+#: that waits for it is refused.
+START_SECONDS = 60.0
+_READY = b'{"ready": true}'
+
 
 def parser_limits() -> LLParserLimits:
     """llguidance's parser limits, the same for the check here and the worker's compile:
@@ -62,8 +76,9 @@ class SandboxSettings(BaseSettings):
 
     compile_seconds: float = Field(
         default=0.5, gt=0, le=60,
-        description="longest a constraint (JSON Schema, grammar, regex) may take to compile "
-                    "without a vocabulary; past it the request is refused naming this limit "
+        description="CPU seconds a constraint (JSON Schema, grammar, regex) may take to "
+                    "compile without a vocabulary (a starved compiler is given 20x that of "
+                    "wall time); past it the request is refused naming this limit "
                     "(bench/constraint_limits.py measures the cost curve to set it by)")
     compilers: int = Field(
         default=2, ge=1, le=64,
@@ -91,23 +106,53 @@ class _Child:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True)  # a terminal's Ctrl-C stops the parent, which stops it
         self._buffer = b""
+        self._ready = False
 
     def ask(self, grammar: str, seconds: float) -> str:
         """The verdict on ``grammar`` ('' when it compiles); :class:`CompileLimitError` when
-        the child runs past ``seconds`` or dies (it is then not to be used again)."""
+        the compile uses more than ``seconds`` of CPU (or :data:`WALL_FACTOR` times that of
+        wall time) or the child dies (it is then not to be used again)."""
         assert self.proc.stdin is not None
+        self._wait_ready()
         try:
             self.proc.stdin.write(json.dumps({"grammar": grammar}).encode() + b"\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             raise self._died() from None
-        line = self._read_line(time.monotonic() + seconds)
+        line = self._read_within(seconds)
         if line is None:
             self.kill()
             raise CompileLimitError(
                 f"it did not compile within {seconds:g} s "
                 "(SPECFLEET_CONSTRAINT_COMPILE_SECONDS): make it smaller or simpler")
         return str(json.loads(line)["error"])
+
+    def _wait_ready(self) -> None:
+        """Wait for the child's first line, written once llguidance is imported, so that its
+        start is never charged to a compile's budget."""
+        if self._ready:
+            return
+        line = self._read_line(time.monotonic() + START_SECONDS)
+        if line != _READY:
+            self.kill()
+            raise CompileLimitError(
+                f"the compiler process did not start within {START_SECONDS:g} s")
+        self._ready = True
+
+    def _read_within(self, seconds: float) -> bytes | None:
+        """The child's answer, or None once it has used ``seconds`` of CPU on this compile or
+        ``WALL_FACTOR * seconds`` of wall time has passed."""
+        started, used_before = time.monotonic(), _cpu_seconds(self.proc.pid)
+        deadline = started + seconds
+        while (line := self._read_line(deadline)) is None:
+            now, used_now = time.monotonic(), _cpu_seconds(self.proc.pid)
+            if used_before is None or used_now is None:
+                return None  # no CPU clock to read (not Linux): the wall clock decides
+            left = seconds - (used_now - used_before)
+            if left <= 0 or now - started >= WALL_FACTOR * seconds:
+                return None
+            deadline = min(now + left, started + WALL_FACTOR * seconds)
+        return line
 
     def _read_line(self, deadline: float) -> bytes | None:
         assert self.proc.stdout is not None
@@ -193,6 +238,17 @@ class CompileSandbox:
         return child
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, all threads) process ``pid`` has used, from ``/proc``; None
+    where there is no ``/proc`` or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # -- the child -------------------------------------------------------------------------------
 def _compile(grammar: str, out: dict[str, Any]) -> None:
     from llguidance import LLMatcher
@@ -214,6 +270,8 @@ def _serve(stack_mib: int, memory_mib: int) -> None:
     threading.stack_size(stack_mib * 1024 * 1024)
     import llguidance  # noqa: F401  imported once, before the first request times anything
 
+    sys.stdout.write(_READY.decode() + "\n")
+    sys.stdout.flush()
     for raw in sys.stdin.buffer:
         out: dict[str, Any] = {"error": "the compiler thread ended without a verdict"}
         thread = threading.Thread(target=_compile, args=(json.loads(raw)["grammar"], out))
