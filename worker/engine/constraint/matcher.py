@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import numpy as np
 from llguidance import LLMatcher
 
 from shared.constraint import Constraint, ConstraintError, check_constraint
-from shared.constraint_sandbox import WORKER_STACK_MIB, parser_limits
+from shared.constraint_sandbox import WALL_FACTOR, WORKER_STACK_MIB, parser_limits
 from worker.engine.constraint.tokenizer import GrammarVocab, grammar_vocab
 from worker.engine.core.constraint import UNCONSTRAINED, SlotConstraint
 from worker.engine.core.draft import Draft
@@ -196,15 +197,40 @@ def compile_grammar(constraint: Constraint, model: Model) -> CompiledGrammar:
 class GrammarCompile:
     """A :func:`compile_grammar` running off the engine's thread (:func:`compile_off_thread`):
     its ``future``, and when it began compiling (None while the model's vocabulary view is
-    still being built, ~2 s once per model for 262k tokens: not the grammar's time)."""
+    still being built, ~2 s once per model for 262k tokens: not the grammar's time).
+
+    Its budget is the compiling thread's CPU time, as the sandbox's is the child's
+    (:mod:`shared.constraint_sandbox`): a compile that waits for a core beside a busy decode
+    is not the grammar's fault. A starved thread is still given up on after
+    :data:`~shared.constraint_sandbox.WALL_FACTOR` times the budget of wall time."""
 
     def __init__(self) -> None:
         self.future: Future[CompiledGrammar] = Future()
         self.started: float | None = None
+        self._clock: int | None = None
+        self._cpu_started = 0.0
+
+    def begin(self) -> None:
+        """Called on the compiling thread as the grammar's own compile starts."""
+        try:
+            self._clock = time.pthread_getcpuclockid(threading.get_ident())
+            self._cpu_started = time.clock_gettime(self._clock)
+        except (AttributeError, OSError):  # no per-thread CPU clock: the wall clock decides
+            self._clock = None
+        self.started = perf_counter()
 
     def overdue(self, budget: float) -> bool:
-        """Compiling for longer than ``budget`` seconds."""
-        return self.started is not None and perf_counter() - self.started > budget
+        """Compiling for longer than ``budget`` seconds of its thread's CPU time (or
+        ``WALL_FACTOR * budget`` of wall time)."""
+        if self.started is None:
+            return False
+        wall = perf_counter() - self.started
+        if self._clock is None or wall > WALL_FACTOR * budget:
+            return wall > budget
+        try:
+            return time.clock_gettime(self._clock) - self._cpu_started > budget
+        except OSError:  # the thread has ended: its result is in the future
+            return False
 
 
 def compile_off_thread(constraint: Constraint, model: Model) -> GrammarCompile:
@@ -218,7 +244,7 @@ def compile_off_thread(constraint: Constraint, model: Model) -> GrammarCompile:
             return
         try:
             grammar_vocab(model)
-            compile_.started = perf_counter()
+            compile_.begin()
             compile_.future.set_result(compile_grammar(constraint, model))
         except BaseException as exc:  # noqa: BLE001  the waiting job reports it
             compile_.future.set_exception(exc)
