@@ -6,6 +6,12 @@ is still an rq job: its hash says queued/started/finished/failed, a run is an rq
 failed registry with a result. These functions write exactly those records, each outcome in
 one transaction together with the release from the worker's in-flight list.
 
+Only rq's public API is used (``Job.set_status``/``save``, ``Result.create`` /
+``create_failure``, the job's registries, ``Execution``): rq's own worker writes the same
+records through private ``Job._handle_success`` / ``_handle_failure``, which an rq upgrade may
+change without notice. tests/service/test_rq_records.py reads every record back through rq's
+public readers, so an upgrade that changes what they mean fails there, not in a fleet.
+
 Loading is defensive: a job hash that rq cannot parse (bad dates, a bad timeout, a key of the
 wrong type, a payload that is not JSON) raises :class:`PoisonedJob` with the reason, never a
 bare exception out of the loop.
@@ -21,6 +27,7 @@ from redis.client import Pipeline
 from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
+from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
@@ -80,10 +87,13 @@ def mark_finished(pipe: Pipeline, job: Job, execution: Execution, result: dict[s
                   result_ttl: int, worker_name: str) -> None:
     """Queue (on ``pipe``) the records of a successful run: status, result, registry."""
     job.ended_at = now()
-    job._result = result
-    job._handle_success(result_ttl, pipeline=pipe, worker_name=worker_name,
-                        execution_id=execution.id, execution_started_at=execution.created_at,
-                        execution_ended_at=job.ended_at)
+    job.set_status(JobStatus.FINISHED, pipeline=pipe)
+    job.save(pipeline=pipe, include_meta=False, include_result=False)
+    Result.create(job, Result.Type.SUCCESSFUL, ttl=result_ttl, return_value=result,
+                  worker_name=worker_name, pipeline=pipe, execution_id=execution.id,
+                  execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+    if result_ttl != 0:
+        job.finished_job_registry.add(job, result_ttl, pipe)
     execution.delete(job=job, pipeline=pipe)
     job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
 
@@ -95,10 +105,11 @@ def mark_failed(pipe: Pipeline, job: Job, execution: Execution | None, error: Ba
     exc_string = error if isinstance(error, str) else "".join(
         traceback.format_exception(type(error), error, error.__traceback__))
     job.set_status(JobStatus.FAILED, pipeline=pipe)
-    job._handle_failure(exc_string, pipeline=pipe, worker_name=worker_name,
-                        execution_id=execution.id if execution else None,
-                        execution_started_at=execution.created_at if execution else None,
-                        execution_ended_at=job.ended_at)
+    job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=exc_string, pipeline=pipe)
+    Result.create_failure(job, job.failure_ttl, exc_string=exc_string, worker_name=worker_name,
+                          pipeline=pipe, execution_id=execution.id if execution else None,
+                          execution_started_at=execution.created_at if execution else None,
+                          execution_ended_at=job.ended_at)
     if execution is not None:
         execution.delete(job=job, pipeline=pipe)
 
