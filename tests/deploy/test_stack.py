@@ -17,8 +17,6 @@ import pytest
 from .files import COMPOSE, ROOT, env_example
 from .redis_nodes import free_port
 
-pytestmark = pytest.mark.slow
-
 BUILD_AND_START_SECONDS = 3600
 
 
@@ -38,7 +36,7 @@ def _docker() -> str:
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[list[str], int]]:
+def compose_stack(tmp_path: Path) -> Iterator[tuple[list[str], int]]:
     docker = _docker()
     port = free_port()
     env = {**env_example(), "SPECFLEET_WORKER_PASSWORD": uuid.uuid4().hex,
@@ -61,8 +59,8 @@ def stack(tmp_path: Path) -> Iterator[tuple[list[str], int]]:
 
 
 def test_the_stack_serves_a_request_from_the_cli_and_the_gateway(
-        stack: tuple[list[str], int]) -> None:
-    compose, port = stack
+        compose_stack: tuple[list[str], int]) -> None:
+    compose, port = compose_stack
     done = subprocess.run([*compose, "run", "--rm", "client", "specfleet", "submit", "--model",
                            "gemma-270m", "--prompt", "The capital of France is",
                            "--max-tokens", "8", "--json"],

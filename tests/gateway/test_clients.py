@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 
 from coordinator.client import Coordinator
 from shared.protocol import JobStatus
@@ -88,7 +87,6 @@ def _keepalives(url: str, seen: list[int], stop: threading.Event) -> None:
                 break
 
 
-@pytest.mark.slow
 def test_every_client_reads_a_stream_queued_20s_behind_a_busy_slot(
         settings: Settings, chat_model: Path, tmp_path: Path) -> None:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
