@@ -10,7 +10,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # llama-cpp-python is a source build; keep the user's own CMAKE_ARGS (e.g. -DGGML_CUDA=on).
-CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+# GGML_RPC: llama.cpp's RPC backend, for workers over devices in other processes or hosts
+# (--rpc, python -m worker.service.rpc_device; docs/fitter.md, "Device groups").
+CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DGGML_RPC=ON
 export CMAKE_ARGS
 
 .PHONY: install demo test test-fast lint bench clean

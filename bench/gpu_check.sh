@@ -66,7 +66,7 @@ fi
 if ! "$venv/bin/python" -c 'import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())' 2>/dev/null; then
   echo "gpu_check: building $pin with CUDA from $llama_source (several minutes)" >&2
   started=$SECONDS
-  CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF${CUDA_ARCHITECTURES:+ -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES} ${GPU_CHECK_CMAKE_ARGS:-}" \
+  CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF -DGGML_RPC=ON${CUDA_ARCHITECTURES:+ -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES} ${GPU_CHECK_CMAKE_ARGS:-}" \
     CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     "$venv/bin/python" -m pip install --no-cache-dir --force-reinstall --no-deps \
     "${pip_offline[@]}" "${build_args[@]}" "$llama_source"

@@ -6,14 +6,22 @@ module that imports nothing of llama.cpp or the engine: the options and their de
 engine capacity they name, and the parsers of ``--device`` and ``--slots``. ``specfleet
 worker`` reads them, pins, and only then imports the serving code
 (``tests/test_process_imports.py`` checks a worker starts once, never re-executed).
+
+A worker may span several devices (:class:`DeviceGroup`: ``--device cuda:0,cuda:1``, ``--rpc
+HOST:PORT,...``, ``--split-mode``, ``--tensor-split``); every combination llama.cpp cannot
+honour is refused here, naming the flag, before anything loads (docs/fitter.md, "Device
+groups").
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Final, Literal
 
 from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod
@@ -36,22 +44,32 @@ DETERMINISTIC_CPU_ONLY = (
     "from here")
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
+#: ``HOST:PORT`` of an RPC device: a name or IPv4 address, or a bracketed IPv6 address.
+_ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
 @dataclass(frozen=True)
 class DeviceRef:
-    """A parsed ``--device`` value: ``cpu`` or ``cuda:N``."""
+    """One device a worker uses: ``cpu`` (the host), ``cuda:N``, or an RPC server
+    (``endpoint`` ``HOST:PORT``, named ``RPC[HOST:PORT]`` as llama.cpp names the server)."""
 
     kind: str
     index: int = 0
+    endpoint: str = ""
 
     @property
     def name(self) -> str:
+        if self.kind == "rpc":
+            return f"RPC[{self.endpoint}]"
         return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
 
     @property
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
+
+    @property
+    def is_rpc(self) -> bool:
+        return self.kind == "rpc"
 
 
 def parse_device(text: str) -> DeviceRef:
@@ -60,6 +78,139 @@ def parse_device(text: str) -> DeviceRef:
     if not m:
         raise ValueError(f"unknown device {text!r}: use 'cpu' or 'cuda:N' (e.g. cuda:0)")
     return DeviceRef("cpu") if m.group(1) == "cpu" else DeviceRef("cuda", int(m.group(2)))
+
+
+def parse_rpc(text: str) -> tuple[DeviceRef, ...]:
+    """``--rpc HOST:PORT,...``: the RPC servers, in the order given."""
+    found: list[DeviceRef] = []
+    for item in text.split(","):
+        m = _ENDPOINT_RE.match(item.strip())
+        if not m or not 1 <= int(m.group(2)) <= 65535:
+            raise ValueError(f"--rpc takes HOST:PORT[,HOST:PORT...] (port 1..65535), "
+                             f"got {item.strip()!r}")
+        ref = DeviceRef("rpc", endpoint=f"{m.group(1)}:{int(m.group(2))}")
+        if ref in found:
+            raise ValueError(f"--rpc lists {ref.endpoint} twice")
+        found.append(ref)
+    return tuple(found)
+
+
+class SplitMode(StrEnum):
+    """How llama.cpp splits a model over a group (``llama_split_mode``): whole layers in
+    proportion to ``--tensor-split``, rows of every matrix (CUDA only), or everything on the
+    first device."""
+
+    LAYER = "layer"
+    ROW = "row"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """The devices a worker's model spans, in the model's device order.
+
+    ``devices`` starts with the host (``cpu``) on a CPU worker, whose memory is then one of
+    the fitted devices; otherwise with the CUDA devices of ``--device``. RPC servers follow in
+    ``--rpc`` order. The layers go to :attr:`offload` (every device but the host), in that
+    order, by ``tensor_split`` (None: llama.cpp's default, by each device's free memory).
+    """
+
+    devices: tuple[DeviceRef, ...]
+    split_mode: SplitMode = SplitMode.LAYER
+    tensor_split: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(cls, device: DeviceRef) -> DeviceGroup:
+        return cls((device,))
+
+    @property
+    def name(self) -> str:
+        """``cpu``, ``cuda:0``, or the members joined with commas (the registered device)."""
+        return ",".join(d.name for d in self.devices)
+
+    @property
+    def offload(self) -> tuple[DeviceRef, ...]:
+        """The devices that hold layers, in the model's order (none: a CPU worker)."""
+        return tuple(d for d in self.devices if d.kind != "cpu")
+
+    @property
+    def host_is_device(self) -> bool:
+        """A CPU worker: host memory is one of the fitted devices (beside GPUs it is not)."""
+        return self.devices[0].kind == "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        return any(d.is_cuda for d in self.devices)
+
+    @property
+    def cuda_indices(self) -> tuple[int, ...]:
+        """The CUDA devices, ascending: what ``CUDA_VISIBLE_DEVICES`` shows the process."""
+        return tuple(sorted(d.index for d in self.devices if d.is_cuda))
+
+
+def parse_device_group(device: str = "cpu", rpc: str | None = None,
+                       split_mode: str = SplitMode.LAYER.value,
+                       tensor_split: str | None = None) -> DeviceGroup:
+    """``--device``, ``--rpc``, ``--split-mode`` and ``--tensor-split`` as one group; every
+    combination llama.cpp would not honour is a ValueError naming the flag."""
+    members = [parse_device(item) for item in device.split(",")]
+    if len(members) > 1 and any(m.kind == "cpu" for m in members):
+        raise ValueError(f"--device {device!r}: cpu cannot be listed with CUDA devices (the "
+                         "host is always there; list the GPUs, or cpu alone)")
+    for m in members:
+        if members.count(m) > 1:
+            raise ValueError(f"--device lists {m.name} twice")
+    members += parse_rpc(rpc) if rpc else ()
+    try:
+        mode = SplitMode(split_mode.strip().lower())
+    except ValueError:
+        raise ValueError(f"--split-mode must be layer, row or none, got {split_mode!r}") from None
+    group = DeviceGroup(tuple(members), mode)
+    offload = group.offload
+    if mode is not SplitMode.LAYER and len(offload) < 2:
+        raise ValueError(f"--split-mode {mode.value} needs a group of two or more devices "
+                         f"(--device cuda:0,cuda:1 or --rpc), this worker has {group.name}")
+    if mode is SplitMode.ROW and not all(d.is_cuda for d in offload):
+        raise ValueError("--split-mode row splits matrix rows over CUDA devices only: "
+                         + ", ".join(d.name for d in offload if not d.is_cuda)
+                         + " cannot take rows (use --split-mode layer)")
+    if tensor_split is None:
+        return group
+    if mode is SplitMode.NONE:
+        raise ValueError("--tensor-split does not apply with --split-mode none (the whole "
+                         "model is on the group's first device)")
+    return DeviceGroup(group.devices, mode, _tensor_split(tensor_split, offload))
+
+
+def _tensor_split(text: str, offload: Sequence[DeviceRef]) -> tuple[float, ...]:
+    """One non-negative proportion per device that takes layers, not all zero."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tensor-split takes numbers like 3,1, got {text!r}") from None
+    if len(values) != len(offload):
+        raise ValueError(f"--tensor-split has {len(values)} value(s) for {len(offload)} "
+                         f"device(s) that take layers ({', '.join(d.name for d in offload)})")
+    if any(not math.isfinite(v) or v < 0 for v in values) or not any(values):
+        raise ValueError(f"--tensor-split takes non-negative proportions, not all zero, "
+                         f"got {text!r}")
+    return values
+
+
+def parse_mib_list(flag: str, text: str, group: DeviceGroup) -> tuple[float, ...]:
+    """A MiB figure per device (``--budget-mib``, ``--fit-target-mib``): one number for every
+    device of ``group``, or one per device in the group's order (the host first on a CPU
+    worker)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes MiB, one number or one per device, got {text!r}") from None
+    if len(values) == 1:
+        return values * len(group.devices)
+    if len(values) != len(group.devices):
+        raise ValueError(f"{flag} has {len(values)} values for {len(group.devices)} devices "
+                         f"({group.name}): give one, or one per device")
+    return values
 
 
 def parse_slots(text: str) -> int | Literal["auto"]:
@@ -115,12 +266,14 @@ class WorkerOptions:
 
     model_path: str
     model_name: str
-    device: str = "cpu"
+    #: ``cpu``/``cuda:N``, or the parsed group (``--device`` list, ``--rpc``, split options).
+    device: str | DeviceGroup = "cpu"
     name: str | None = None
     n_ctx: int | None = None  # None: fit the context to the device's memory
     allow_ctx_above_train: bool = False  # a fixed n_ctx beyond the model's training context
-    budget_mib: float | None = None
-    fit_target_mib: float = DEFAULT_FIT_TARGET_MIB
+    #: One figure for every device, or one per device of the group (:func:`parse_mib_list`).
+    budget_mib: float | tuple[float, ...] | None = None
+    fit_target_mib: float | tuple[float, ...] = DEFAULT_FIT_TARGET_MIB
     ctx_min: int = DEFAULT_CTX_MIN
     threads: int = 2
     #: What the engine loads for (method, N, D); every request says its own drafter knobs.
@@ -138,20 +291,22 @@ class WorkerOptions:
     device_verify: bool | None = None
 
 
-def pin_device(device: DeviceRef) -> int:
-    """Make ``device`` the only one llama.cpp can see; returns the GPU layer count to use.
+def pin_device(device: DeviceRef | DeviceGroup) -> int:
+    """Make the device's GPUs the only ones llama.cpp can see; returns the GPU layer count.
 
     Must run before llama.cpp loads: it reads the visible devices once. A process that
     loaded it earlier with another value would serve on the wrong device, so that is refused
     (``specfleet worker`` pins before it imports the serving code;
-    ``tests/test_process_imports.py`` checks the order).
+    ``tests/test_process_imports.py`` checks the order). A group's GPUs are shown in
+    ascending order; the model's own order is its placement's (:mod:`worker.llm.placement`).
     """
-    wanted = str(device.index) if device.is_cuda else ""
+    group = device if isinstance(device, DeviceGroup) else DeviceGroup.of(device)
+    wanted = ",".join(str(i) for i in group.cuda_indices)
     if "llama_cpp" in sys.modules and os.environ.get("CUDA_VISIBLE_DEVICES") != wanted:
         raise RuntimeError(f"llama.cpp was loaded before the device was pinned to "
-                           f"{device.name}: pin first (worker/launch.py)")
+                           f"{group.name}: pin first (worker/launch.py)")
     # CUDA numbers GPUs fastest-first unless told otherwise; NVML (which the fitter measures
     # through) numbers them by PCI bus: make cuda:N the same GPU for both.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     os.environ["CUDA_VISIBLE_DEVICES"] = wanted
-    return -1 if device.is_cuda else 0
+    return -1 if group.offload else 0

@@ -19,8 +19,9 @@ from shared.logs import configure_logging
 from shared.protocol import CheckpointMode, Telemetry
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.rollback import RollbackError
-from worker.launch import EngineCapacity
+from worker.launch import EngineCapacity, parse_device_group
 from worker.llm import LlamaError
+from worker.llm.placement import placed
 
 
 def _summary(t: Telemetry) -> str:
@@ -59,6 +60,10 @@ def generate(
         help="time verify widths at load; verify only draft lengths that pay off")] = False,
     threads: opt.Threads = opt.DEFAULT_THREADS,
     ctx: Annotated[int, typer.Option(min=2, help="context size in tokens")] = 4096,
+    device: opt.Device = "cpu",
+    rpc: opt.Rpc = None,
+    split_mode: opt.SplitModeOption = "layer",
+    tensor_split: opt.TensorSplit = None,
     as_json: opt.AsJson = False,
     *,
     sampling: dict[str, Any],
@@ -72,13 +77,18 @@ def generate(
     # Loaded for exactly what the request asks (build_request has checked N and D); the
     # request itself carries the drafter knobs, as a submitted one does.
     capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
+    try:
+        group = parse_device_group(device, rpc, split_mode, tensor_split)
+    except ValueError as exc:
+        fail(str(exc))
     settings = environment_settings()
     config = EngineConfig(model_path=str(model), n_ctx=ctx, n_threads=threads, capacity=capacity,
                           checkpoint=checkpoint, calibrate_verify=calibrate_verify,
                           fail_device_checkpoint=settings.fail_device_checkpoint,
-                          cost_cache=settings.cost_cache())
+                          cost_cache=settings.cost_cache(),
+                          n_gpu_layers=-1 if group.offload else 0)
     try:
-        with SpeculativeEngine(config) as engine:
+        with placed(group), SpeculativeEngine(config) as engine:
             tokens = req.prompt_tokens or engine.tokenize(req.prompt or "")
             result = engine.generate(tokens, req.max_tokens, req.speculative,
                                      sampling=req.sampling, logprobs=req.logprobs_k)

@@ -70,10 +70,24 @@ Logprobs = Annotated[int | None, typer.Option(
 
 # -- a model on a device: generate, fit, worker --------------------------------------------
 ModelFile = Annotated[Path, typer.Option("--model", help="GGUF model file")]
-Device = Annotated[str, typer.Option(help="cpu or cuda:N (pinned before llama.cpp loads)")]
-BudgetMib = Annotated[float | None, typer.Option(
-    help="memory to fit into, MiB (default: what the device reports free)")]
-FitTargetMib = Annotated[float, typer.Option(help="margin the fitter leaves free, MiB")]
+Device = Annotated[str, typer.Option(
+    help="cpu, cuda:N, or CUDA devices in the model's order: cuda:0,cuda:1 (pinned before "
+         "llama.cpp loads)")]
+# A worker over several devices (docs/fitter.md, "Device groups").
+Rpc = Annotated[str | None, typer.Option(
+    "--rpc", help="RPC devices HOST:PORT,... (python -m worker.service.rpc_device, or "
+                  "llama.cpp's rpc-server): they follow --device in the model's order")]
+SplitModeOption = Annotated[str, typer.Option(
+    "--split-mode", help="how a group splits the model: layer (whole layers by --tensor-split), "
+                         "row (CUDA only) or none (all on the first device)")]
+TensorSplit = Annotated[str | None, typer.Option(
+    "--tensor-split", help="share of layers per device that takes them, e.g. 3,1 "
+                           "(default: by each device's free memory)")]
+BudgetMib = Annotated[str | None, typer.Option(
+    help="memory to fit into, MiB: one figure, or one per device of a group "
+         "(default: what each device reports free)")]
+FitTargetMib = Annotated[str, typer.Option(
+    help="margin the fitter leaves free, MiB: one figure, or one per device of a group")]
 CtxMin = Annotated[int, typer.Option(min=1, help="refuse to fit less context than this")]
 Checkpoint = Annotated[CheckpointMode, typer.Option(help="compact-rollback checkpoint storage")]
 Threads = Annotated[int, typer.Option(min=1, help="CPU threads")]

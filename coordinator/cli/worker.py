@@ -1,4 +1,5 @@
-"""``specfleet worker``: serve one model on one device from the Redis queues until SIGTERM."""
+"""``specfleet worker``: serve one model on one device, or a device group, from the Redis queues
+until SIGTERM."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from worker.launch import (
     DETERMINISTIC_CPU_ONLY,
     EngineCapacity,
     WorkerOptions,
-    parse_device,
+    parse_device_group,
+    parse_mib_list,
     parse_slots,
     pin_device,
 )
@@ -33,8 +35,11 @@ def worker(
                                                    "(default: the file name without .gguf)")]
     = None,
     device: opt.Device = "cpu",
+    rpc: opt.Rpc = None,
+    split_mode: opt.SplitModeOption = "layer",
+    tensor_split: opt.TensorSplit = None,
     budget_mib: opt.BudgetMib = None,
-    fit_target_mib: opt.FitTargetMib = DEFAULT_FIT_TARGET_MIB,
+    fit_target_mib: opt.FitTargetMib = f"{DEFAULT_FIT_TARGET_MIB:g}",
     ctx_min: opt.CtxMin = DEFAULT_CTX_MIN,
     redis: opt.RedisUrl = None,
     name: Annotated[str | None, typer.Option(help="worker name (default: host-device-pid)")]
@@ -73,20 +78,23 @@ def worker(
     if not model.is_file():
         fail(f"model file not found: {model}")
     try:
-        device_ref = parse_device(device)
+        group = parse_device_group(device, rpc, split_mode, tensor_split)
+        budgets = parse_mib_list("--budget-mib", budget_mib, group) if budget_mib else None
+        targets = parse_mib_list("--fit-target-mib", fit_target_mib, group)
     except ValueError as exc:
         fail(str(exc))
-    if deterministic and device_ref.is_cuda:
-        fail(DETERMINISTIC_CPU_ONLY)
+    if deterministic and group.offload:
+        fail(DETERMINISTIC_CPU_ONLY + " (without --rpc)" if group.host_is_device
+             else DETERMINISTIC_CPU_ONLY)
     try:
         capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
     except ValueError as exc:
         fail(str(exc))
     options = WorkerOptions(
         model_path=str(model), model_name=model_name or model.name.removesuffix(".gguf"),
-        device=device, name=name, n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train,
-        budget_mib=budget_mib,
-        fit_target_mib=fit_target_mib, ctx_min=ctx_min, threads=threads, capacity=capacity,
+        device=group, name=name, n_ctx=ctx, allow_ctx_above_train=allow_ctx_above_train,
+        budget_mib=budgets,
+        fit_target_mib=targets, ctx_min=ctx_min, threads=threads, capacity=capacity,
         checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots),
         prefix_cache=_on_off("--prefix-cache", prefix_cache),
         prefix_checkpoints=prefix_checkpoints, deterministic=deterministic,
@@ -94,12 +102,15 @@ def worker(
             "--device-verify", device_verify))
     # Pinned before the serving code is imported: it loads llama.cpp, which reads the
     # visible devices once (docs/architecture.md, "Processes").
-    n_gpu_layers = pin_device(device_ref)
+    n_gpu_layers = pin_device(group)
     from worker.fitter import FitError  # noqa: PLC0415
+    from worker.llm.placement import placed  # noqa: PLC0415
     from worker.service.runner import serve  # noqa: PLC0415
 
     try:
-        serve(options, settings, device_ref, n_gpu_layers)
+        # The fit measures, and the engine then loads, on the same placement.
+        with placed(group):
+            serve(options, settings, group, n_gpu_layers)
     except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
     except (FitError, RuntimeError, ValueError) as exc:

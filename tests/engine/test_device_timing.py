@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 from helpers import PROMPT, ReplaysRepeats
 
 from shared.protocol import SpecMethod, SpecSettings
@@ -24,6 +23,7 @@ from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import SlotRequest
 from worker.launch import EngineCapacity
 from worker.llm import Batch, Context, ContextSpec, Model, ModelSpec
+from worker.llm.devices import has_local_gpu
 
 #: Seconds a queued decode takes to finish on the stand-in device.
 WAIT = 0.05
@@ -65,7 +65,7 @@ def test_only_layers_on_a_gpu_replay(dense_model: Path) -> None:
     """Layers asked for the GPU are there only when the build has a GPU backend (a CPU
     build keeps them on the CPU, which replays nothing); none asked for, none are."""
     with Model(ModelSpec(str(dense_model), n_gpu_layers=-1)) as model:
-        assert model.offloaded is bool(llama_cpp.llama_supports_gpu_offload())
+        assert model.offloaded is has_local_gpu()
     with Model(ModelSpec(str(dense_model))) as model:
         assert not model.offloaded
 

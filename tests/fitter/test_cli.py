@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 
-import llama_cpp
 import pytest
 from helpers import specfleet
 
+from worker.llm.devices import has_local_gpu
 from worker.testmodels import TinyModels
 
 
@@ -66,7 +66,7 @@ def test_a_dense_models_table_shows_no_rollback_depth(tiny_models: TinyModels) -
      "to 2147483647"),
     # Refused before any measurement: no GPU offload in this llama.cpp, or no such device.
     (["--device", "cuda:4096", "--budget-mib", "64"],
-     "no GPU offload" if not llama_cpp.llama_supports_gpu_offload() else "no CUDA device"),
+     "no GPU offload" if not has_local_gpu() else "no CUDA device"),
     # The default 1 GiB margin is named instead of a negative "available".
     (["--budget-mib", "3.5", "--fit-target-mib", "1024"], "the margin left free "
      "(--fit-target-mib, default 1024) is 1024.00 MiB of the 3.50 MiB free (budget)"),

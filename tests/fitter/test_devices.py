@@ -8,6 +8,7 @@ import pytest
 from worker.fitter.devices import MIB, device_memory, host_memory, require_device
 from worker.fitter.errors import FitError
 from worker.launch import DeviceRef, parse_device, pin_device
+from worker.llm.devices import has_local_gpu
 
 
 def _nvml_works() -> bool:
@@ -68,7 +69,7 @@ def test_cuda_device_reports_memory_when_nvml_works() -> None:
     assert mem.source == "nvml" and 0 < mem.free_bytes <= mem.total_bytes
 
 
-@pytest.mark.skipif(llama_cpp.llama_supports_gpu_offload(), reason="this llama.cpp offloads")
+@pytest.mark.skipif(has_local_gpu(), reason="this llama.cpp has a GPU backend")
 def test_a_cuda_device_without_gpu_offload_is_refused() -> None:
     """A CPU build of llama.cpp would keep every layer on the host while the worker claims
     the GPU: refused whatever the memory source says (a budget hides a missing device)."""

@@ -12,12 +12,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import llama_cpp
 import pytest
 from helpers import specfleet
 
 from coordinator.client import Coordinator
 from shared.settings import Settings
+from worker.llm.devices import has_local_gpu
 
 from .workers import Fleet
 
@@ -45,7 +45,7 @@ def _fleet_json(settings: Settings) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.mark.skipif(llama_cpp.llama_supports_gpu_offload(), reason="this llama.cpp offloads")
+@pytest.mark.skipif(has_local_gpu(), reason="this llama.cpp has a GPU backend")
 @pytest.mark.parametrize("args", [
     ("--device", "cuda:0", "--ctx", "512"),  # used to register as a GPU worker
     ("--device", "cuda:0", "--budget-mib", "64", "--fit-target-mib", "0", "--ctx-min", "256"),

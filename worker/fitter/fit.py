@@ -10,6 +10,8 @@ log2(n_ctx_train / 256) measurements of a few milliseconds each.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal
@@ -18,7 +20,14 @@ from shared.protocol import CheckpointMode, DeviceFit, FitReport
 from worker.engine.config import EngineConfig, model_spec
 from worker.engine.plan import ModelFacts
 from worker.engine.prefix_cache import MemoryKind
-from worker.fitter.devices import MIB, DeviceMemory, device_memory, require_device
+from worker.fitter.buffers import HOST, DeviceMap, split
+from worker.fitter.devices import (
+    MIB,
+    DeviceMemory,
+    device_map,
+    group_memory,
+    require_device,
+)
 from worker.fitter.errors import FitError
 from worker.fitter.measure import (
     ContextMemory,
@@ -37,9 +46,13 @@ from worker.launch import (
     DEFAULT_CTX_MIN,
     DEFAULT_FIT_TARGET_MIB,
     MAX_SLOTS,
+    DeviceGroup,
+    DeviceRef,
     EngineCapacity,
-    parse_device,
+    parse_device_group,
 )
+from worker.llm import LlamaError
+from worker.llm.placement import placed
 
 #: Context sizes are fitted in steps of this many tokens.
 CTX_STEP = 256
@@ -63,29 +76,48 @@ class FitResult:
 
 @dataclass(frozen=True)
 class Breakdown:
-    """The device's bytes at one context size, and what sits beside them."""
+    """Every component's bytes at one context size, per fitted device, and beside them."""
 
-    components: dict[str, int]
-    #: Host-memory buffers of a GPU worker (output, host compute): not on the device.
-    host_bytes: int
+    #: Components per place: every fitted device, and :data:`HOST` on a GPU worker (host
+    #: memory beside the devices: output, host compute, host-side caches).
+    per_device: dict[str, dict[str, int]]
+    devices: tuple[str, ...]
     #: Output-buffer growth after creation: in the total, not in llama.cpp's load-time logs.
     runtime_growth: int
     #: llama.cpp's recurrent buffer (live + snapshots), the cross-check of the exact sum.
     recurrent_reported: int
 
     @property
+    def components(self) -> dict[str, int]:
+        """Each component summed over the fitted devices."""
+        summed: Counter[str] = Counter()
+        for device in self.devices:
+            summed.update(self.per_device[device])
+        return {key: summed[key] for key in self.per_device[self.devices[0]]}
+
+    @property
     def total(self) -> int:
-        return sum(self.components.values())
+        return sum(self.device_total(d) for d in self.devices)
+
+    def device_total(self, device: str) -> int:
+        return sum(self.per_device[device].values())
+
+    @property
+    def host_bytes(self) -> int:
+        """A GPU worker's host-memory buffers (output, host compute, ...): not on a device."""
+        return sum(self.per_device.get(HOST, {}).values())
 
 
 class _Sizer:
     """Measures the engine's memory at any context size; each size is measured once."""
 
-    def __init__(self, config: EngineConfig, device: str) -> None:
+    def __init__(self, config: EngineConfig, where: DeviceMap) -> None:
         self.config = config
-        self.device = device
+        self.where = where
         self.slots = config.slots
-        self.model, _ = load_model(model_spec(config, no_alloc=True))
+        self.model, buffers = load_model(model_spec(config, no_alloc=True))
+        #: Model layers per fitted device, as llama.cpp placed them.
+        self.layers = buffers.model_layers_by_device(where)
         try:
             self.specs: EngineSpecs = engine_specs(config, ModelFacts.of(self.model))
         except ValueError as exc:  # e.g. MTP asked of a model without a head
@@ -100,20 +132,28 @@ class _Sizer:
     def n_ctx_cap(self) -> int:
         return self.model.n_ctx_train // CTX_STEP * CTX_STEP
 
+    @property
+    def group(self) -> bool:
+        """The model spans several fitted devices (the host of a CPU worker is one)."""
+        return len(self.where.devices) > 1
+
     @cached_property
-    def _real(self) -> tuple[int, StateSizes | None, int]:
-        """Weights, exact state sizes and one prefix checkpoint's bytes. The states need a
-        real load (memory-mapped, on the CPU), and so do a CPU worker's weights; a GPU's
+    def _real(self) -> tuple[dict[str, int], StateSizes | None, int]:
+        """Weights per place, exact state sizes and one prefix checkpoint's bytes. The states
+        need a real load (memory-mapped, on the CPU), and so do a CPU worker's weights and a
+        group's (only a real load on the group says what each device holds); one GPU's
         weights come from the no_alloc load."""
-        on_gpu = self.device != "cpu"
-        gpu_weights = weights_bytes(self.model, None, self.device) if on_gpu else 0
+        on_gpu = self.where.host == HOST
+        gpu_weights = (weights_bytes(self.model, None, self.where)
+                       if on_gpu and not self.group else {})
         prefix = (self.config.prefix_cache and self.config.prefix_checkpoints > 0
                   and MemoryKind.of(self.model, self.specs.target.swa_full).checkpoints)
-        if on_gpu and not self.model.is_recurrent and not prefix:
+        if gpu_weights and not self.model.is_recurrent and not prefix:
             return gpu_weights, None, 0
-        real, buffers = load_model(replace(model_spec(self.config), n_gpu_layers=0))
+        spec = model_spec(self.config)
+        real, buffers = load_model(spec if self.group else replace(spec, n_gpu_layers=0))
         try:
-            weights = gpu_weights or weights_bytes(real, buffers, self.device)
+            weights = gpu_weights or weights_bytes(real, buffers, self.where)
             state = measure_state(real, self.specs.target) if real.is_recurrent else None
             checkpoint = measure_prefix_checkpoint(real, self.specs.target) if prefix else 0
         finally:
@@ -121,7 +161,7 @@ class _Sizer:
         return weights, state, checkpoint
 
     @property
-    def weights(self) -> int:
+    def weights(self) -> dict[str, int]:
         return self._real[0]
 
     @property
@@ -143,15 +183,17 @@ class _Sizer:
         """The suffix drafter's output-cache bound (host memory: a CPU worker's device)."""
         return self.config.lookup_cache_bytes if self.specs.plan.suffix else 0
 
-    @property
-    def checkpoint_per_slot(self) -> int:
-        """Bytes one slot's checkpoint occupies on the device (0 when none is needed)."""
+    def checkpoint_per_slot(self, recurrent_layers: Counter[str]) -> dict[str, int]:
+        """Bytes one slot's checkpoint occupies per place (none when no checkpoint is
+        needed): a device checkpoint where the recurrent layers are, a host one on the host
+        of a CPU worker (beside a GPU it is host memory the reservation reports)."""
         mode = self.specs.plan.checkpoint
         if mode is None or self.state is None:
-            return 0
+            return {}
         if mode is CheckpointMode.DEVICE:
-            return self.state.group
-        return self.state.host_checkpoint if self.device == "cpu" else 0
+            return split(self.state.group, recurrent_layers)
+        host = self.where.host
+        return {host: self.state.host_checkpoint} if host != HOST else {}
 
     def target(self, n_ctx: int, n_rs_seq: int | None = None) -> ContextMemory:
         specs = self.specs.at(n_ctx)
@@ -159,11 +201,11 @@ class _Sizer:
         # Every slot verifies draft_max + 1 rows in the same decode; an MTP target hands over a
         # hidden row for every batch entry.
         hidden = spec.n_batch if specs.draft is not None else 0
-        return measure_context(self.model, spec, self.device,
+        return measure_context(self.model, spec, self.where,
                                self.slots * (specs.plan.draft_max + 1), hidden)
 
     def at(self, n_ctx: int) -> Breakdown:
-        """Every component's bytes on the device at ``n_ctx`` (see docs/fitter.md)."""
+        """Every component's bytes per device at ``n_ctx`` (see docs/fitter.md)."""
         if n_ctx not in self._seen:
             self._seen[n_ctx] = self._measure(n_ctx)
         return self._seen[n_ctx]
@@ -171,37 +213,49 @@ class _Sizer:
     def _measure(self, n_ctx: int) -> Breakdown:
         target = self.target(n_ctx)
         draft_spec = self.specs.at(n_ctx).draft
-        draft = (measure_context(self.model, draft_spec, self.device, self.slots, self.slots)
+        draft = (measure_context(self.model, draft_spec, self.where, self.slots, self.slots)
                  if draft_spec is not None else None)
         group = self.state.group if self.state else 0
         live = self.slots * group
         snapshots = self.slots * self.specs.plan.n_rs_seq * group
-        self._check_recurrent(target.recurrent, live + snapshots, n_ctx)
+        self._check_recurrent(target.recurrent_total, live + snapshots, n_ctx)
+        layers = target.recurrent_layers
+        live_at, snapshots_at = split(live, layers), split(snapshots, layers)
+        checkpoints = self.checkpoint_per_slot(layers)
+        host = self.where.host
         parts = [target, draft] if draft else [target]
+
+        def on(place: str) -> dict[str, int]:
+            at_host = place == host
+            return {
+                "weights": self.weights.get(place, 0),
+                "kv": target.kv[place],
+                "recurrent": live_at.get(place, 0),
+                "snapshots": snapshots_at.get(place, 0),
+                "compute": target.compute[place],
+                "output": target.output_runtime if at_host else 0,
+                "draft": (draft.kv[place] + draft.recurrent[place] + draft.compute[place]
+                          + (draft.output_runtime if at_host else 0)) if draft else 0,
+                "checkpoint_reservation": self.slots * checkpoints.get(place, 0),
+                "lookup_cache": self.lookup_cache if at_host else 0,
+                "prefix_checkpoints": self.prefix_checkpoints if at_host else 0,
+            }
+
         return Breakdown(
-            components={
-                "weights": self.weights,
-                "kv": target.kv,
-                "recurrent": live,
-                "snapshots": snapshots,
-                "compute": target.compute,
-                "output": target.output_runtime,
-                "draft": (draft.kv + draft.recurrent + draft.compute + draft.output_runtime
-                          if draft else 0),
-                "checkpoint_reservation": self.slots * self.checkpoint_per_slot,
-                "lookup_cache": self.lookup_cache if self.device == "cpu" else 0,
-                "prefix_checkpoints": self.prefix_checkpoints if self.device == "cpu" else 0,
-            },
-            host_bytes=sum(p.host for p in parts) + (
-                self.lookup_cache + self.prefix_checkpoints if self.device != "cpu" else 0),
-            runtime_growth=sum(max(0, p.output_runtime - p.output_created) for p in parts),
-            recurrent_reported=target.recurrent,
+            per_device={place: on(place) for place in self.where.places},
+            devices=self.where.devices,
+            # Growth of host memory: part of the fitted total only where the host is a device.
+            runtime_growth=(sum(max(0, p.output_runtime - p.output_created) for p in parts)
+                            if host != HOST else 0),
+            recurrent_reported=target.recurrent_total,
         )
 
     def _check_recurrent(self, reported: int, exact: int, n_ctx: int) -> None:
         """llama.cpp's recurrent buffer must be the exact groups we account, within its log
-        resolution: otherwise the layout is not what the fit assumes, and fitting is unsafe."""
-        if abs(reported - exact) > _LOG_RESOLUTION + exact // 100:
+        resolution (per buffer: a group's devices each log their own): otherwise the layout
+        is not what the fit assumes, and fitting is unsafe."""
+        tolerance = _LOG_RESOLUTION * len(self.where.places) + exact // 100
+        if abs(reported - exact) > tolerance:
             raise FitError(
                 f"recurrent memory mismatch at n_ctx={n_ctx}: llama.cpp reports "
                 f"{mib(reported)} MiB, {self.slots} slot(s) x (1 + {self.specs.plan.n_rs_seq}) "
@@ -209,8 +263,9 @@ class _Sizer:
             )
 
 
-def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = None,
-               fit_target_mib: float = DEFAULT_FIT_TARGET_MIB,
+def fit_worker(model_path: str, device: str | DeviceRef | DeviceGroup = "cpu",
+               budget_mib: float | Sequence[float] | None = None,
+               fit_target_mib: float | Sequence[float] = DEFAULT_FIT_TARGET_MIB,
                slots: int | Literal["auto"] = 1, capacity: EngineCapacity | None = None,
                ctx_min: int = DEFAULT_CTX_MIN,
                n_threads: int = 2,
@@ -220,6 +275,14 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
                prefix_checkpoints: int = DEFAULT_CHECKPOINTS,
                deterministic: bool = False, device_verify: bool | None = None) -> FitResult:
     """Measure the model on ``device`` and fit the largest context that leaves the margin.
+
+    ``device`` is ``cpu``, ``cuda:N`` or a device group (:class:`~worker.launch.DeviceGroup`:
+    ``--device`` list, ``--rpc``, split options); ``budget_mib`` and ``fit_target_mib`` are
+    one figure for every device or one per device in the group's order. Every device must
+    keep its margin: the context is the largest at which none exceeds its own budget, and a
+    refusal names the device that does not fit and by how much (docs/fitter.md, "Device
+    groups"). Models loaded inside the call are placed on the group; an engine built from
+    the result must be loaded under the same placement (``worker.llm.placement.placed``).
 
     With ``n_ctx`` (a worker's ``--ctx``) the context is not searched but checked the same
     way: against the training context (above it only with ``allow_ctx_above_train``) and
@@ -243,40 +306,69 @@ def fit_worker(model_path: str, device: str = "cpu", budget_mib: float | None = 
     if slots != AUTO_SLOTS and not (isinstance(slots, int) and 1 <= slots <= MAX_SLOTS):
         raise FitError(f"slots must be at least 1 and at most {MAX_SLOTS} (or 'auto'), "
                        f"got {slots!r}")
-    if fit_target_mib < 0:
+    group = _group(device)
+    budgets_mib = _per_device("--budget-mib", budget_mib, group)
+    targets_mib = _per_device("--fit-target-mib", fit_target_mib, group)
+    if any(t is None or t < 0 for t in targets_mib):
         raise FitError(f"--fit-target-mib must not be negative, got {fit_target_mib}")
-    try:
-        ref = parse_device(device)
-    except ValueError as exc:
-        raise FitError(str(exc)) from exc
-    require_device(ref)
-    budget = _Budget(device_memory(ref, budget_mib), round(fit_target_mib * MIB))
+    require_device(group)
     config = EngineConfig(model_path=model_path, n_threads=n_threads,
-                          n_gpu_layers=-1 if ref.is_cuda else 0,
+                          n_gpu_layers=-1 if group.offload else 0,
                           capacity=capacity or EngineCapacity(), checkpoint=checkpoint,
                           prefix_cache=prefix_cache, prefix_checkpoints=prefix_checkpoints,
                           deterministic=deterministic, device_verify=device_verify)
-    if slots == AUTO_SLOTS:
-        # A fixed context is what every slot must hold; otherwise at least --ctx-min.
-        slots = _most_slots(config, ref.name, n_ctx or ctx_min, budget)
-    config = replace(config, slots=slots)
-    sizer = _Sizer(config, ref.name)
     try:
-        source = "fitted" if n_ctx is None else "fixed"
-        if n_ctx is None:
-            n_ctx = _search(sizer, ctx_min, budget)
-        else:
-            _check_fixed(sizer, n_ctx, allow_ctx_above_train, budget)
-        report = _report(sizer, n_ctx, budget, source)
-    finally:
-        sizer.close()
+        with placed(group) as placement:
+            where = device_map(group, placement)
+            budget = _Budgets(tuple(
+                _Budget(memory, round(float(target or 0) * MIB))
+                for memory, target in zip(group_memory(group, placement, budgets_mib),
+                                          targets_mib, strict=True)))
+            if slots == AUTO_SLOTS:
+                # A fixed context is what every slot must hold; otherwise at least --ctx-min.
+                slots = _most_slots(config, where, n_ctx or ctx_min, budget)
+            config = replace(config, slots=slots)
+            sizer = _Sizer(config, where)
+            try:
+                source = "fitted" if n_ctx is None else "fixed"
+                if n_ctx is None:
+                    n_ctx = _search(sizer, ctx_min, budget)
+                else:
+                    _check_fixed(sizer, n_ctx, allow_ctx_above_train, budget)
+                report = _report(sizer, n_ctx, budget, source, group)
+            finally:
+                sizer.close()
+    except LlamaError as exc:  # a device of the group cannot be used (unreachable, absent)
+        raise FitError(str(exc)) from exc
     log_report(report)
     return FitResult(replace(config, n_ctx=n_ctx), report)
 
 
+def _group(device: str | DeviceRef | DeviceGroup) -> DeviceGroup:
+    if isinstance(device, DeviceGroup):
+        return device
+    if isinstance(device, DeviceRef):
+        return DeviceGroup.of(device)
+    try:
+        return parse_device_group(device)
+    except ValueError as exc:
+        raise FitError(str(exc)) from exc
+
+
+def _per_device(flag: str, value: float | Sequence[float] | None,
+                group: DeviceGroup) -> list[float | None]:
+    """One figure for every device of ``group``, or one per device, as a list in its order."""
+    if value is None or isinstance(value, int | float):
+        return [value] * len(group.devices)
+    if len(value) != len(group.devices):
+        raise FitError(f"{flag} has {len(value)} values for {len(group.devices)} devices "
+                       f"({group.name}): give one, or one per device")
+    return list(value)
+
+
 @dataclass(frozen=True)
 class _Budget:
-    """What the fit may use on the device: its free memory less the operator's margin."""
+    """What the fit may use on one device: its free memory less the operator's margin."""
 
     memory: DeviceMemory
     margin: int
@@ -291,45 +383,92 @@ class _Budget:
         return (f"{mib(self.available)} MiB available on {m.device} "
                 f"({m.source}: free {mib(m.free_bytes)} MiB - margin {mib(self.margin)} MiB)")
 
-    def require_weights(self, weights: int) -> None:
-        """The first comparison every fit makes: a margin that leaves nothing is named as
-        such (not as a negative "available"), then the weights must fit what is left."""
+    def require_room(self) -> None:
+        """A margin that leaves nothing is named as such (not as a negative "available")."""
         if self.available <= 0:
             raise FitError(
                 f"nothing can fit on {self.memory.device}: the margin left free "
                 f"(--fit-target-mib, default {DEFAULT_FIT_TARGET_MIB:.0f}) is "
                 f"{mib(self.margin)} MiB of the {mib(self.memory.free_bytes)} MiB free "
                 f"({self.memory.source}); lower --fit-target-mib (0 uses all of it)")
-        if weights > self.available:
-            raise FitError(f"the weights do not fit: {mib(weights)} MiB of weights, "
-                           f"{self.where}")
 
 
-def _search(sizer: _Sizer, ctx_min: int, budget: _Budget) -> int:
-    """The largest multiple of 256 up to n_ctx_train whose total fits in free - margin."""
+@dataclass(frozen=True)
+class _Budgets:
+    """Every fitted device's budget, in the model's device order: a size fits when no device
+    exceeds its own."""
+
+    each: tuple[_Budget, ...]
+
+    @property
+    def available(self) -> int:
+        return sum(b.available for b in self.each)
+
+    @property
+    def group(self) -> bool:
+        return len(self.each) > 1
+
+    @property
+    def source(self) -> str:
+        """Where the figures came from: one source, or one per device."""
+        sources = [b.memory.source for b in self.each]
+        return sources[0] if len(set(sources)) == 1 else ",".join(sources)
+
+    def fits(self, breakdown: Breakdown) -> bool:
+        return all(breakdown.device_total(b.memory.device) <= b.available for b in self.each)
+
+    def require_weights(self, weights: dict[str, int]) -> None:
+        """The first comparison every fit makes: every device's margin leaves room, then
+        every device holds its share of the weights."""
+        for budget in self.each:
+            budget.require_room()
+        for budget in self.each:
+            held = weights.get(budget.memory.device, 0)
+            if held <= budget.available:
+                continue
+            if not self.group:
+                raise FitError(f"the weights do not fit: {mib(held)} MiB of weights, "
+                               f"{budget.where}")
+            raise FitError(f"the weights do not fit on {budget.memory.device}: {mib(held)} MiB "
+                           f"of weights there, {budget.where}: "
+                           f"{mib(held - budget.available)} MiB short")
+
+    def refuse(self, what: str, breakdown: Breakdown) -> None:
+        """Raise for the first device ``breakdown`` does not fit: ``what`` does not fit, with
+        what that device needs, has, lacks and holds."""
+        for budget in self.each:
+            device = budget.memory.device
+            need = breakdown.device_total(device)
+            if need <= budget.available:
+                continue
+            if not self.group:
+                raise FitError(f"{what} does not fit: needs {mib(need)} MiB, {budget.where}; "
+                               f"breakdown: {breakdown_text(breakdown.components)}")
+            raise FitError(f"{what} does not fit on {device}: needs {mib(need)} MiB there, "
+                           f"{budget.where}: {mib(need - budget.available)} MiB short; "
+                           f"breakdown there: {breakdown_text(breakdown.per_device[device])}")
+
+
+def _search(sizer: _Sizer, ctx_min: int, budget: _Budgets) -> int:
+    """The largest multiple of 256 up to n_ctx_train whose total fits every device's
+    free - margin."""
     lo = -(-max(ctx_min, 1) // CTX_STEP)
     if lo * CTX_STEP > sizer.n_ctx_cap:
         raise FitError(f"--ctx-min {ctx_min} exceeds the model's training context "
                        f"({sizer.model.n_ctx_train} tokens, fitted in steps of {CTX_STEP})")
     budget.require_weights(sizer.weights)
-    smallest = sizer.at(lo * CTX_STEP)
-    if smallest.total > budget.available:
-        raise FitError(
-            f"context {lo * CTX_STEP} (--ctx-min {ctx_min}) does not fit: needs "
-            f"{mib(smallest.total)} MiB, {budget.where}; "
-            f"breakdown: {breakdown_text(smallest.components)}"
-        )
+    budget.refuse(f"context {lo * CTX_STEP} (--ctx-min {ctx_min})", sizer.at(lo * CTX_STEP))
     hi = sizer.n_ctx_cap // CTX_STEP
     while lo < hi:  # invariant: lo fits and the answer lies in [lo, hi]
         mid = (lo + hi + 1) // 2
-        if sizer.at(mid * CTX_STEP).total <= budget.available:
+        if budget.fits(sizer.at(mid * CTX_STEP)):
             lo = mid
         else:
             hi = mid - 1
     return lo * CTX_STEP
 
 
-def _most_slots(config: EngineConfig, device: str, ctx_min: int, budget: _Budget) -> int:
+def _most_slots(config: EngineConfig, where: DeviceMap, ctx_min: int, budget: _Budgets) -> int:
     """The largest slot count whose engine still fits with ``ctx_min`` tokens per slot.
 
     Memory grows with the slot count (KV, recurrent groups, checkpoints, verify rows), so
@@ -339,9 +478,9 @@ def _most_slots(config: EngineConfig, device: str, ctx_min: int, budget: _Budget
     n_ctx = -(-max(ctx_min, 1) // CTX_STEP) * CTX_STEP
 
     def fits(slots: int) -> bool:
-        sizer = _Sizer(replace(config, slots=slots), device)
+        sizer = _Sizer(replace(config, slots=slots), where)
         try:
-            return n_ctx <= sizer.n_ctx_cap and sizer.at(n_ctx).total <= budget.available
+            return n_ctx <= sizer.n_ctx_cap and budget.fits(sizer.at(n_ctx))
         finally:
             sizer.close()
 
@@ -357,13 +496,14 @@ def _most_slots(config: EngineConfig, device: str, ctx_min: int, budget: _Budget
     return lo
 
 
-def _check_fixed(sizer: _Sizer, n_ctx: int, allow_above_train: bool, budget: _Budget) -> None:
+def _check_fixed(sizer: _Sizer, n_ctx: int, allow_above_train: bool, budget: _Budgets) -> None:
     """Refuse a fixed context the model was not trained for, or that the memory cannot hold.
 
     Above the training context the total is first bounded from below by the total at the
     training context plus the marginal KV bytes per token for the rest: a context far beyond
     memory (``--ctx 1000000000``) is refused from two small measurements, without ever
-    asking llama.cpp for a context of that size.
+    asking llama.cpp for a context of that size. Over a group the bound is checked against
+    the group's memory together (a necessary condition); each device is checked at the size.
     """
     train = sizer.model.n_ctx_train
     if n_ctx > train and not allow_above_train:
@@ -375,14 +515,14 @@ def _check_fixed(sizer: _Sizer, n_ctx: int, allow_above_train: bool, budget: _Bu
         per_token = _kv_bytes_per_token(sizer, sizer.n_ctx_cap)
         floor = at_cap.total + round(per_token * (n_ctx - sizer.n_ctx_cap))
         if floor > budget.available:
+            where = (budget.each[0].where if not budget.group else
+                     f"{mib(budget.available)} MiB available on "
+                     f"{', '.join(b.memory.device for b in budget.each)} together")
             raise FitError(
                 f"--ctx {n_ctx} does not fit: needs at least {mib(floor)} MiB "
                 f"({mib(at_cap.total)} MiB at {sizer.n_ctx_cap} tokens + {per_token:.1f} B of "
-                f"KV per token beyond), {budget.where}")
-    fixed = sizer.at(n_ctx)
-    if fixed.total > budget.available:
-        raise FitError(f"--ctx {n_ctx} does not fit: needs {mib(fixed.total)} MiB, "
-                       f"{budget.where}; breakdown: {breakdown_text(fixed.components)}")
+                f"KV per token beyond), {where}")
+    budget.refuse(f"--ctx {n_ctx}", sizer.at(n_ctx))
 
 
 def _kv_bytes_per_token(sizer: _Sizer, n_ctx: int) -> float:
@@ -396,14 +536,14 @@ def _kv_bytes_per_token(sizer: _Sizer, n_ctx: int) -> float:
         lo, hi = n_ctx, min(n_ctx + _KV_PROBE_SPAN, sizer.n_ctx_cap)
     else:
         lo, hi = max(n_ctx - _KV_PROBE_SPAN, n_ctx // 2), n_ctx
-    return (sizer.target(hi).kv - sizer.target(lo).kv) / (hi - lo)
+    return (sum(sizer.target(hi).kv.values()) - sum(sizer.target(lo).kv.values())) / (hi - lo)
 
 
-def _report(sizer: _Sizer, n_ctx: int, budget: _Budget, source: str) -> FitReport:
+def _report(sizer: _Sizer, n_ctx: int, budget: _Budgets, source: str,
+            group: DeviceGroup) -> FitReport:
     fitted = sizer.at(n_ctx)
-    memory = budget.memory
     details: dict[str, object] = {
-        "memory_source": memory.source,
+        "memory_source": budget.source,
         "n_ctx_source": source,  # "fitted", or "fixed" by the operator (--ctx)
         "n_rs_seq": sizer.specs.plan.n_rs_seq,
         "checkpoint_mode": (sizer.specs.plan.checkpoint.value
@@ -420,13 +560,18 @@ def _report(sizer: _Sizer, n_ctx: int, budget: _Budget, source: str) -> FitRepor
         "prefix_checkpoint_bytes": sizer.prefix_checkpoint,
         # Host only: llama.cpp keeps one ON_DEVICE checkpoint per sequence, compact rollback's.
         "prefix_checkpoint_mode": "host" if sizer.prefix_checkpoint else None,
+        # Where llama.cpp put the model's layers (the output layer counts as one), and how.
+        "device_layers": sizer.layers,
+        "split_mode": group.split_mode.value,
+        "tensor_split": list(group.tensor_split) if group.tensor_split else None,
     }
     return FitReport(
         model_path=sizer.config.model_path, n_ctx=n_ctx, n_ctx_train=sizer.model.n_ctx_train,
         slots=sizer.slots, total_bytes=fitted.total, budget_bytes=budget.available,
-        devices=[DeviceFit(device=memory.device, total_bytes=memory.total_bytes,
-                           free_bytes=memory.free_bytes, margin_bytes=budget.margin,
-                           components=fitted.components)],
+        devices=[DeviceFit(device=b.memory.device, total_bytes=b.memory.total_bytes,
+                           free_bytes=b.memory.free_bytes, margin_bytes=b.margin,
+                           components=fitted.per_device[b.memory.device])
+                 for b in budget.each],
         spec_method=str(sizer.specs.plan.method), draft_max=sizer.specs.plan.draft_max,
         # The snapshots really kept (D, or N when unset); none on a pure-attention model.
         rollback_depth=sizer.specs.plan.n_rs_seq or None, components=fitted.components,
@@ -445,5 +590,5 @@ def _state_details(sizer: _Sizer, n_ctx: int, fitted: Breakdown) -> dict[str, ob
         "snapshot_group_bytes": sizer.state.group,
         "checkpoint_device_bytes_per_slot": sizer.state.group,
         "checkpoint_host_bytes_per_slot": sizer.state.host_checkpoint,
-        "rs_plane_delta_bytes": one_more.recurrent - fitted.recurrent_reported,
+        "rs_plane_delta_bytes": one_more.recurrent_total - fitted.recurrent_reported,
     }

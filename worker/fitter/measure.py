@@ -2,10 +2,13 @@
 
 - Contexts are created for real over a ``no_alloc`` model: llama.cpp sizes their KV cache,
   recurrent buffers and compute buffers exactly as it would for the engine (the compute
-  estimate equals the real allocation) without allocating the KV or compute memory.
+  estimate equals the real allocation on one device; over a group it can exceed it on a
+  later device, docs/fitter.md) without allocating the KV or compute memory. Every figure
+  is kept per device (:class:`~worker.fitter.buffers.DeviceMap`).
 - Weights come from llama.cpp's model buffers on a CPU worker (a memory-mapped load: the
-  ``CPU_REPACK`` copies are real extra memory that ``llama_model_size`` does not count), and
-  from ``llama_model_size`` on a GPU, where no_alloc reports no per-buffer sizes.
+  ``CPU_REPACK`` copies are real extra memory that ``llama_model_size`` does not count) and
+  over a device group (a real load on the group: per device, no other way), and from
+  ``llama_model_size`` on one GPU, where no_alloc reports no per-buffer sizes.
 - One recurrent-state group (one rollback snapshot, one device checkpoint's payload) comes
   from the state-size API on a small real context: ``PARTIAL_ONLY`` is the checkpoint with
   its payload, ``PARTIAL_ONLY | ON_DEVICE`` the same without it; the difference is exact.
@@ -17,12 +20,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import llama_cpp
 
 from worker.engine.prefix_cache import checkpoint_bytes
-from worker.fitter.buffers import Buffers, parse_buffers
+from worker.fitter.buffers import Buffers, DeviceMap, parse_buffers
 from worker.fitter.errors import FitError
 from worker.llm import Batch, Context, ContextSpec, LlamaError, Model, ModelSpec, capture_llama_log
 
@@ -35,16 +39,23 @@ _PROBE_CTX = 256
 
 @dataclass(frozen=True)
 class ContextMemory:
-    """One context's memory on the fitted device, in bytes, as llama.cpp sized it."""
+    """One context's memory, in bytes per place (:attr:`DeviceMap.places`), as llama.cpp
+    sized it."""
 
-    kv: int
-    recurrent: int
-    compute: int
-    #: Output buffer at creation (logged by llama.cpp) and once decodes have grown it.
+    kv: dict[str, int]
+    #: llama.cpp's recurrent buffers, as logged.
+    recurrent: dict[str, int]
+    #: Recurrent layers per place: how one exact recurrent group divides between them.
+    recurrent_layers: Counter[str]
+    compute: dict[str, int]
+    #: Output buffer at creation (logged by llama.cpp) and once decodes have grown it: host
+    #: memory (:attr:`DeviceMap.host`).
     output_created: int
     output_runtime: int
-    #: Buffers of this context that live in host memory while the device is a GPU.
-    host: int
+
+    @property
+    def recurrent_total(self) -> int:
+        return sum(self.recurrent.values())
 
 
 @dataclass(frozen=True)
@@ -67,14 +78,16 @@ def load_model(spec: ModelSpec) -> tuple[Model, Buffers]:
     return model, parse_buffers(lines)
 
 
-def weights_bytes(model: Model, buffers: Buffers | None, device: str) -> int:
-    """The weights' share of ``device``: llama.cpp's model buffers when they were really
-    allocated (CPU, mmap), ``llama_model_size`` when only metadata was loaded (GPU)."""
-    reported = buffers.total("model", device) if buffers is not None else 0
-    weights = reported if reported > 0 else model.size_bytes
-    if weights <= 0:
+def weights_bytes(model: Model, buffers: Buffers | None, where: DeviceMap) -> dict[str, int]:
+    """The weights per place: llama.cpp's model buffers when they were really allocated (a
+    CPU worker's memory-mapped load, a group's real load), else (one GPU, metadata only)
+    ``llama_model_size``, all of it on the device."""
+    reported = buffers.by_device("model", where) if buffers is not None else {}
+    if sum(reported.values()) > 0:
+        return reported
+    if model.size_bytes <= 0:
         raise FitError(f"llama.cpp reported no weights for {model.spec.path}")
-    return weights
+    return {where.devices[0]: model.size_bytes}
 
 
 def output_bytes(model: Model, spec: ContextSpec, rows: int, hidden_rows: int) -> int:
@@ -83,7 +96,7 @@ def output_bytes(model: Model, spec: ContextSpec, rows: int, hidden_rows: int) -
     return _FLOAT * (model.n_vocab * max(rows, spec.n_seq_max) + model.n_embd * hidden_rows)
 
 
-def measure_context(model: Model, spec: ContextSpec, device: str, rows: int,
+def measure_context(model: Model, spec: ContextSpec, where: DeviceMap, rows: int,
                     hidden_rows: int = 0) -> ContextMemory:
     """Create ``spec`` over the no_alloc ``model`` and read what llama.cpp sized for it."""
     try:
@@ -92,17 +105,18 @@ def measure_context(model: Model, spec: ContextSpec, device: str, rows: int,
     except LlamaError as exc:
         raise FitError(f"cannot measure a context of {spec.n_ctx} tokens: {exc}") from exc
     found = parse_buffers(lines)
-    on_gpu = device != "cpu"
+    try:
+        kv = found.kv_by_device(where)
+    except ValueError as exc:
+        raise FitError(f"cannot place the KV cache of {spec.n_ctx} tokens: {exc}") from exc
     runtime = output_bytes(model, spec, rows, hidden_rows)
-    host = found.total("compute") - found.total("compute", device) + (runtime if on_gpu else 0)
     return ContextMemory(
-        # kv_size names no buffer type: with full offload the whole cache is on the device.
-        kv=found.total("kv_size"),
-        recurrent=found.total("recurrent", device),
-        compute=found.total("compute", device),
+        kv=kv,
+        recurrent=found.by_device("recurrent", where),
+        recurrent_layers=found.recurrent_layers_by_device(where),
+        compute=found.by_device("compute", where),
         output_created=found.total("output"),
-        output_runtime=0 if on_gpu else runtime,
-        host=host,
+        output_runtime=runtime,
     )
 
 

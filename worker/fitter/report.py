@@ -23,6 +23,8 @@ COMPONENTS: dict[str, str] = {
     "output": "target output buffer (logits, hidden rows)",
     "draft": "MTP draft context (KV, compute, output)",
     "checkpoint_reservation": "compact-rollback checkpoints (one per slot)",
+    "lookup_cache": "suffix drafter's output cache (host memory)",
+    "prefix_checkpoints": "prefix-reuse checkpoints (host memory)",
 }
 
 
@@ -57,6 +59,12 @@ def render_table(report: FitReport) -> Table:
     table.add_column("what", style="dim")
     for key, what in COMPONENTS.items():
         table.add_row(key, *(mib(d.components.get(key, 0)) for d in report.devices), what)
+    layers = report.details.get("device_layers") or {}
+    if len(report.devices) > 1:  # a device group: where llama.cpp put the layers
+        table.add_row("layers", *(str(layers.get(d.device, 0)) for d in report.devices),
+                      f"split-mode {report.details.get('split_mode')}, tensor-split "
+                      f"{report.details.get('tensor_split') or 'by free memory'} "
+                      "(the output layer counts as one)")
     table.add_section()
     table.add_row("total", *(mib(sum(d.components.values())) for d in report.devices),
                   f"{report.details.get('n_ctx_source', 'fitted')} n_ctx {report.n_ctx} "

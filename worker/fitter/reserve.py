@@ -13,15 +13,20 @@ returned report says so.
 from __future__ import annotations
 
 from shared.logs import get_logger
-from shared.protocol import CheckpointMode, FitReport
+from shared.protocol import CheckpointMode, DeviceFit, FitReport
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.rollback import RollbackError
 from worker.engine.rollback.compact import CompactRollback
-from worker.fitter.buffers import parse_buffers
+from worker.fitter.buffers import MIB, Buffers, DeviceMap, parse_buffers
+from worker.fitter.devices import device_map
 from worker.fitter.errors import FitError
 from worker.fitter.fit import FitResult
 from worker.fitter.report import breakdown_text
 from worker.llm import LlamaError, capture_llama_log
+from worker.llm.placement import active_placement
+
+#: llama.cpp logs each checkpoint buffer with 0.001 MiB resolution.
+_CHECKPOINT_RESOLUTION = round(0.0005 * MIB)
 
 
 def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
@@ -66,12 +71,32 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
         trend = "smaller" if reserved < measured else "larger"
         raise FitError(f"the {mode.value} checkpoint reservation ({reserved} B) is {trend} than "
                        f"the fit measured ({measured} B): the fit cannot be trusted ({breakdown})")
-    _log_reserve(report, mode, reserved, measured,
-                 parse_buffers(lines).sizes.get("checkpoint", {}))
+    allocated = parse_buffers(lines)
+    _log_reserve(report, mode, reserved, measured, allocated.sizes.get("checkpoint", {}))
     as_reserved = _as_reserved(report, mode, reserved)
+    if mode is CheckpointMode.DEVICE:
+        _check_devices(as_reserved, allocated, breakdown)
     # Why a device reservation fell back (None: it did not), for the worker's metrics.
     as_reserved.details["checkpoint_fallback"] = reservation.fallback_reason
     return as_reserved
+
+
+def _check_devices(report: FitReport, allocated: Buffers, breakdown: str) -> None:
+    """Each device's checkpoint buffers, as llama.cpp allocated them, must be the share the
+    fit reserved on it (the devices of its recurrent layers, in the model's order): another
+    split means the fit and the engine disagree on where the layers are."""
+    placement = active_placement()
+    where = (device_map(placement.group, placement) if placement is not None
+             else DeviceMap.single(report.devices[0].device))
+    found = allocated.by_device("checkpoint", where)
+    lines = max(1, len(allocated.sizes.get("checkpoint", {}))) * report.slots
+    for device in report.devices:
+        expected = device.components.get("checkpoint_reservation", 0)
+        got = found.get(device.device, 0)
+        if abs(got - expected) > _CHECKPOINT_RESOLUTION * lines:
+            raise FitError(f"llama.cpp allocated {got} B of checkpoints on {device.device}, the "
+                           f"fit reserved {expected} B there: the devices are not in the "
+                           f"order the fit measured ({breakdown})")
 
 
 def _check_prefix_reservation(engine: SpeculativeEngine, report: FitReport) -> None:
@@ -95,16 +120,26 @@ def _log_reserve(report: FitReport, mode: CheckpointMode | None, reserved: int,
 
 
 def _as_reserved(report: FitReport, mode: CheckpointMode | None, reserved: int) -> FitReport:
-    """``report`` with the checkpoint as reserved: on the fitted device (a CPU worker's host
-    memory is its device) or, for host storage beside a GPU, among the host-side bytes."""
-    (device,) = report.devices  # one device per worker
-    on_device = mode is CheckpointMode.DEVICE or device.device == "cpu"
-    components = {**report.components,
-                  "checkpoint_reservation": report.slots * reserved if on_device else 0}
+    """``report`` with the checkpoint as reserved: a device checkpoint where the fit placed it
+    (the devices of the recurrent layers), host storage on the host (a CPU worker's host
+    memory is its ``cpu`` device; beside GPUs it joins the host-side bytes)."""
+    total = report.slots * reserved
+    host = next((d for d in report.devices if d.device == "cpu"), None)
+
+    def on(device: DeviceFit) -> int:
+        if mode is CheckpointMode.DEVICE:
+            return device.components.get("checkpoint_reservation", 0)
+        return total if mode is CheckpointMode.HOST and device is host else 0
+
+    devices = [d.model_copy(update={"components": {**d.components,
+                                                   "checkpoint_reservation": on(d)}})
+               for d in report.devices]
+    components = {key: sum(d.components.get(key, 0) for d in devices)
+                  for key in report.components}
     details = {**report.details, "checkpoint_mode": mode.value if mode else None,
-               "checkpoint_reserved_bytes": report.slots * reserved}
-    if not on_device:
-        details["host_bytes"] = int(details.get("host_bytes", 0)) + report.slots * reserved
+               "checkpoint_reserved_bytes": total}
+    if mode is CheckpointMode.HOST and host is None:
+        details["host_bytes"] = int(details.get("host_bytes", 0)) + total
     return report.model_copy(update={
         "components": components, "total_bytes": sum(components.values()), "details": details,
-        "devices": [device.model_copy(update={"components": components})]})
+        "devices": devices})

@@ -11,6 +11,8 @@ import llama_cpp
 
 from shared.logs import get_logger
 from worker.llm.backend import LlamaError, init_backend, require_width_invariant_kernels
+from worker.llm.devices import has_local_gpu
+from worker.llm.placement import active_placement
 
 log = get_logger("llm")
 
@@ -70,7 +72,11 @@ class Model:
             # no_alloc aborts inside llama.cpp unless mmap/mlock loading is off too.
             params.no_alloc = True
             params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        placement = active_placement() if spec.n_gpu_layers != 0 else None
+        #: The device group's arrays, alive until llama.cpp has copied them (the load).
+        keep = placement.apply(params) if placement is not None else ()
         ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        del keep
         if not ptr:
             raise LlamaError(f"llama.cpp could not load the model {spec.path} (not a valid GGUF?)")
         self.spec = spec
@@ -115,8 +121,10 @@ class Model:
         """Whether its layers run on a GPU: some were asked for (``n_gpu_layers``) and this
         llama.cpp build has a GPU backend to put them on (a CPU build ignores the request).
         There a decode that repeats the previous one's shape replays its CUDA graph, so a
-        plain step costs about half of what the same row costs after a verify."""
-        return self.spec.n_gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
+        plain step costs about half of what the same row costs after a verify. Layers on
+        RPC devices do not count: llama.cpp's RPC backend makes a build "offload" without a
+        GPU of its own, and what the remote end runs is not this process's to know."""
+        return self.spec.n_gpu_layers != 0 and has_local_gpu()
 
     @property
     def n_swa(self) -> int:
