@@ -12,7 +12,7 @@ from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings,
 from worker.engine.config import draft_spec, target_spec
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.plan import ModelFacts, RollbackKind, plan_engine
-from worker.engine.proposers.mtp import MtpUnavailableError
+from worker.engine.proposers.mtp import MtpDrafter, MtpUnavailableError
 from worker.engine.rollback import RollbackStats
 from worker.launch import EngineCapacity
 from worker.testmodels import TinyModels
@@ -150,7 +150,7 @@ def test_the_engine_is_built_from_its_plan(tiny_models: TinyModels, which: str,
         assert plan == plan_engine(cfg, ModelFacts.of(engine.model))
         assert (engine.method, engine.draft_max) == (plan.method, plan.draft_max)
         assert engine.target.n_rs_seq == plan.n_rs_seq
-        assert (engine.mtp is not None) == plan.mtp
+        assert isinstance(engine.head, MtpDrafter) == plan.mtp
         assert type(engine.rollback).__name__ == {
             RollbackKind.KV_TRIM: "KvTrimRollback", RollbackKind.SNAPSHOTS: "SnapshotRollback",
             RollbackKind.COMPACT: "CompactRollback"}[plan.rollback]

@@ -11,7 +11,7 @@ where batched and single-row logits agree, so identity is the bar.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -20,10 +20,14 @@ from hypothesis import strategies as st
 
 from shared.protocol import FinishReason, SpecMethod, SpecSettings
 from worker.engine.config import PREFILL_CHUNK
+from worker.engine.core.draft import Draft
+from worker.engine.drafting.curve import CostCurve
 from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.proposers.head import DraftRequest
 from worker.engine.slot import Slot, SlotRequest, SlotUpdate
 from worker.launch import EngineCapacity
 
+from .conftest import CHEAP_ROWS
 from .schedule import Arrival, Run, plain_greedy, run_schedule
 
 N_CTX = 512
@@ -37,7 +41,8 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def engine(model: Path, method: SpecMethod, slots: int, n_ctx: int = N_CTX,
-           draft_max: int = N_MAX, row_budget: bool = False) -> SpeculativeEngine:
+           draft_max: int = N_MAX, row_budget: bool = False,
+           row_costs: CostCurve | None = None) -> SpeculativeEngine:
     """The row budget trims drafts by timed row costs, which would make what each slot
     drafts depend on the machine's load; it is off except where a test says so. A KV
     stream per slot: the slots' logits must not depend on each other for token-exact
@@ -45,7 +50,7 @@ def engine(model: Path, method: SpecMethod, slots: int, n_ctx: int = N_CTX,
     capacity = EngineCapacity(method=method, draft_max=draft_max)
     return SpeculativeEngine(EngineConfig(str(model), n_ctx=n_ctx, n_threads=1, slots=slots,
                                           capacity=capacity, row_budget=row_budget,
-                                          per_sequence_kv=True))
+                                          per_sequence_kv=True, row_costs=row_costs))
 
 
 def req(p: list[int], n: int, method: SpecMethod = SpecMethod.NGRAM, width: int = N_MAX,
@@ -121,6 +126,27 @@ def test_mtp_slots_with_other_methods_equal_plain_greedy(hybrid_model: Path) -> 
         assert r.telemetry.spec_method == a.request.spec.method
         if a.request.spec.method is SpecMethod.MTP:
             assert 0 < r.telemetry.acceptance < 1
+
+
+def test_mtp_suffix_slots_ask_the_head_together(hybrid_model: Path) -> None:
+    """``mtp+suffix`` (what ``auto`` loads on a GGUF with a NextN head): the slots whose
+    lookup leaves room ask the head in one batched draft per step, like ``mtp`` slots (each
+    used to run the head in a decode of its own), and every output stays plain greedy."""
+    arrivals = [Arrival(0, req(prompt(71 + i, 6 + 5 * i), 90, SpecMethod.MTP_SUFFIX, width=4))
+                for i in range(3)]
+    with engine(hybrid_model, SpecMethod.MTP_SUFFIX, slots=3, row_costs=CHEAP_ROWS) as e:
+        asked: list[int] = []
+        draft = e.head.draft
+
+        def counted(requests: Sequence[DraftRequest]) -> list[Draft]:
+            asked.append(len(requests))
+            return draft(requests)
+
+        e.head.draft = counted  # type: ignore[method-assign]
+        run = run_schedule(e, arrivals)
+    assert_exact(hybrid_model, arrivals, run)
+    assert max(asked) == 3, asked
+    assert all(r.telemetry.drafted > 0 for r in run.results)
 
 
 def test_row_budget_trims_without_changing_any_slot(hybrid_model: Path) -> None:

@@ -7,6 +7,7 @@ import pytest
 from shared.protocol import SpecMethod
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.plan import ModelFacts
+from worker.engine.proposers.mtp import MtpDrafter
 from worker.fitter.specs import engine_specs
 from worker.launch import EngineCapacity
 from worker.testmodels import TinyModels
@@ -27,6 +28,7 @@ def test_specs_equal_the_engines_contexts(tiny_models: TinyModels, which: str,
         assert specs.target == engine.target.spec
         assert specs.plan == engine.plan
         assert specs.plan.n_rs_seq == engine.target.n_rs_seq
-        draft = engine.mtp._draft.spec if engine.mtp is not None else None  # noqa: SLF001
+        head = engine.head
+        draft = head._draft.spec if isinstance(head, MtpDrafter) else None  # noqa: SLF001
         assert specs.draft == draft
         assert specs.at(1024).target == specs.target.with_(n_ctx=1024)

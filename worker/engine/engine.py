@@ -2,7 +2,8 @@
 the step loop that serves them all.
 
 Every step of every generation is the same: ask each slot's width policy how far to draft, let
-its proposer draft (MTP slots together, in batched draft decodes), verify every slot's
+its proposer draft (the slots that use the engine's draft head together, in batched draft
+decodes), verify every slot's
 ``[last, drafts..]`` in ONE target decode (with the next slices of prompts still loading),
 then accept, commit, stream and roll back per slot. Plain decoding is that loop with a
 proposer that never drafts, and :meth:`SpeculativeEngine.generate` is one slot stepped until
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from time import perf_counter
 
+from shared.admission import outside_vocabulary
 from shared.capacity import within_capacity
 from shared.constraint import Constraint
 from shared.logs import get_logger
@@ -38,14 +40,21 @@ from worker.engine.plan import ModelFacts, plan_engine
 from worker.engine.prefix_cache import Placement, PrefixStats, make_prefix_policy
 from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.factory import (
+    make_head,
     make_proposer,
     make_suffix_shared,
-    uses_mtp,
+    staged,
     uses_suffix,
 )
-from worker.engine.proposers.mtp import DraftRequest, MtpDrafter, MtpProposer
 from worker.engine.sampling import make_sampler, verifies_on_device
-from worker.engine.slot import GenerationResult, Phase, Slot, SlotRequest, SlotUpdate
+from worker.engine.slot import (
+    GenerationResult,
+    Phase,
+    Slot,
+    SlotRequest,
+    SlotUpdate,
+    token_origin,
+)
 from worker.engine.text import TextStream
 from worker.engine.verify import PrefillChunk, Verifier, VerifyJob
 from worker.llm import Context, Model
@@ -107,10 +116,10 @@ class SpeculativeEngine:
             #: Which sequence a request runs in and what of an earlier one it keeps.
             self.prefix = make_prefix_policy(config.prefix_cache, self.model, self.target,
                                              config.slots, config.prefix_checkpoints)
-            self.mtp = (MtpDrafter(self.model, self.target, draft_spec(config, self.draft_max))
-                        if self.plan.mtp else None)
-            if self.mtp is not None:
-                self._allocated.callback(self.mtp.close)
+            #: Drafter state that follows the target (the MTP head's draft context), or none.
+            self.head = make_head(self.plan.mtp, self.model, self.target,
+                                  draft_spec(config, self.draft_max))
+            self._allocated.callback(self.head.close)
             self.verifier = Verifier(self.target, self.rollback, spec.n_batch)
             self._allocated.callback(self.verifier.close)
             # Calibration decodes on the target: a failure there must free the model too.
@@ -188,19 +197,20 @@ class SpeculativeEngine:
         # Compiled against this vocabulary before anything is placed (the serving loop has
         # compiled it already, off this thread): a ConstraintError.
         constraint = bind(request.constraint, self.model, counters)
-        drafts_mtp = self.mtp is not None and uses_mtp(method)
-        placement = self.prefix.place(request.prompt_tokens, free, drafts_mtp,
+        follows = self.head.follows(method)
+        placement = self.prefix.place(request.prompt_tokens, free, follows,
                                       request.prefix_cache)
-        reused = self.prefix.apply(placement, self.target, self.mtp, drafts_mtp)
+        reused = self.prefix.apply(placement, self.target, self.head, follows)
         seq = placement.seq
         on_device = self.plan.device_verify and verifies_on_device(
             request.sampling, request.logprobs, constraint is not UNCONSTRAINED)
         self.target.sample_top2(seq, on_device)
         sampler = make_sampler(request.sampling, len(request.prompt_tokens), on_device)
-        mtp = self.mtp.proposer(seq, sampler, constraint) if self.mtp is not None else None
+        proposer = request.proposer or make_proposer(
+            method, spec, self.head.proposer(seq, sampler, constraint), self.suffix)
         slot = Slot(
             seq=seq, request=request, method=method, spec=spec, draft_max=draft_max,
-            proposer=request.proposer or make_proposer(method, spec, mtp, self.suffix),
+            proposer=proposer, staged=staged(proposer), follows_head=follows,
             policy=self.planner.policy(draft_max, spec.adaptive),
             sampler=sampler, logprobs=make_logprobs(self.model, request.logprobs),
             stream=TextStream(self.model, request.stop),
@@ -289,9 +299,9 @@ class SpeculativeEngine:
         if len(prompt) >= self.config.n_ctx:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds "
                              f"{self.config.n_ctx} (prompt + at least one generated token)")
-        bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token {bad} is outside the vocabulary (0..{n_vocab - 1})")
+        why = outside_vocabulary(prompt, n_vocab)
+        if why is not None:
+            raise ValueError(f"prompt: {why}")
 
     def _step(self) -> list[SlotUpdate]:
         started = perf_counter()
@@ -310,20 +320,24 @@ class SpeculativeEngine:
         outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
         self.decode_seconds += times.decode
         steps: list[tuple[Slot, list[int]]] = []
+        origins: dict[int, str] = {}
         for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
             c = slot.counters
             c.draft_seconds += times.observe
             c.decode_seconds += times.target
             c.record_verify(len(draft.tokens), outcome.n_accepted)
-            steps.append((slot, slot.commit(outcome, self.model, self.config.n_ctx)))
+            committed = slot.commit(outcome, self.model, self.config.n_ctx)
+            steps.append((slot, committed))
+            origins[slot.seq] = token_origin(len(committed), outcome.n_accepted, slot.forced)
         committed_tokens = sum(len(committed) for _, committed in steps)
         _charge_host(steps, perf_counter() - started - times.decode, committed_tokens)
         for slot, committed in steps:
             if slot.finish is not None:
-                updates.append(self._finish(slot, slot.finish, committed))
+                updates.append(self._finish(slot, slot.finish, committed, origin=origins[slot.seq]))
             else:
                 updates.append(SlotUpdate(slot, committed, slot.stream.take(final=False), True,
-                                          logprobs=slot.logprobs_of_last(len(committed))))
+                                          logprobs=slot.logprobs_of_last(len(committed)),
+                                          origin=origins[slot.seq]))
         self.planner.observe(StepRecord(
             sum(len(d.tokens) + 1 for d in drafts), times.decode,
             [Verified(s.policy, len(d.tokens), o.n_accepted, s.forced)
@@ -350,12 +364,10 @@ class SpeculativeEngine:
 
     def _prefilled(self, chunk: PrefillChunk, row0: int) -> None:
         """A chunk was decoded (its hidden rows are still in the target's outputs): feed the
-        MTP draft, checkpoint the prefix where one is due."""
+        draft head, checkpoint the prefix where one is due."""
         slot = self._slots[chunk.seq]
-        hidden = None
-        if self.mtp is not None and uses_mtp(slot.method):
-            self.mtp.feed_prompt(chunk.seq, chunk.tokens, chunk.pos0, row0)
-            hidden = self.mtp.pending(chunk.seq)
+        hidden = (self.head.on_prefill(chunk.seq, chunk.tokens, chunk.pos0, row0)
+                  if slot.follows_head else None)
         slot.prefilled += len(chunk.tokens)
         if slot.request.prefix_cache and self.prefix.prefilled(
                 self.target, chunk.seq, slot.prefilled, slot.to_prefill == 0, hidden):
@@ -382,29 +394,31 @@ class SpeculativeEngine:
         slot.ready_at = perf_counter()
 
     def _draft(self, slots: list[Slot]) -> list[Draft]:
-        """Every decoding slot's draft for this step: MTP slots of this engine's drafter in
-        one batched chain (each is charged the chain's time: it waited for all of it), the
-        others through their own proposer."""
+        """Every decoding slot's draft for this step: each slot's staged draft first, then
+        the draft head once for every slot that asked for it (each of those is charged the
+        head's whole time: it waited for all of it), and each of those chooses."""
         widths = [self._width(s) for s in slots]
-        drafts: list[Draft | None] = [None] * len(slots)
-        batched = [i for i, s in enumerate(slots)
-                   if isinstance(s.proposer, MtpProposer) and s.proposer.drafter is self.mtp]
-        if batched and self.mtp is not None:
+        drafts: list[Draft] = []
+        asking: list[int] = []
+        for i, (slot, width) in enumerate(zip(slots, widths, strict=True)):
             t0 = perf_counter()
-            requests = [DraftRequest(slots[i].seq, slots[i].history, widths[i],
-                                     slots[i].spec.p_min, slots[i].sampler, slots[i].constraint)
-                        for i in batched]
-            for i, chained in zip(batched, self.mtp.draft(requests), strict=True):
-                drafts[i] = chained
+            draft, needs_head = slot.staged.stage(slot.history, width, slot.spec.p_min)
+            slot.counters.draft_seconds += perf_counter() - t0
+            drafts.append(draft)
+            if needs_head:
+                asking.append(i)
+        if asking:
+            t0 = perf_counter()
+            heads = self.head.draft([slots[i].staged.request(slots[i].history, widths[i],
+                                                             slots[i].spec.p_min)
+                                     for i in asking])
+            for i, head in zip(asking, heads, strict=True):
+                drafts[i] = slots[i].staged.choose(drafts[i], head)
             seconds = perf_counter() - t0
-            for i in batched:
+            for i in asking:
                 slots[i].counters.draft_seconds += seconds
         out: list[Draft] = []
-        for slot, width, draft in zip(slots, widths, drafts, strict=True):
-            if draft is None:
-                t0 = perf_counter()
-                draft = slot.proposer.propose(slot.history, width, slot.spec.p_min)
-                slot.counters.draft_seconds += perf_counter() - t0
+        for slot, draft in zip(slots, drafts, strict=True):
             # The grammar cuts what it forbids and puts its forced run in front; the planner
             # then cuts what the proposer added (draft_min, the verify shape), never that run.
             draft, slot.forced = slot.constraint.guide(draft, self._room(slot))
@@ -422,8 +436,9 @@ class SpeculativeEngine:
                    self.config.n_ctx - pos0 - 1)
 
     def _finish(self, slot: Slot, reason: FinishReason, committed: Sequence[int] = (),
-                verified: bool = True) -> SlotUpdate:
-        """End ``slot``'s generation, free its sequence, and build its result."""
+                verified: bool = True, origin: str = "") -> SlotUpdate:
+        """End ``slot``'s generation, free its sequence, and build its result (``origin``:
+        how each of the ``committed`` tokens was produced, :func:`token_origin`)."""
         now = perf_counter()
         c = slot.counters
         ready = slot.ready_at or now
@@ -446,7 +461,7 @@ class SpeculativeEngine:
                  effective_tps=round(telemetry.effective_tokens_per_second, 2),
                  telemetry=telemetry.model_dump(mode="json"))
         return SlotUpdate(slot, list(committed), text, verified, result,
-                          slot.logprobs_of_last(len(committed)))
+                          slot.logprobs_of_last(len(committed)), origin)
 
     def _release(self, slot: Slot, keep: bool) -> None:
         """Give ``slot``'s sequence back: its rollback checkpoint is forgotten, and what its
@@ -456,8 +471,7 @@ class SpeculativeEngine:
         slot.phase = Phase.DONE
         del self._slots[slot.seq]
         self.rollback.release(slot.seq)
-        self.prefix.release(self.target, slot.seq, tokens,
-                            self.mtp is not None and uses_mtp(slot.method))
+        self.prefix.release(self.target, slot.seq, tokens, slot.follows_head)
 
     def __enter__(self) -> SpeculativeEngine:
         return self

@@ -23,9 +23,11 @@ SWA cells) saved while a prompt is prefilled (at the end of each prompt and ever
 reserved at load. Reuse restores the deepest checkpoint at or below the common prefix, trims
 the KV to it and prefills from there (llama-server's ``--ctx-checkpoints``).
 
-An MTP engine's draft context must be in step too: a reused prefix keeps the draft KV up to it
-and needs the target's hidden state of the position before it, which is live at the end of the
-cached sequence and stored with every checkpoint, so MTP reuse is limited to those points.
+An engine's draft head (the MTP head's draft context) must be in step too: a reused prefix
+keeps the head's state up to it and needs the target's hidden state of the position before it,
+which is live at the end of the cached sequence and stored with every checkpoint, so a request
+that drafts with the head reuses only those points (``follows``: the head's
+:meth:`~worker.engine.proposers.head.DraftHead.follows`).
 
 :class:`NoPrefixCache` is the policy with reuse off (``--prefix-cache off``): every request is
 prefilled from its first token and every sequence is cleared when its generation ends, so the
@@ -47,7 +49,7 @@ from shared.logs import get_logger
 from worker.llm import Batch, Context, LlamaError, Model
 
 if TYPE_CHECKING:
-    from worker.engine.proposers.mtp import MtpDrafter
+    from worker.engine.proposers.head import DraftHead
 
 log = get_logger("engine.prefix")
 
@@ -114,18 +116,18 @@ class PrefixCheckpoint:
     pos: int
     buffer: int
     size: int
-    #: The target's hidden state at ``pos - 1`` (an MTP draft resumes from it); None when the
-    #: slot was not drafting with MTP.
+    #: The target's hidden state at ``pos - 1`` (the draft head resumes from it); None when
+    #: the slot was not drafting with the head.
     hidden: np.ndarray | None
 
 
 @dataclass
 class _Entry:
     """What one sequence holds: ``tokens`` decoded in the target (positions 0..), whether the
-    MTP draft context is in step with them, and its prefix checkpoints (oldest first)."""
+    draft head is in step with them, and its prefix checkpoints (oldest first)."""
 
     tokens: list[int] = field(default_factory=list)
-    mtp_synced: bool = False
+    head_synced: bool = False
     checkpoints: list[PrefixCheckpoint] = field(default_factory=list)
     used: int = 0
 
@@ -160,16 +162,17 @@ class PrefixPolicy(Protocol):
     #: Bytes of prefix-checkpoint storage reserved (host memory).
     reserved_bytes: int
 
-    def place(self, prompt: Sequence[int], free: Sequence[int], mtp: bool,
+    def place(self, prompt: Sequence[int], free: Sequence[int], follows: bool,
               allowed: bool) -> Placement:
         """Pick the sequence for ``prompt`` among ``free`` ones and what of it to keep
-        (``mtp``: the request drafts with the MTP head; ``allowed``: it did not opt out)."""
+        (``follows``: the request drafts with the draft head; ``allowed``: it did not opt
+        out)."""
         ...
 
-    def apply(self, placement: Placement, target: Context, drafter: MtpDrafter | None,
-              mtp: bool) -> PrefixStats:
+    def apply(self, placement: Placement, target: Context, head: DraftHead,
+              follows: bool) -> PrefixStats:
         """Make the sequence hold exactly the kept prefix (trim, restore or clear it, and
-        the MTP draft context with it)."""
+        tell the draft head)."""
         ...
 
     def prefilled(self, target: Context, seq: int, pos: int, prompt_end: bool,
@@ -179,7 +182,7 @@ class PrefixPolicy(Protocol):
         ...
 
     def release(self, target: Context, seq: int, tokens: Sequence[int] | None,
-                mtp_synced: bool) -> None:
+                head_synced: bool) -> None:
         """``seq``'s generation is over: keep ``tokens`` (what its positions hold) as its
         entry, or clear it (None: its state is not to be trusted, or the request opted out)."""
         ...
@@ -190,14 +193,13 @@ class NoPrefixCache:
 
     reserved_bytes = 0
 
-    def place(self, prompt: Sequence[int], free: Sequence[int], mtp: bool,
+    def place(self, prompt: Sequence[int], free: Sequence[int], follows: bool,
               allowed: bool) -> Placement:
         return Placement(free[0])
 
-    def apply(self, placement: Placement, target: Context, drafter: MtpDrafter | None,
-              mtp: bool) -> PrefixStats:
-        if drafter is not None:
-            drafter.reset(placement.seq)
+    def apply(self, placement: Placement, target: Context, head: DraftHead,
+              follows: bool) -> PrefixStats:
+        head.on_place(placement.seq, follows, 0, None)
         return PrefixStats()
 
     def prefilled(self, target: Context, seq: int, pos: int, prompt_end: bool,
@@ -205,7 +207,7 @@ class NoPrefixCache:
         return False
 
     def release(self, target: Context, seq: int, tokens: Sequence[int] | None,
-                mtp_synced: bool) -> None:
+                head_synced: bool) -> None:
         target.seq_clear(seq)
 
 
@@ -222,8 +224,8 @@ class PrefixCache:
         #: its own cache stream, so no other slot's decodes overwrite them meanwhile).
         self._window_start = [0] * slots
         self._clock = 0
-        #: Checkpoints only where the live state cannot be trimmed (and an MTP draft needs the
-        #: hidden state of a cut point, which only a checkpoint keeps).
+        #: Checkpoints only where the live state cannot be trimmed (and the draft head needs
+        #: the hidden state of a cut point, which only a checkpoint keeps).
         self.per_slot = per_slot if checkpoint_size > 0 else 0
         self.checkpoint_size = checkpoint_size
         self._buffers = [[(ctypes.c_uint8 * checkpoint_size)() for _ in range(self.per_slot)]
@@ -231,12 +233,12 @@ class PrefixCache:
         self.reserved_bytes = slots * self.per_slot * checkpoint_size
 
     # -- placing -------------------------------------------------------------------------------
-    def place(self, prompt: Sequence[int], free: Sequence[int], mtp: bool,
+    def place(self, prompt: Sequence[int], free: Sequence[int], follows: bool,
               allowed: bool) -> Placement:
         best: Placement | None = None
         if allowed:
             for seq in free:
-                found = self._reusable(seq, prompt, mtp)
+                found = self._reusable(seq, prompt, follows)
                 if found.keep and (best is None or found.keep > best.keep):
                     best = found
         if best is not None:
@@ -245,44 +247,43 @@ class PrefixCache:
         return Placement(min(free, key=lambda s: (bool(self._entries[s].tokens),
                                                   self._entries[s].used)))
 
-    def _reusable(self, seq: int, prompt: Sequence[int], mtp: bool) -> Placement:
+    def _reusable(self, seq: int, prompt: Sequence[int], follows: bool) -> Placement:
         """The longest prefix of ``prompt`` that ``seq`` can give, live or from a checkpoint.
         The last prompt token is never kept: it opens the first verify."""
         entry = self._entries[seq]
-        if mtp and not entry.mtp_synced:
+        if follows and not entry.head_synced:
             return Placement(seq)
         limit = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
         if limit <= 0:
             return Placement(seq)
-        live = limit if self._trimmable(seq, limit, len(entry.tokens), mtp) else 0
+        live = limit if self._trimmable(seq, limit, len(entry.tokens), follows) else 0
         ckpt = max((c for c in entry.checkpoints
-                    if c.pos <= limit and (c.hidden is not None or not mtp)),
+                    if c.pos <= limit and (c.hidden is not None or not follows)),
                    key=lambda c: c.pos, default=None)
         if ckpt is not None and ckpt.pos > live:
             return Placement(seq, ckpt.pos, ckpt)
         return Placement(seq, live)
 
-    def _trimmable(self, seq: int, keep: int, cached: int, mtp: bool) -> bool:
+    def _trimmable(self, seq: int, keep: int, cached: int, follows: bool) -> bool:
         """Whether the live sequence can be cut back to its first ``keep`` positions."""
         if keep == cached:
             return True
-        if mtp or self.kind is MemoryKind.RECURRENT:
+        if follows or self.kind is MemoryKind.RECURRENT:
             return False
         if self.kind is MemoryKind.WINDOW:
             return self._window_start[seq] <= max(0, keep - self.n_swa)
         return True
 
     # -- applying ------------------------------------------------------------------------------
-    def apply(self, placement: Placement, target: Context, drafter: MtpDrafter | None,
-              mtp: bool) -> PrefixStats:
+    def apply(self, placement: Placement, target: Context, head: DraftHead,
+              follows: bool) -> PrefixStats:
         seq, keep, ckpt = placement.seq, placement.keep, placement.checkpoint
         entry = self._entries[seq]
         self._clock += 1
         entry.used = self._clock
         if keep == 0:
             self._clear(target, seq)
-            if drafter is not None:
-                drafter.reset(seq)
+            head.on_place(seq, follows, 0, None)
             return PrefixStats(misses=1)
         if ckpt is not None:
             read = target.state_restore(self._buffers[seq][ckpt.buffer], ckpt.size, _PARTIAL,
@@ -293,11 +294,7 @@ class PrefixCache:
             raise LlamaError(f"llama.cpp refused to cut sequence {seq} back to {keep} tokens")
         del entry.tokens[keep:]
         entry.checkpoints = [c for c in entry.checkpoints if c.pos <= keep]
-        if drafter is not None:
-            if mtp:
-                drafter.resume(seq, keep, ckpt.hidden if ckpt is not None else None)
-            else:
-                drafter.reset(seq)
+        head.on_place(seq, follows, keep, ckpt.hidden if ckpt is not None else None)
         return PrefixStats(cached_tokens=keep, hits=1, restores=int(ckpt is not None))
 
     def _clear(self, target: Context, seq: int) -> None:
@@ -307,7 +304,7 @@ class PrefixCache:
         target.seq_clear(seq)
         entry.tokens = []
         entry.checkpoints = []
-        entry.mtp_synced = False
+        entry.head_synced = False
 
     # -- while prefilling ----------------------------------------------------------------------
     def prefilled(self, target: Context, seq: int, pos: int, prompt_end: bool,
@@ -338,13 +335,13 @@ class PrefixCache:
 
     # -- releasing -----------------------------------------------------------------------------
     def release(self, target: Context, seq: int, tokens: Sequence[int] | None,
-                mtp_synced: bool) -> None:
+                head_synced: bool) -> None:
         entry = self._entries[seq]
         if tokens is None:
             self._clear(target, seq)
             return
         entry.tokens = list(tokens)
-        entry.mtp_synced = mtp_synced
+        entry.head_synced = head_synced
         # Checkpoints beyond what the sequence now holds (a cancel mid-prefill) are not its.
         entry.checkpoints = [c for c in entry.checkpoints if c.pos <= len(entry.tokens)]
         if self.kind is MemoryKind.WINDOW:

@@ -30,6 +30,7 @@ from worker.engine.core.telemetry import SpecCounters
 from worker.engine.drafting.width import DraftLengthPolicy
 from worker.engine.logprobs import LogprobReporter
 from worker.engine.proposers.base import Proposer
+from worker.engine.proposers.head import Staged
 from worker.engine.rollback.base import RollbackStats
 from worker.engine.text import TextStream
 from worker.llm import Model
@@ -95,6 +96,10 @@ class Slot:
     spec: SpecSettings
     draft_max: int
     proposer: Proposer
+    #: ``proposer`` as the step drives it (:func:`~.proposers.factory.staged`).
+    staged: Staged
+    #: The request drafts with the engine's draft head, which follows its sequence.
+    follows_head: bool
     policy: DraftLengthPolicy
     sampler: Sampler
     logprobs: LogprobReporter
@@ -177,8 +182,9 @@ class SlotUpdate:
 
     ``verified``: the slot took part in this step's verify (``tokens`` may still be empty: an
     end-of-generation token commits nothing). ``logprobs`` match ``tokens`` when the request
-    asked for them. ``result`` is set when the slot finished; its sequence is free again from
-    the next :meth:`SpeculativeEngine.admit`.
+    asked for them; ``origin`` says how each was produced (:func:`token_origin`). ``result``
+    is set when the slot finished; its sequence is free again from the next
+    :meth:`SpeculativeEngine.admit`.
     """
 
     slot: Slot
@@ -187,3 +193,14 @@ class SlotUpdate:
     verified: bool
     result: GenerationResult | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    origin: str = ""
+
+
+def token_origin(committed: int, accepted: int, forced: int) -> str:
+    """How each of the ``committed`` tokens of one verify was produced, one
+    ``TOKEN_ORIGINS`` letter a token: what :meth:`Slot.commit` kept is a prefix of the
+    ``accepted`` drafts (the grammar's ``forced`` run at their front) and the target's own
+    token after them."""
+    drafted = min(accepted, committed)
+    grammar = min(forced, drafted)
+    return "f" * grammar + "d" * (drafted - grammar) + "t" * (committed - drafted)

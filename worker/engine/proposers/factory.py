@@ -14,17 +14,30 @@ from worker.engine.drafting.bar import DraftBar
 from worker.engine.drafting.costs import RowCosts
 from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.combined import MtpSuffixProposer
-from worker.engine.proposers.mtp import MtpProposer
+from worker.engine.proposers.head import NO_HEAD, DraftHead, Solo, Staged
+from worker.engine.proposers.mtp import MtpDrafter, MtpProposer, uses_mtp
 from worker.engine.proposers.ngram import NgramProposer
 from worker.engine.proposers.none import NoDraft
 from worker.engine.proposers.output_cache import OutputCache
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared
-from worker.llm import Context
+from worker.llm import Context, ContextSpec, Model
+
+__all__ = ["make_head", "make_proposer", "make_suffix_shared", "staged", "uses_mtp",
+           "uses_suffix"]
 
 
-def uses_mtp(method: SpecMethod) -> bool:
-    """An engine loaded for ``method`` needs the MTP draft context."""
-    return method in (SpecMethod.MTP, SpecMethod.MTP_SUFFIX)
+def make_head(mtp: bool, model: Model, target: Context, spec: ContextSpec) -> DraftHead:
+    """The engine's draft head: the MTP drafter when the engine was planned with one
+    (``plan.mtp``), else :data:`~.head.NO_HEAD`."""
+    return MtpDrafter(model, target, spec) if mtp else NO_HEAD
+
+
+def staged(proposer: Proposer) -> Staged:
+    """``proposer`` as the engine's step drives it: the drafters that use the head are staged
+    themselves; any other (a test's oracle included) drafts alone."""
+    if isinstance(proposer, MtpProposer | MtpSuffixProposer):
+        return proposer
+    return Solo(proposer)
 
 
 def uses_suffix(method: SpecMethod) -> bool:
@@ -46,9 +59,10 @@ def make_suffix_shared(method: SpecMethod, target: Context, cache_bytes: int, ba
                         ends=target.model.is_eog, bar=bar)
 
 
-def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: MtpProposer | None,
+def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: Proposer | None,
                   suffix: SuffixShared | None = None) -> Proposer:
-    """The drafter for one generation; the MTP one is the engine's resident instance.
+    """The drafter for one generation; ``mtp`` is the slot's view of the engine's head
+    (:meth:`~.head.DraftHead.proposer`).
 
     A method whose engine-wide part is missing (no MTP drafter, no suffix state) is an error,
     never a silent generation without drafts."""
@@ -60,7 +74,7 @@ def make_proposer(method: SpecMethod, spec: SpecSettings, mtp: MtpProposer | Non
         return mtp
     if method is SpecMethod.SUFFIX and suffix is not None:
         return SuffixProposer(suffix)
-    if method is SpecMethod.MTP_SUFFIX and mtp is not None and suffix is not None:
+    if method is SpecMethod.MTP_SUFFIX and isinstance(mtp, MtpProposer) and suffix is not None:
         return MtpSuffixProposer(mtp, SuffixProposer(suffix))
     raise ValueError(f"method '{method}' needs a part of the engine it was not loaded with "
                      "(the MTP drafter or the suffix state)")

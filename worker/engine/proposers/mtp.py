@@ -10,9 +10,11 @@ and the draft context never has to be rolled back (docs/engine.md, "Proposers").
 The draft context holds as many sequences as the target (one per slot), and
 :class:`MtpDrafter` drafts for every MTP slot of an engine step together: the catch-up of
 each slot's last verify rides in the same decode as its first drafted position, and each
-further chain position of all slots is one more decode. :class:`MtpProposer` is one slot's
-view of the drafter, behind the ordinary :class:`~worker.engine.proposers.base.Proposer`
-interface.
+further chain position of all slots is one more decode. It is the engine's
+:class:`~worker.engine.proposers.head.DraftHead` (the hooks the engine and the prefix cache
+call); :class:`MtpProposer` is one slot's view of it, behind the ordinary
+:class:`~worker.engine.proposers.base.Proposer` interface and staged for the batched draft
+(:class:`~worker.engine.proposers.head.Staged`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shared.logs import get_logger
+from shared.protocol import SpecMethod
 from worker.engine.core.constraint import UNCONSTRAINED, SlotConstraint
 from worker.engine.core.draft import Draft, VerifyOutcome
+from worker.engine.proposers.head import DraftRequest
 from worker.llm import Batch, Context, ContextSpec, LlamaError, Model
 
 if TYPE_CHECKING:
@@ -33,6 +37,11 @@ if TYPE_CHECKING:
     from worker.engine.core.sampler import Sampler
 
 log = get_logger("engine.mtp")
+
+
+def uses_mtp(method: SpecMethod) -> bool:
+    """A request (or an engine) of ``method`` drafts with the MTP head."""
+    return method in (SpecMethod.MTP, SpecMethod.MTP_SUFFIX)
 
 
 class MtpUnavailableError(ValueError):
@@ -46,22 +55,6 @@ def require_mtp_head(model: Model) -> None:
             f"{model.spec.path} has no MTP (NextN) head (nextn_predict_layers = 0): "
             "use spec method 'ngram' or 'auto'"
         )
-
-
-@dataclass(frozen=True)
-class DraftRequest:
-    """One slot's share of a batched draft: ``history`` ends with the next verify's token;
-    ``sampler`` is the slot's (greedy: the head's argmax; sampled: a draw from the head's
-    distribution under the request's sampling, kept for rejection sampling); ``constraint``
-    masks the head's logits after the tokens drafted so far, so its drafts follow the
-    grammar and its sampled distributions are the masked ones."""
-
-    seq: int
-    history: Sequence[int]
-    width: int
-    p_min: float
-    sampler: Sampler
-    constraint: SlotConstraint = UNCONSTRAINED
 
 
 @dataclass
@@ -101,11 +94,30 @@ class MtpDrafter:
         self._batch = Batch(spec.n_batch, model.n_embd)
         self._seqs = [_SeqState(model.n_embd) for _ in range(spec.n_seq_max)]
 
+    # -- the DraftHead hooks ----------------------------------------------------------------
+    def follows(self, method: SpecMethod) -> bool:
+        return uses_mtp(method)
+
     def proposer(self, seq: int, sampler: Sampler,
                  constraint: SlotConstraint = UNCONSTRAINED) -> MtpProposer:
         """The drafter of slot ``seq`` (one generation's, drafting with its ``sampler`` under
         its ``constraint``)."""
         return MtpProposer(self, seq, sampler, constraint)
+
+    def on_place(self, seq: int, follows: bool, keep: int, hidden: np.ndarray | None) -> None:
+        """Resume ``seq`` at ``keep`` for a request that drafts with the head; otherwise (or
+        with nothing kept) forget the sequence's draft state."""
+        if follows and keep:
+            self.resume(seq, keep, hidden)
+        else:
+            self.reset(seq)
+
+    def on_prefill(self, seq: int, tokens: Sequence[int], pos0: int,
+                   row0: int) -> np.ndarray | None:
+        self.feed_prompt(seq, tokens, pos0, row0)
+        return self.pending(seq)
+
+    # -- the draft context -------------------------------------------------------------------
 
     def reset(self, seq: int) -> None:
         """A new generation in ``seq``: forget the previous one's draft KV and hand-over."""
@@ -147,11 +159,26 @@ class MtpDrafter:
 
     def observe(self, seq: int, outcome: VerifyOutcome) -> None:
         """Keep ``[last, accepted drafts]`` of the verify (their hidden rows are still in the
-        target's outputs, from entry ``outcome.row0``) for the next draft decode to feed."""
+        target's outputs, from entry ``outcome.row0``) for the next draft decode to feed.
+
+        A slot whose lookup drafted instead of the head (``mtp+suffix``) is observed again
+        before the head next drafts: the new entries join the waiting ones (they follow them
+        position for position). A backlog past half a batch is fed at once, so a draft's
+        first decode always has room for it."""
         n = outcome.n_accepted + 1
         rows = self._target.hidden_rows(n, outcome.row0)
-        self._seqs[seq].backlog = _Feed([outcome.last_token, *outcome.accepted], outcome.pos0,
-                                        self._inputs(seq, rows))
+        state = self._seqs[seq]
+        feed = _Feed([outcome.last_token, *outcome.accepted], outcome.pos0,
+                     self._inputs(seq, rows))
+        if state.backlog is not None:
+            old = state.backlog
+            feed = _Feed(old.tokens + feed.tokens, old.pos0,
+                         np.concatenate([old.inputs, feed.inputs]))
+        state.backlog = None
+        if len(feed.tokens) > self._batch.capacity // 2:
+            self._feed_now(seq, feed)
+        else:
+            state.backlog = feed
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         """Chain the head for every request at once: (last, target hidden) -> d1, (d1, head's
@@ -164,6 +191,7 @@ class MtpDrafter:
         tokens: list[list[int]] = [[] for _ in requests]
         dists: list[list[Distribution | None]] = [[] for _ in requests]
         row: dict[int, int] = {}
+        self._make_room(requests)
         batch = self._batch.clear()
         for i, r in enumerate(requests):
             state = self._seqs[r.seq]
@@ -216,6 +244,20 @@ class MtpDrafter:
         self._batch.close()
         self._draft.close()
 
+    def _make_room(self, requests: Sequence[DraftRequest]) -> None:
+        """Feed waiting catch-up now, slot by slot, until what is left of it and every slot's
+        first drafted row fit one batch (only slots whose lookup drafted for several steps
+        have that much waiting)."""
+        waiting = [(r.seq, feed) for r in requests
+                   if (feed := self._seqs[r.seq].backlog) is not None]
+        need = len(requests) + sum(len(feed.tokens) for _, feed in waiting)
+        for seq, feed in waiting:
+            if need <= self._batch.capacity:
+                return
+            self._seqs[seq].backlog = None
+            need -= len(feed.tokens)
+            self._feed_now(seq, feed)
+
     def _inputs(self, seq: int, rows: np.ndarray) -> np.ndarray:
         """Entry i's input is the hidden row of the position before it; afterwards the last
         row is what the next entry will need."""
@@ -236,7 +278,9 @@ class MtpDrafter:
 
 
 class MtpProposer:
-    """One slot's MTP drafter: the :class:`Proposer` face of :class:`MtpDrafter` for ``seq``."""
+    """One slot's MTP drafter: the :class:`Proposer` face of :class:`MtpDrafter` for ``seq``,
+    staged so that the engine drafts every MTP slot of a step together (it always asks for
+    the head: the head's catch-up rides on that draft even when ``width`` is 0)."""
 
     def __init__(self, drafter: MtpDrafter, seq: int, sampler: Sampler,
                  constraint: SlotConstraint = UNCONSTRAINED) -> None:
@@ -249,11 +293,19 @@ class MtpProposer:
         """Nothing to do: the engine fed the prompt to the draft context as it prefilled."""
 
     def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
-        return self.drafter.draft([DraftRequest(self.seq, history, width, p_min,
-                                                self.sampler, self.constraint)])[0]
+        return self.drafter.draft([self.request(history, width, p_min)])[0]
 
     def observe(self, outcome: VerifyOutcome) -> None:
         self.drafter.observe(self.seq, outcome)
+
+    def stage(self, history: Sequence[int], width: int, p_min: float) -> tuple[Draft, bool]:
+        return Draft([]), True
+
+    def request(self, history: Sequence[int], width: int, p_min: float) -> DraftRequest:
+        return DraftRequest(self.seq, history, width, p_min, self.sampler, self.constraint)
+
+    def choose(self, staged: Draft, head: Draft) -> Draft:
+        return head
 
 
 def _sampled(dists: list[Distribution | None]) -> list[Distribution] | None:
