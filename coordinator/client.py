@@ -23,8 +23,10 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.events import StreamCursor, follow
+from coordinator.models import ModelDirectory
 from coordinator.routing import choose_holder
 from coordinator.validation import SubmitError, check_admission, choose_tier, parse_request
+from coordinator.waiting import WaitingRequests, WorkerWait
 from shared import doorbell, redis_faults
 from shared.cancel import request_cancel
 from shared.event_stream import EventWriter
@@ -132,6 +134,10 @@ class Coordinator:
         self.keys = self.settings.keys
         self.registry = FleetRegistry(self.connection, self.keys,
                                       self.settings.worker_ttl_seconds)
+        #: Whether a model is served, coming, known or unknown (``coordinator/models.py``).
+        self.models = ModelDirectory(self.connection, self.keys, self.registry)
+        #: What waits for a worker of a coming model (``coordinator/waiting.py``).
+        self.waiting = WaitingRequests(self.connection, self.keys)
         self._fleet_seen: dict[str, tuple[float, list[WorkerInfo]]] = {}
         self._tiers_recorded: set[tuple[str, int]] = set()
 
@@ -163,19 +169,30 @@ class Coordinator:
         return {m.decode() if isinstance(m, bytes) else m
                 for m in self.connection.smembers(self.keys.models())}
 
+    def worker_wait(self, model: str, waiter: str, seconds: float | None = None) -> WorkerWait:
+        """A wait for a worker of the coming ``model`` (``coordinator/waiting.py``), up to
+        ``seconds`` (``SPECFLEET_WAIT_FOR_WORKER_SECONDS`` unless told)."""
+        return WorkerWait(self.models, self.waiting, model, waiter,
+                          self.settings.wait_for_worker_seconds if seconds is None else seconds)
+
     def submit(self, request: GenerationRequest | dict[str, Any],
-               job_id: str | None = None) -> JobHandle:
+               job_id: str | None = None, *, wait_seconds: float = 0.0) -> JobHandle:
         """Validate and queue one request; ``SubmitError`` says why it was refused.
 
         ``job_id`` lets a caller record the job (a batch line) before it can run. A Redis
         that refuses for a while (down, restarting, out of memory, busy ...) is waited out
         for up to ``redis_outage_seconds``, as the stream that follows is; the job is queued
-        once even when a retried enqueue's first try had landed."""
+        once even when a retried enqueue's first try had landed. A request for a model that
+        is coming (declared, or a worker loading) waits up to ``wait_seconds`` for a live
+        worker (the CLI passes ``SPECFLEET_WAIT_FOR_WORKER_SECONDS``); without it, it is
+        refused ``coming`` at once, for a caller that waits in its own way (the gateway, the
+        batch pump). A declared model's alias is submitted as that model."""
         # The seed is fixed here, before queueing: a re-run of the job samples the same tokens.
         req = parse_request(request).with_seed()
         job_id = job_id or uuid.uuid4().hex
         outage = self.settings.redis_outage_seconds
-        workers = ride_out(lambda: self._admit(req), outage, "submit.admit")
+        req, workers = ride_out(lambda: self._admit(req, job_id, wait_seconds), outage,
+                                "submit.admit")
         tried = False
 
         def enqueue() -> Queue:
@@ -191,25 +208,42 @@ class Coordinator:
                  seed=req.sampling.seed)
         return JobHandle(self, job_id)
 
-    def _admit(self, req: GenerationRequest) -> list[WorkerInfo]:
-        """The live workers that may serve ``req``, or ``SubmitError``. No live worker while
-        some of the model's registrations have just lapsed (Redis restarted or stalled under
-        them: they re-register within a heartbeat, or recovery removes them within a TTL)
-        is waited out for up to two registration TTLs before it is a refusal."""
+    def _admit(self, req: GenerationRequest, job_id: str,
+               wait_seconds: float) -> tuple[GenerationRequest, list[WorkerInfo]]:
+        """The request (a declared alias resolved) and the live workers that may serve it,
+        or ``SubmitError``. A coming model is waited for up to ``wait_seconds``. No live
+        worker while some of the model's registrations have just lapsed (Redis restarted or
+        stalled under them: they re-register within a heartbeat, or recovery removes them
+        within a TTL) is waited out for up to two registration TTLs before it is a refusal."""
         waited = 0.0
-        while True:
-            workers = self._serving(req.model)
-            try:
-                check_admission(req, workers, self.known_models,
-                                self.settings.require_live_worker)
-            except SubmitError as exc:
-                if (exc.reason != "no_worker" or waited >= 2 * self.settings.worker_ttl_seconds
-                        or not self.registry.lapsed(req.model)):
-                    raise
-                time.sleep(self.settings.heartbeat_seconds)
-                waited += self.settings.heartbeat_seconds
-                continue
-            return workers
+        wait: WorkerWait | None = None
+        try:
+            while True:
+                workers = self._serving(req.model)
+                if not workers and (target := self.models.catalog.resolve(req.model)):
+                    req = req.model_copy(update={"model": target})
+                    continue
+                state = self.models.state(req.model, workers)
+                try:
+                    check_admission(req, state, self.models.known,
+                                    self.settings.require_live_worker)
+                except SubmitError as exc:
+                    if exc.reason == "coming" and wait_seconds > 0:
+                        wait = wait or self.worker_wait(req.model, job_id, wait_seconds)
+                        if wait.coming():
+                            time.sleep(wait.interval)
+                        continue
+                    if (exc.reason != "no_worker"
+                            or waited >= 2 * self.settings.worker_ttl_seconds
+                            or not self.registry.lapsed(req.model)):
+                        raise
+                    time.sleep(self.settings.heartbeat_seconds)
+                    waited += self.settings.heartbeat_seconds
+                    continue
+                return req, workers
+        finally:
+            if wait is not None:
+                wait.close()
 
     def _enqueue(self, req: GenerationRequest, job_id: str,
                  workers: list[WorkerInfo]) -> Queue:
@@ -276,16 +310,21 @@ class Coordinator:
         return True
 
     def fleet(self) -> list[WorkerInfo]:
-        """Live workers (recovering any lost one's job first: a sweep that a refusing Redis,
-        out of memory say, turns away is left to the next one, the listing still answers)."""
+        """Live workers, as their registrations say (a read: nothing is written)."""
+        return self.registry.live_workers()
+
+    def recover(self) -> list[str]:
+        """Requeue the jobs of workers that died (the sweep every live worker's heartbeat
+        runs; with no worker alive, nothing else does it) and return their ids. A sweep that
+        a refusing Redis, out of memory say, turns away is left to the next one: []."""
         try:
-            RecoveryMonitor(self.connection, self.registry, self.settings).sweep()
+            return RecoveryMonitor(self.connection, self.registry, self.settings).sweep()
         except Exception as exc:
             fault = redis_faults.classify(exc)
             if fault is None:
                 raise
             log.warning("recovery.skipped", fault=str(fault), error=str(exc))
-        return self.registry.live_workers()
+            return []
 
     def queue_depths(self, model: str) -> dict[str, int]:
         """Jobs waiting per queue of one model."""

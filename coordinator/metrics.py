@@ -3,7 +3,8 @@
 One snapshot feeds both views that read the fleet from outside a worker, so they can never
 disagree: the gateway's ``GET /metrics`` (:func:`render_fleet_metrics`, Prometheus text) and
 ``specfleet top`` (:func:`fleet_snapshot`, rows and JSON). Reading is side-effect free: a
-scrape never runs crash recovery (``Coordinator.fleet()`` does) and never writes to Redis.
+scrape never runs crash recovery (``Coordinator.recover()`` does, which ``specfleet fleet``
+calls) and never writes to Redis.
 
 Per-worker rates come from the telemetry each worker publishes with its heartbeat (its
 engine's lifetime counters), so they are rates *while generating*: ``tokens_per_second`` is
@@ -13,8 +14,9 @@ the same time, the same figures whether the view refreshes once or every second.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC
 from typing import Any
@@ -27,7 +29,8 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from coordinator.client import Coordinator
-from shared.keys import STREAM_FIELD
+from coordinator.models import ModelListing
+from shared.fleet_events import decode
 from shared.protocol import Telemetry, WorkerInfo
 
 #: Content type of :func:`render_fleet_metrics`'s body (Prometheus text exposition 0.0.4).
@@ -44,6 +47,8 @@ PUBLISHED_COUNTS = ("generated_tokens", "prompt_tokens", "drafts", "drafted", "a
 
 #: Lost workers a snapshot shows (the newest of the fleet's event stream).
 LOST_SHOWN = 20
+#: Entries of the fleet's event stream read back at a time while looking for lost workers.
+_LOST_PAGE = 500
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,28 @@ class QueueRow:
 
 
 @dataclass(frozen=True)
+class ModelDemand:
+    """One model's demand and capacity, as an autoscaler reads them (per model, without
+    knowing queues, tiers or keys): ``demand_slots`` is what the model could keep busy now
+    (running + queued + waiting for a worker); ``tokens_per_second`` sums its live workers'
+    generation speed while generating (a capacity figure: for throughput, take the rate of
+    ``worker_telemetry_generated_tokens_total``)."""
+
+    model: str
+    declared: bool
+    live_workers: int
+    starting_workers: int
+    slots: int
+    busy_slots: int
+    free_slots: int
+    queued_jobs: int
+    waiting_requests: int
+    oldest_wait_seconds: float
+    tokens_per_second: float
+    demand_slots: int
+
+
+@dataclass(frozen=True)
 class LostRow:
     """A worker declared lost, from the fleet's event stream (whoever swept it)."""
 
@@ -106,14 +133,18 @@ class FleetSnapshot:
     queues: list[QueueRow]
     #: The newest workers declared lost (:data:`LOST_SHOWN` at most), newest first.
     lost: list[LostRow]
+    #: Every model's demand and capacity (each model known, declared, served or loading).
+    demand: list[ModelDemand] = dataclasses.field(default_factory=list)
 
     def models(self) -> list[str]:
-        return sorted({w.model for w in self.workers} | {q.model for q in self.queues})
+        return sorted({w.model for w in self.workers} | {q.model for q in self.queues}
+                      | {d.model for d in self.demand})
 
     def to_json(self) -> dict[str, Any]:
         return {"taken_at": self.taken_at, "workers": [asdict(w) for w in self.workers],
                 "queues": [asdict(q) for q in self.queues],
-                "lost": [asdict(lost) for lost in self.lost]}
+                "lost": [asdict(lost) for lost in self.lost],
+                "demand": [asdict(d) for d in self.demand]}
 
 
 def worker_row(info: WorkerInfo, now: float) -> WorkerRow:
@@ -173,29 +204,67 @@ def queue_rows(coordinator: Coordinator, models: set[str], now: float) -> list[Q
 
 
 def lost_rows(coordinator: Coordinator, count: int = LOST_SHOWN) -> list[LostRow]:
-    """The newest ``count`` workers declared lost, newest first (``Keys.fleet_events``)."""
-    entries = coordinator.connection.xrevrange(coordinator.keys.fleet_events(), count=count)
+    """The newest ``count`` workers declared lost, newest first (``Keys.fleet_events``, read
+    back a page at a time: the stream's other events are passed over)."""
+    rows: list[LostRow] = []
+    newest = "+"
+    while len(rows) < count:
+        entries = coordinator.connection.xrevrange(coordinator.keys.fleet_events(), max=newest,
+                                                   count=_LOST_PAGE)
+        for _, fields in entries or []:
+            record = decode(fields)
+            if record is not None and record["event"] == "worker.lost" and len(rows) < count:
+                rows.append(LostRow(worker=str(record["worker"]), model=record.get("model"),
+                                    jobs=list(record.get("jobs") or []),
+                                    requeued=list(record.get("requeued") or []),
+                                    by=record.get("by"),
+                                    timestamp=str(record.get("timestamp"))))
+        if not entries or len(entries) < _LOST_PAGE:
+            break
+        last = entries[-1][0]
+        newest = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+    return rows
+
+
+def demand_rows(coordinator: Coordinator, workers: list[WorkerRow], queues: list[QueueRow],
+                listings: list[ModelListing], models: list[str]) -> list[ModelDemand]:
+    """Each of ``models``' demand and capacity, from the workers and queues already read, the
+    directory's listing and the waiting requests (``coordinator/waiting.py``)."""
+    waiting = coordinator.waiting.of(models)
+    by_name = {m.name: m for m in listings}
     rows = []
-    for _, fields in entries or []:
-        record = json.loads((fields or {}).get(STREAM_FIELD.encode()) or b"{}")
-        if record.get("event") == "worker.lost":
-            rows.append(LostRow(worker=str(record["worker"]), model=record.get("model"),
-                                jobs=list(record.get("jobs") or []),
-                                requeued=list(record.get("requeued") or []),
-                                by=record.get("by"), timestamp=str(record.get("timestamp"))))
+    for model in models:
+        mine = [w for w in workers if w.model == model]
+        queued = [q for q in queues if q.model == model]
+        listing = by_name.get(model)
+        slots, busy = sum(w.slots for w in mine), sum(w.busy_slots for w in mine)
+        depth = sum(q.depth for q in queued)
+        wait = waiting[model]
+        rows.append(ModelDemand(
+            model=model, declared=listing is not None and listing.entry is not None,
+            live_workers=len(mine), starting_workers=len(listing.starting) if listing else 0,
+            slots=slots, busy_slots=busy, free_slots=max(0, slots - busy), queued_jobs=depth,
+            waiting_requests=wait.requests,
+            oldest_wait_seconds=max([wait.oldest_seconds,
+                                     *(q.oldest_wait_seconds for q in queued)]),
+            tokens_per_second=sum(w.tokens_per_second for w in mine),
+            demand_slots=busy + depth + wait.requests))
     return rows
 
 
 def fleet_snapshot(coordinator: Coordinator) -> FleetSnapshot:
-    """Read live workers, every known model's queues and the newest lost workers
-    (read-only)."""
+    """Read live workers, every model's queues and demand (known, declared, served or
+    loading) and the newest lost workers (read-only)."""
     now = time.time()
     infos = coordinator.registry.live_workers()
     workers = sorted((worker_row(w, now) for w in infos), key=lambda r: (r.model, r.name))
-    models = {w.model for w in workers} | coordinator.known_models()
-    return FleetSnapshot(taken_at=now, workers=workers,
-                         queues=queue_rows(coordinator, models, now),
-                         lost=lost_rows(coordinator))
+    listings = coordinator.models.listing(infos)
+    models = sorted({w.model for w in workers} | coordinator.known_models()
+                    | {m.name for m in listings})
+    queues = queue_rows(coordinator, set(models), now)
+    return FleetSnapshot(taken_at=now, workers=workers, queues=queues,
+                         lost=lost_rows(coordinator),
+                         demand=demand_rows(coordinator, workers, queues, listings, models))
 
 
 def render_fleet_metrics(coordinator: Coordinator) -> bytes:
@@ -225,9 +294,32 @@ def render_fleet_metrics(coordinator: Coordinator) -> bytes:
                 ("worker", "model", "device"))
     for w in snapshot.workers:
         age.labels(w.name, w.model, w.device).set(w.heartbeat_age_seconds)
+    _demand_gauges(snapshot.demand, gauge)
     registry.register(_PublishedTelemetry(snapshot.workers))
     registry.register(_Routing(coordinator, snapshot.models()))
     return generate_latest(registry)
+
+
+#: The per-model gauges an autoscaler reads (``model_<field>``), from :class:`ModelDemand`.
+DEMAND_GAUGES = {
+    "declared": "1 when the model is declared (specfleet models add)",
+    "starting_workers": "Workers loading the model, not yet registered",
+    "free_slots": "Generation slots of the live workers not running a job",
+    "queued_jobs": "Jobs queued for the model, every tier and worker queue",
+    "waiting_requests": "Requests and batch lines waiting for a worker of the model before "
+                        "they can be queued (it is declared or loading, none is live)",
+    "oldest_wait_seconds": "How long the oldest queued job or waiting request has waited",
+    "tokens_per_second": "Sum of the live workers' generation speed while generating",
+    "demand_slots": "Slots the model could keep busy now: running + queued + waiting",
+}
+
+
+def _demand_gauges(demand: list[ModelDemand], gauge: Callable[..., Gauge]) -> None:
+    """One gauge per :data:`DEMAND_GAUGES` field, a series per model."""
+    for name, doc in DEMAND_GAUGES.items():
+        family = gauge(f"model_{name}", doc, ("model",))
+        for row in demand:
+            family.labels(row.model).set(float(getattr(row, name)))
 
 
 class _Routing:
@@ -273,5 +365,6 @@ class _PublishedTelemetry:
         return families
 
 
-__all__ = ["METRICS_CONTENT_TYPE", "FleetSnapshot", "LostRow", "QueueRow", "WorkerRow",
-           "fleet_snapshot", "lost_rows", "render_fleet_metrics", "worker_row"]
+__all__ = ["METRICS_CONTENT_TYPE", "FleetSnapshot", "LostRow", "ModelDemand", "QueueRow",
+           "WorkerRow", "demand_rows", "fleet_snapshot", "lost_rows", "render_fleet_metrics",
+           "worker_row"]

@@ -141,6 +141,31 @@ class Keys:
         """Set of model names that have (had) workers."""
         return f"{self.prefix}:models"
 
+    def catalog(self) -> str:
+        """Hash of the declared models: name -> JSON ``ModelEntry`` (``shared/catalog.py``),
+        known whether or not a worker of them runs."""
+        return f"{self.prefix}:catalog"
+
+    def catalog_aliases(self) -> str:
+        """Hash of the declared models' aliases: alias -> the declared name it stands for."""
+        return f"{self.prefix}:catalog:aliases"
+
+    def starting(self) -> str:
+        """Sorted set of the workers loading a model and not yet registered, member
+        ``MODEL:WORKER`` scored by when the record lapses (Redis server ms): a model with
+        one is coming (``shared/starting.py``)."""
+        return f"{self.prefix}:starting"
+
+    def waiting(self, model: str) -> str:
+        """Sorted set of the requests (and batch lines) waiting for a worker of ``model``
+        before they can be queued, scored by their waiter's last look (Redis server ms):
+        the demand an autoscaler reads (``coordinator/waiting.py``)."""
+        return f"{self.prefix}:waiting:{model}"
+
+    def waiting_since(self, model: str) -> str:
+        """Hash of the waiters of :meth:`waiting`: waiter -> when it began waiting (ms)."""
+        return f"{self.prefix}:waiting:{model}:since"
+
     def worker_models(self) -> str:
         """Hash of each name in the fleet set -> the model it serves, kept while the name is
         listed, so a worker declared lost is reported with its model."""
@@ -154,8 +179,9 @@ class Keys:
         return f"{self.prefix}:fleet:clock"
 
     def fleet_events(self) -> str:
-        """Stream of fleet-wide events (``worker.lost``, whoever swept it), bounded, read by
-        ``specfleet top`` and ``specfleet monitor --fleet-events``."""
+        """Stream of fleet-wide events (``worker.lost`` whoever swept it, host fallbacks,
+        replays, requeues, refusals, Redis faults: ``shared.fleet_events``), bounded, read by
+        ``specfleet top``, ``specfleet monitor --fleet-events`` and the gateway's console."""
         return f"{self.prefix}:fleet:events"
 
     def batch(self, batch_id: str) -> str:

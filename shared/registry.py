@@ -32,6 +32,7 @@ from shared.keys import Keys
 from shared.logs import get_logger
 from shared.protocol import WorkerInfo
 from shared.replies import text
+from shared.starting import loaded
 
 log = get_logger("registry")
 
@@ -134,8 +135,10 @@ class FleetRegistry:
         return not added
 
     def register(self, info: WorkerInfo) -> None:
-        """First heartbeat of a worker."""
+        """First heartbeat of a worker; its loading record (``shared/starting.py``) goes
+        once the registration is written."""
         self.heartbeat(info)
+        loaded(self._conn, self._keys, info.model_name, info.name)
 
     def is_alive(self, name: str) -> bool:
         return bool(self._conn.exists(self._keys.worker(name)))

@@ -40,6 +40,12 @@ class Settings(BaseSettings):
     require_live_worker: bool = Field(
         default=True, description="reject submits for models with no live worker"
     )
+    wait_for_worker_seconds: float = Field(
+        default=600.0, ge=0, le=86400,
+        description="how long a request for a coming model (declared, or a worker of it "
+                    "loading) waits for a live worker before it is refused (503); 0: refused "
+                    "at once",
+    )
     token_flush_seconds: float = Field(
         default=0.05, ge=0, description="a partial token chunk is streamed after this long"
     )

@@ -55,6 +55,7 @@ CASES = {
     "cancel": (["cancel", "some-job"], 3, "Redis at", NO_MODEL),
     "batch": (["batch", "list"], 3, "Redis at", NO_MODEL),
     "top": (["top", "--once"], 3, "Redis at", NO_MODEL),
+    "models": (["models", "list"], 3, "Redis at", NO_MODEL + NO_HTTP),
     "monitor": (["monitor", os.devnull, "--json"], 0, "", NO_MODEL + NO_HTTP),
     "serve": (["serve", "--port", "0"], 3, "does not answer", NO_MODEL),
     "worker": (["worker", "--model", "/nonexistent/model.gguf"], 2, "model file not found",

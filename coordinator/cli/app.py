@@ -27,7 +27,7 @@ from shared.version import package_version
 COMMANDS = {
     "generate": "generate", "worker": "worker", "submit": "submit", "fleet": "fleet",
     "cancel": "cancel", "batch": "batch", "fit": "fit", "monitor": "monitor", "top": "top",
-    "serve": "serve",
+    "serve": "serve", "models": "models",
 }
 
 

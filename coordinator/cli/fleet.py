@@ -20,11 +20,14 @@ from shared.logs import configure_logging
 def fleet(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
-    """List live workers (model, device, fitted context, current job) and queue depths."""
+    """List live workers (model, device, fitted context, current job) and queue depths; first
+    requeue the jobs of any worker that died (what live workers' heartbeats do, and with none
+    alive nothing else does)."""
     settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
     try:
         coordinator = Coordinator(settings)
+        coordinator.recover()
         workers = coordinator.fleet()
         models = sorted({w.model_name for w in workers} | coordinator.known_models())
         queues = {m: coordinator.queue_depths(m) for m in models}

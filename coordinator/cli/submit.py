@@ -114,7 +114,9 @@ def submit(
     if constraint is not None:
         request = request.model_copy(update={"constraint": constraint})
     try:
-        handle = Coordinator(settings).submit(request)
+        # a model that is coming (declared, a worker loading) is waited for, as over HTTP
+        handle = Coordinator(settings).submit(request,
+                                              wait_seconds=settings.wait_for_worker_seconds)
         if stream:
             out = sys.stderr if as_json else sys.stdout
             for delta in handle.text_stream(timeout):

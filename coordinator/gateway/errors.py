@@ -4,8 +4,9 @@ Every refusal maps to one status here: 400 a request we cannot run (naming the f
 missing or wrong API key, 403 a browser request from an origin not allowed, 404 an unknown
 model or object, 408 a body that did not arrive in time, 413 a body over the size limit, 415 a
 body that is not JSON by its Content-Type, 421 a Host the gateway is not served as, 503 with
-``Retry-After`` a request the gateway cannot serve now (no live worker, too many requests in
-flight, Redis unreachable); anything unexpected is a 500 whose message names only its type (the
+``Retry-After`` a request the gateway cannot serve now (no live worker, none within
+``SPECFLEET_WAIT_FOR_WORKER_SECONDS`` for a coming model, too many requests in flight, Redis
+unreachable); anything unexpected is a 500 whose message names only its type (the
 log has the rest), so internals and secrets never reach a client. A client's mistake is never a
 500: the OpenAI SDKs retry those.
 """
@@ -44,7 +45,11 @@ _SUBMIT_STATUS = {
     "context_length_exceeded": (400, "invalid_request_error", "context_length_exceeded", None),
     "unknown_model": (404, "invalid_request_error", "model_not_found", "model"),
     "no_worker": (503, "service_unavailable", "no_live_worker", "model"),
+    "coming": (503, "service_unavailable", "no_live_worker", "model"),
+    "wait_timeout": (503, "service_unavailable", "worker_wait_timeout", "model"),
 }
+#: Refusals for want of a live worker: answered with ``Retry-After``.
+_NO_WORKER = frozenset({"no_worker", "coming", "wait_timeout"})
 #: Where FastAPI found a bad request parameter: the first item of its error's ``loc``.
 _LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})
 
@@ -88,7 +93,7 @@ def error_body(message: str, type_: str, param: str | None = None,
 def from_submit(exc: SubmitError) -> APIError:
     status, type_, code, param = _SUBMIT_STATUS.get(exc.reason, _SUBMIT_STATUS["invalid"])
     return APIError(status, str(exc), type_, param=exc.param or param, code=code,
-                    retry_after=RETRY_NO_WORKER if exc.reason == "no_worker" else None)
+                    retry_after=RETRY_NO_WORKER if exc.reason in _NO_WORKER else None)
 
 
 def from_job(error: str | None, error_type: str | None) -> APIError:

@@ -1,20 +1,23 @@
-"""``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, stream
-resumption, health.
+"""``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, stream resumption,
+health (``/v1/models`` is ``models.py``).
 
 A request becomes one job per choice through ``Coordinator.submit`` (the same validation and
 admission as every other client, run in a thread because rq is synchronous); the answer is
-read from the jobs' Redis Streams. A client that hangs up cancels its jobs; a gateway that
-dies does not, so its clients can resume a stream from another gateway.
+read from the jobs' Redis Streams. A request for a model that is coming (declared, or a
+worker of it loading) waits for a worker first (``waiting.py``). A client that hangs up
+cancels its jobs; a gateway that dies does not, so its clients can resume a stream from
+another gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 from fastapi import APIRouter, Request
@@ -34,13 +37,14 @@ from coordinator.gateway.streaming import (
     responses_sse,
     with_keepalive,
 )
+from coordinator.gateway.waiting import await_worker, or_disconnect, stream_after_worker
 from coordinator.metrics import METRICS_CONTENT_TYPE, render_fleet_metrics
 from coordinator.openai_api import replies, requests
 from coordinator.openai_api.requests import CHAT, COMPLETIONS, Choice, Parsed
 from coordinator.openai_api.responses import EventSequence, parse_responses, response_object
 from coordinator.validation import SubmitError
 from shared.logs import get_logger
-from shared.protocol import JobStatus, WorkerInfo
+from shared.protocol import JobStatus
 
 log = get_logger("gateway")
 
@@ -144,65 +148,6 @@ async def json_body(request: Request) -> dict[str, Any]:
     return await asyncio.to_thread(decode_json, await request.body())
 
 
-def _served(workers: Sequence[WorkerInfo]) -> dict[str, list[WorkerInfo]]:
-    served: dict[str, list[WorkerInfo]] = {}
-    for w in workers:
-        served.setdefault(w.model_name, []).append(w)
-    return served
-
-
-def _model_object(name: str, ws: list[WorkerInfo], aliases: Sequence[str]) -> dict[str, Any]:
-    """One served model, its aliases and its workers' capacity."""
-    templates = sorted({w.chat_template_source for w in ws if w.chat_template_source})
-    return {"id": name, "object": "model", "created": int(min(w.started_at for w in ws)),
-            "owned_by": "specfleet",
-            "specfleet": {"slots": sum(w.slots for w in ws),
-                          "max_context": max(w.n_ctx for w in ws),
-                          "chat_template": any(w.chat_template for w in ws),
-                          "chat_templates": templates,
-                          "vocab_size": min((w.n_vocab for w in ws if w.n_vocab), default=None),
-                          "spec_methods": sorted({m for w in ws for m in w.spec_methods}),
-                          "alias_of": None, "aliases": list(aliases),
-                          "workers": [_capacity(w) for w in ws]}}
-
-
-def _capacity(worker: WorkerInfo) -> dict[str, Any]:
-    """What one worker can serve: its context, slots, device and speculative capacity."""
-    return {"name": worker.name, "device": worker.device, "n_ctx": worker.n_ctx,
-            "slots": worker.slots, "chat_template": worker.chat_template,
-            "chat_template_source": worker.chat_template_source, "n_vocab": worker.n_vocab,
-            "capacity": worker.capacity.model_dump(mode="json") if worker.capacity else None}
-
-
-async def _model_objects(request: Request) -> list[dict[str, Any]]:
-    workers = await asyncio.to_thread(_coordinator(request).registry.live_workers)
-    served = _served(workers)
-    aliases = _aliases(request)
-    return [_model_object(name, ws, aliases=sorted(a for a, m in aliases.items() if m == name))
-            for name, ws in sorted(served.items())]
-
-
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    """Served models (those with a live worker) and their workers' capacity; each lists its
-    aliases (as llama-server and vLLM do: one entry per model)."""
-    return {"object": "list", "data": await _model_objects(request)}
-
-
-@router.get("/v1/models/{model_id}")
-async def model(request: Request, model_id: str) -> dict[str, Any]:
-    """One served model, or an alias of one (its own id, ``specfleet.alias_of``)."""
-    target = _aliases(request).get(model_id, model_id)
-    found = [m for m in await _model_objects(request) if m["id"] == target]
-    if not found:
-        raise APIError(404, f"no live worker serves model '{model_id}'", "not_found_error",
-                       param="model", code="model_not_found")
-    if target == model_id:
-        return found[0]
-    return {**found[0], "id": model_id,
-            "specfleet": {**found[0]["specfleet"], "alias_of": target, "aliases": []}}
-
-
 @router.post("/v1/completions")
 async def completions(request: Request) -> Any:
     parsed = await asyncio.to_thread(requests.parse_body, COMPLETIONS, await json_body(request),
@@ -262,13 +207,56 @@ async def _refused_early(request: Request, job_ids: Sequence[str]) -> None:
         _check([ending])
 
 
+async def _submit(request: Request, parsed: Parsed,
+                  events: Callable[[list[str]], AsyncIterator[dict[str, str]]],
+                  refused: Callable[[APIError], list[dict[str, str]]],
+                  ) -> list[str] | Response:
+    """Every choice's job, queued. For a model that is coming, once a worker of it is live:
+    a non-streamed request waits here (a 499 when its client hangs up meanwhile), a stream
+    is answered at once with an SSE response that waits inside it and goes on with its jobs'
+    ``events`` (or ``refused``'s events of the error that ended the wait)."""
+    coordinator = _coordinator(request)
+    submit = functools.partial(_submit_all, coordinator, parsed.choices)
+    try:
+        return await asyncio.to_thread(submit)
+    except SubmitError as exc:
+        if exc.reason != "coming" or exc.model is None:
+            raise
+        model = exc.model
+    if parsed.stream:
+        job_ids: list[str] = []
+        return _sse(request, stream_after_worker(coordinator, model, submit, job_ids, events,
+                                                 refused), job_ids)
+    if await or_disconnect(await_worker(coordinator, model), request.receive) is None:
+        return JSONResponse(status_code=499, content={})
+    return await asyncio.to_thread(submit)
+
+
+def _chunk_refusal(error: APIError) -> list[dict[str, str]]:
+    """A chat or text completion stream's end for an error: its error event, ``[DONE]``."""
+    return [{"data": json.dumps(error.body(), separators=(",", ":"))}, {"data": "[DONE]"}]
+
+
+def _responses_refusal(error: APIError) -> list[dict[str, str]]:
+    """A Responses stream's end for an error: its ``error`` event."""
+    body = {"type": "error", "sequence_number": 0, "code": error.code,
+            "message": error.message, "param": error.param}
+    return [{"event": "error", "data": json.dumps(body, separators=(",", ":"))}]
+
+
 async def _generate(request: Request, parsed: Parsed) -> Any:
-    job_ids = await asyncio.to_thread(_submit_all, _coordinator(request), parsed.choices)
+    hub, keys = request.app.state.hub, _coordinator(request).keys
+
+    def stream(job_ids: list[str]) -> AsyncIterator[dict[str, str]]:
+        return completion_sse(hub, keys, parsed, job_ids, int(time.time()))
+
+    submitted = await _submit(request, parsed, stream, _chunk_refusal)
+    if isinstance(submitted, Response):
+        return submitted
+    job_ids = submitted
     if parsed.stream:
         await _refused_early(request, job_ids)
-        return _sse(request, completion_sse(
-            request.app.state.hub, _coordinator(request).keys, parsed, job_ids,
-            int(time.time())), job_ids)
+        return _sse(request, stream(job_ids), job_ids)
     endings = await _finish(request, job_ids)
     if isinstance(endings, JSONResponse):
         return endings
@@ -280,20 +268,26 @@ async def responses(request: Request) -> Any:
     """OpenAI's Responses API over one chat job (``coordinator.openai_api.responses``)."""
     parsed, body = await asyncio.to_thread(parse_responses, await json_body(request),
                                            _aliases(request))
-    [job_id] = await asyncio.to_thread(_submit_all, _coordinator(request), parsed.choices)
     created = int(time.time())
+    hub, keys = request.app.state.hub, _coordinator(request).keys
+
+    def stream(job_ids: list[str]) -> AsyncIterator[dict[str, str]]:
+        return responses_sse(hub, keys, EventSequence(job_ids[0], parsed, body, created))
+
+    submitted = await _submit(request, parsed, stream, _responses_refusal)
+    if isinstance(submitted, Response):
+        return submitted
+    [job_id] = submitted
     if parsed.stream:
         await _refused_early(request, [job_id])
-        sequence = EventSequence(job_id, parsed, body, created)
-        return _sse(request, responses_sse(request.app.state.hub, _coordinator(request).keys,
-                                           sequence), [job_id])
+        return _sse(request, stream([job_id]), [job_id])
     endings = await _finish(request, [job_id])
     if isinstance(endings, JSONResponse):
         return endings
     return response_object(job_id, parsed, body, created, endings[0].final)
 
 
-def _sse(request: Request, events: AsyncIterator[dict[str, str]],
+def _sse(request: Request, events: AsyncIterator[dict[str, str] | bytes],
          job_ids: Sequence[str]) -> EventSourceResponse:
     """The stream of ``events`` with keep-alives (ours: sse-starlette's pings end in a blank
     line), cancelling the jobs when the client hangs up."""

@@ -178,7 +178,8 @@ _ids = st.text(max_size=20).map(lambda s: quote(s, safe="")) | st.binary(max_siz
 _ID_ROUTES = [("GET", "/v1/files/{}"), ("GET", "/v1/files/{}/content"),
               ("DELETE", "/v1/files/{}"), ("GET", "/v1/batches/{}"),
               ("POST", "/v1/batches/{}/cancel"), ("GET", "/v1/specfleet/streams/{}"),
-              ("GET", "/v1/specfleet/streams/cmpl-{}"), ("GET", "/v1/models/{}")]
+              ("GET", "/v1/specfleet/streams/cmpl-{}"), ("GET", "/v1/models/{}"),
+              ("DELETE", "/v1/specfleet/models/{}")]
 _QUERIES = {"/v1/files": ("limit", "after", "purpose"), "/v1/batches": ("limit", "after"),
             "/v1/specfleet/streams/cmpl-0": ("include_usage",)}
 

@@ -210,7 +210,7 @@ def test_a_killed_holders_waiting_job_runs_elsewhere_and_its_prefixes_vanish(
     deadline = time.monotonic() + 30
     while ":w:" in _origin(coordinator, routed.job_id):  # recovery hands it back
         assert time.monotonic() < deadline, "the dead holder's own queue was never recovered"
-        coordinator.fleet()
+        coordinator.recover()
         time.sleep(0.1)
     assert not coordinator.connection.exists(keys.prefix_blocks(MODEL_NAME, "w0"))
     assert coordinator.connection.zscore(keys.holders(MODEL_NAME), "w0") is None

@@ -52,11 +52,12 @@ class Fleet:
 
     def start(self, name: str, *, step_delay: float = 0.0, wait: bool = True,
               extra_env: dict[str, str] | None = None, args: tuple[str, ...] = ("--ctx", str(CTX)),
-              ) -> int:
-        """Start ``specfleet worker`` named ``name``; returns its pid once it is registered.
+              model_name: str = MODEL_NAME) -> int:
+        """Start ``specfleet worker`` named ``name`` serving ``model_name``; returns its pid
+        once it is registered.
 
         ``args`` default to a fixed context; pass fitter options instead to fit one."""
-        cmd = [SPECFLEET, "worker", "--model", str(self.model), "--model-name", MODEL_NAME,
+        cmd = [SPECFLEET, "worker", "--model", str(self.model), "--model-name", model_name,
                "--name", name, "--threads", "1", *args]
         log = (self.logs / f"{name}.log").open("ab")
         if self not in Fleet.running:
