@@ -223,6 +223,9 @@ class WorkerCapacity(_Strict):
 MAX_TOOLS = 128
 #: What a function's name may be (OpenAI's rule): it is written into grammars and prompts.
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+#: What a model's name may be (it names Redis keys and queues): a request's, a worker's, a
+#: declared model's and its aliases (``shared/catalog.py``).
+MODEL_NAME_PATTERN = r"^[\w.\-]+$"
 
 
 class FunctionDefinition(_Strict):
@@ -259,6 +262,11 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
+#: A message's ``name`` as OpenAI allows it: no markup can hide in it, so a template may
+#: render it beside its own turn markers.
+MESSAGE_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
 class ChatMessage(_Strict):
     """One chat turn; the worker renders the turns with its model's chat template.
 
@@ -269,6 +277,11 @@ class ChatMessage(_Strict):
     content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     tool_calls: list[ToolCall] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+    name: str | None = Field(
+        default=None, pattern=MESSAGE_NAME_PATTERN,
+        description="who speaks this turn (OpenAI's name: letters, digits, _ and -, at most "
+                    "64), rendered where the worker's chat template reads it "
+                    "(WorkerInfo.chat_template_names); refused elsewhere")
 
     @model_validator(mode="after")
     def _tool_fields_match_role(self) -> ChatMessage:
@@ -298,7 +311,8 @@ class GenerationRequest(_Strict):
     distribution as plain decoding (``SamplingParams``), and greedy (temperature 0) stays
     token-exact. ``logprobs`` are of the model's raw distribution (``TokenLogprob``)."""
 
-    model: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[\w.\-]+$")
+    model: str = Field(default="default", min_length=1, max_length=128,
+                       pattern=MODEL_NAME_PATTERN)
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     prompt_tokens: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None, max_length=MAX_PROMPT_TOKENS
@@ -531,6 +545,12 @@ class _EventBase(_Strict):
     ts: float = Field(default_factory=time.time)
 
 
+#: How a streamed token was produced (``TokenEvent.origin``): drafted and accepted by the
+#: verify, forced by the request's grammar (verified as a draft: jump-forward), or the target's
+#: own token, the one a verify adds after the drafts it accepted.
+TOKEN_ORIGINS = {"d": "drafted", "f": "forced", "t": "target"}
+
+
 class TokenEvent(_EventBase):
     type: Literal["token"] = "token"
     tokens: list[int]
@@ -538,6 +558,17 @@ class TokenEvent(_EventBase):
     index: int = Field(ge=0, description="position of tokens[0] in the generation")
     logprobs: list[TokenLogprob] | None = Field(
         default=None, description="one per token in tokens (the request asked for logprobs)")
+    origin: str | None = Field(
+        default=None, pattern=rf"^[{''.join(TOKEN_ORIGINS)}]*$",
+        description="how each token of tokens was produced, one letter a token "
+                    "(TOKEN_ORIGINS); None: not said (an older worker)")
+
+    @model_validator(mode="after")
+    def _one_origin_a_token(self) -> TokenEvent:
+        if self.origin is not None and len(self.origin) != len(self.tokens):
+            raise ValueError(f"origin has {len(self.origin)} letters for {len(self.tokens)} "
+                             "tokens")
+        return self
 
 
 class TelemetryEvent(_EventBase):
@@ -663,6 +694,8 @@ class WorkerInfo(_Strict):
                                                          "(publishes what it holds)")
     spec_methods: list[str] = Field(default_factory=list)
     chat_template: bool = Field(default=False, description="can render chat messages")
+    chat_template_names: bool = Field(
+        default=False, description="its chat template renders a message's name")
     chat_template_source: str | None = Field(
         default=None, description="which template renders chats: gguf, named:NAME "
         "(SPECFLEET_CHAT_TEMPLATE), architecture:NAME or default:NAME")

@@ -1,12 +1,13 @@
 """Crash recovery: requeue, at the front of its queue, the job of a worker that stopped beating.
 
 rq's own abandoned-job cleanup runs every 10 minutes and then fails the job; this monitor runs
-in every worker's heartbeat thread (and in ``Coordinator.fleet()``), so a dead worker's jobs
-are running again within ``worker_ttl + heartbeat`` seconds. Exactly one monitor recovers a
-given worker: the claim is an atomic ``ZREM`` of its name from the fleet set. The jobs are
-the worker's in-flight list, which its intake filled atomically as it took each job, and the
-jobs routed to it that still wait in its own queues (:func:`hand_back`, also run when a worker
-leaves): every one goes back to the front of the shared queue it would have waited on.
+in every worker's heartbeat thread (and in ``Coordinator.recover()``, which ``specfleet
+fleet`` calls), so a dead worker's jobs are running again within ``worker_ttl + heartbeat``
+seconds. Exactly one monitor recovers a given worker: the claim is an atomic ``ZREM`` of its
+name from the fleet set. The jobs are the worker's in-flight list, which its intake filled
+atomically as it took each job, and the jobs routed to it that still wait in its own queues
+(:func:`hand_back`, also run when a worker leaves): every one goes back to the front of the
+shared queue it would have waited on.
 
 A Redis that has just restarted, stalled or refused writes lets every registration lapse,
 though the workers are alive: the sweep claims a lapsed name only when contact with Redis has
@@ -18,9 +19,7 @@ worker declared lost is also written to the fleet's event stream (``Keys.fleet_e
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from datetime import UTC, datetime
 from functools import partial
 from typing import TypeVar
 
@@ -32,7 +31,8 @@ from rq.serializers import JSONSerializer
 
 from shared import doorbell
 from shared.event_stream import EventWriter
-from shared.keys import STREAM_FIELD, Keys
+from shared.fleet_events import append, fleet_record
+from shared.keys import Keys
 from shared.logs import get_logger
 from shared.outage import ride_out
 from shared.protocol import Priority
@@ -44,8 +44,6 @@ log = get_logger("recovery")
 
 T = TypeVar("T")
 
-#: Entries the fleet's event stream keeps (about: trimmed approximately).
-FLEET_EVENTS_MAXLEN = 10_000
 #: States in which a job of a dead worker still needs running (queued: popped, not started).
 _UNFINISHED = {JobStatus.QUEUED, JobStatus.STARTED}
 
@@ -177,16 +175,11 @@ class RecoveryMonitor:
                      requeued: list[str]) -> None:
         """``worker.lost``, in this process's log and on the fleet's event stream (one
         record a lost worker: the jobs it held, those requeued, who found it)."""
-        record = {"event": "worker.lost", "worker": name, "model": model, "jobs": held,
-                  "requeued": requeued, "by": self._sweeper,
-                  "timestamp": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
-                  "level": "warning"}
+        record = fleet_record("worker.lost", worker=name, model=model, jobs=held,
+                              requeued=requeued, by=self._sweeper)
         log.warning("worker.lost", worker=name, model=model, jobs=held, requeued=requeued,
                     by=self._sweeper)
-        self._ride(lambda: self._conn.xadd(self._keys.fleet_events(),
-                                           {STREAM_FIELD: json.dumps(record)},
-                                           maxlen=FLEET_EVENTS_MAXLEN, approximate=True),
-                   "recovery.report")
+        self._ride(lambda: append(self._conn, self._keys, record), "recovery.report")
 
     def requeue(self, job_id: str, lost_worker: str) -> bool:
         """Requeue one unfinished job and say so on its stream."""

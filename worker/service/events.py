@@ -21,7 +21,8 @@ class TokenChunker:
     first delivery goes out at once: the time to the first token is what a client waits on
     (with a cached prefix it is one short decode, which a 50 ms wait would triple).
     Text deltas are never split: a chunk carries whole ``on_tokens`` deliveries. With
-    ``logprobs`` on, each delivery's logprobs (one per token) travel in the same chunk.
+    ``logprobs`` on, each delivery's logprobs (one per token) travel in the same chunk; so does
+    each token's origin (``TokenEvent.origin``) when every delivery says it.
     """
 
     def __init__(self, writer: EventWriter, chunk: int = 8, flush_seconds: float = 0.05,
@@ -32,15 +33,21 @@ class TokenChunker:
         self._flush_seconds = flush_seconds
         self._tokens: list[int] = []
         self._text: list[str] = []
+        self._origin: list[str] = []
         self._index = 0
         self._since = time.monotonic()
 
-    def add(self, tokens: list[int], text: str, logprobs: Sequence[TokenLogprob] = ()) -> None:
-        """One delivery of committed tokens (and their logprobs, when asked for)."""
+    def add(self, tokens: list[int], text: str, logprobs: Sequence[TokenLogprob] = (),
+            origin: str = "") -> None:
+        """One delivery of committed tokens (and their logprobs, when asked for; ``origin``:
+        a ``TOKEN_ORIGINS`` letter per token, or empty when the engine did not say)."""
+        if origin and len(origin) != len(tokens):
+            raise ValueError(f"origin has {len(origin)} letters for {len(tokens)} tokens")
         if not self._tokens:
             self._since = time.monotonic()
         self._tokens.extend(tokens)
         self._text.append(text)
+        self._origin.append(origin)
         if self._logprobs is not None:
             if len(logprobs) != len(tokens):
                 raise ValueError(f"{len(logprobs)} logprobs for {len(tokens)} tokens")
@@ -53,10 +60,13 @@ class TokenChunker:
         """Send whatever is buffered (called at the end of a generation too)."""
         if not self._tokens:
             return
+        origin = "".join(self._origin)
         self._writer.emit("token", tokens=self._tokens, text="".join(self._text),
-                          index=self._index, logprobs=self._logprobs)
+                          index=self._index, logprobs=self._logprobs,
+                          origin=origin if len(origin) == len(self._tokens) else None)
         self._index += len(self._tokens)
         self._tokens = []
         self._text = []
+        self._origin = []
         if self._logprobs is not None:
             self._logprobs = []

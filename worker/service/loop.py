@@ -287,7 +287,7 @@ class ServingLoop:
         for update in updates:
             r = self._running[update.slot.seq]
             if update.verified:
-                r.run.tokens(update.tokens, update.text, update.logprobs)
+                r.run.tokens(update.tokens, update.text, update.logprobs, update.origin)
             if update.result is not None:
                 self._complete(r, update.result)
 
@@ -335,7 +335,7 @@ class ServingLoop:
         reason = f"{exc}: refused"
         log.error("job.refused", job_id=taken.job_id, worker=rt.worker_name,
                   queue=taken.queue_key, reason=reason)
-        rt.metrics.job_refused()
+        rt.metrics.job_refused(taken.job_id, reason)
         self._ride(lambda: refuse(rt, taken.job_id, reason), "job.refuse")
         if exc.job is not None:
             poisoned = exc.job
@@ -370,7 +370,7 @@ class ServingLoop:
         log.warning("job.requeued", job_id=job_id, worker=rt.worker_name,
                     model=rt.model_name, attempt=attempt, next_attempt=attempt + 1,
                     reason=str(reason))
-        rt.metrics.job_requeued(str(reason))
+        rt.metrics.job_requeued(str(reason), job_id=job_id)
 
     def _set_state(self, state: WorkerStatus) -> None:
         presence = self.presence

@@ -3,12 +3,14 @@
 The job code calls a handful of methods (:meth:`WorkerMetrics.job_started`,
 :meth:`~WorkerMetrics.tokens`, :meth:`~WorkerMetrics.job_finished`,
 :meth:`~WorkerMetrics.job_requeued`, ...) and never touches a metric itself, so what each metric
-counts is decided here only. Speculation counters are named like vLLM's and llama-server's
-(``spec_decode_num_drafts`` ...) under the ``specfleet:`` prefix, so their dashboards carry
-over; every counter is advanced from a finished generation's :class:`Telemetry` and nothing
-else, so summed over the same runs the counters equal the per-job telemetry exactly (a
-generation interrupted by a shutdown still did its work and is counted too, as the engine's
-lifetime telemetry counts it).
+counts is decided here only. The happenings the whole fleet should see (host fallbacks, replays,
+refusals, its own requeues, Redis faults) also go to the fleet's event stream from here, through
+:attr:`WorkerMetrics.fleet` (``shared.fleet_events``), once the worker has set it.
+Speculation counters are named like vLLM's and llama-server's (``spec_decode_num_drafts`` ...)
+under the ``specfleet:`` prefix, so their dashboards carry over; every counter is advanced
+from a finished generation's :class:`Telemetry` and nothing else, so summed over the same
+runs the counters equal the per-job telemetry exactly (a generation interrupted by a shutdown
+still did its work and is counted too, as the engine's lifetime telemetry counts it).
 
 The metrics are always collected (a few dict updates per job); they are only *served* when
 the worker runs with ``--metrics-port`` (``0`` picks a free port, published as
@@ -31,6 +33,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from shared.fleet_events import FleetReporter
 from shared.protocol import CheckpointMode, FitReport, Telemetry
 from shared.redis_faults import Fault
 
@@ -72,6 +75,9 @@ class WorkerMetrics:
         self._lock = threading.Lock()
         self._server: WSGIServer | None = None
         self.port: int | None = None
+        #: Where the fleet-wide happenings are reported too (None: nowhere, as in tests that
+        #: build metrics alone).
+        self.fleet: FleetReporter | None = None
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = _SPEC) -> Counter:
             return Counter(PREFIX + name, doc, labels, registry=self.registry)
@@ -140,8 +146,9 @@ class WorkerMetrics:
         self._set_checkpoint(str(mode), details.get("checkpoint_reserved_bytes"))
         if configured is CheckpointMode.DEVICE and mode == CheckpointMode.HOST:
             reason = str(details.get("checkpoint_fallback") or "reserve")
-            self.summed["host_fallbacks"].labels(*self._base, method, reason).inc(
-                fit.slots if fit else 1)
+            count = fit.slots if fit else 1
+            self.summed["host_fallbacks"].labels(*self._base, method, reason).inc(count)
+            self._report("worker.host_fallback", phase="reserve", reason=reason, count=count)
 
     def _set_checkpoint(self, mode: str, reserved: object) -> None:
         """The storage in force, and its reservation where it lives (device or ``host``)."""
@@ -173,17 +180,28 @@ class WorkerMetrics:
                 clock.gaps.append(now - (clock.last_token or now))
             clock.last_token = now
 
-    def job_finished(self, job_id: str, telemetry: Telemetry | None, outcome: str) -> None:
+    def job_finished(self, job_id: str, telemetry: Telemetry | None, outcome: str,
+                     reason: str | None = None) -> None:
         """A run of ``job_id`` ended with ``outcome`` (one of :data:`OUTCOMES`); ``telemetry``
-        is its generation's, None when nothing was generated (rejected, failed)."""
+        is its generation's, None when nothing was generated (rejected, failed); ``reason``:
+        a rejection's (``Rejection``)."""
         with self._lock:
             clock = self._jobs.pop(job_id, None)
             self.busy.labels(*self._base).set(len(self._jobs))
         self.jobs.labels(*self._base, outcome).inc()
+        if outcome == "rejected":
+            self._report("worker.refusal", job_id=job_id, outcome=outcome, reason=reason)
         if telemetry is None:
             return
         spec = (*self._base, telemetry.spec_method)
         self._count(spec, telemetry)
+        if telemetry.replay_events:
+            self._report("worker.replays", "info", job_id=job_id,
+                         replay_events=telemetry.replay_events,
+                         replay_tokens=telemetry.replay_tokens)
+        if telemetry.host_fallbacks:
+            self._report("worker.host_fallback", job_id=job_id, phase="generation",
+                         reason=telemetry.host_fallback_reason, count=telemetry.host_fallbacks)
         if clock is not None and clock.first_token is not None:
             self.ttft.labels(*spec).observe(clock.first_token - clock.started)
             self.e2e.labels(*spec).observe((clock.last_token or clock.first_token)
@@ -205,15 +223,20 @@ class WorkerMetrics:
         if t.checkpoint_mode is not None:
             self._set_checkpoint(t.checkpoint_mode, t.checkpoint_reservation_bytes)
 
-    def job_refused(self) -> None:
+    def job_refused(self, job_id: str | None = None, reason: str | None = None) -> None:
         """A queue entry this worker will not run (foreign function, not JSON)."""
         self.jobs.labels(*self._base, "refused").inc()
+        self._report("worker.refusal", "error", job_id=job_id, outcome="refused",
+                     reason=reason)
 
-    def job_requeued(self, reason: str, count: int = 1) -> None:
+    def job_requeued(self, reason: str, count: int = 1, job_id: str | None = None) -> None:
         """This worker put ``count`` jobs back at the front of their queues (``shutdown``: its
-        own; ``lost``: a dead worker's, found by its recovery sweep)."""
+        own; ``lost``: a dead worker's, found by its recovery sweep, whose ``worker.lost``
+        record already lists them on the fleet's stream)."""
         if count:
             self.requeues.labels(*self._base, reason).inc(count)
+            if reason != "lost":
+                self._report("worker.requeued", reason=reason, count=count, job_id=job_id)
 
     # -- Redis faults (shared.redis_faults: this worker listens while it runs) -------------
     def redis_fault(self, kind: Fault, operation: str) -> None:
@@ -221,6 +244,12 @@ class WorkerMetrics:
 
     def redis_fault_over(self, kind: Fault, operation: str, seconds: float) -> None:
         self.redis_fault_seconds.labels(*self._base, str(kind)).inc(seconds)
+        self._report("worker.redis_fault", fault=str(kind), operation=operation,
+                     seconds=round(seconds, 3))
+
+    def _report(self, event: str, level: str = "warning", **fields: object) -> None:
+        if self.fleet is not None:
+            self.fleet.report(event, level, **fields)
 
     # -- serving --------------------------------------------------------------------------
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
