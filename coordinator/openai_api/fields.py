@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, mod
 
 from shared.protocol import describe_validation_error
 
-_TOOLS = "tools are served on /v1/chat/completions"
+_TOOLS = "tools are served on /v1/chat/completions and /v1/responses"
 _FUNCTIONS = "the deprecated functions API is not supported: send tools and tool_choice"
 #: Fields that would change the answer, and why they cannot be honoured (where the endpoint
 #: does not read them: ``screen``'s ``honoured``).
@@ -40,7 +40,8 @@ REFUSED: dict[str, str] = {
     "background": "background responses are not supported",
     "include": "no extra output items can be included",
     "truncation": "only truncation 'disabled' is supported (a prompt too long is a 400)",
-    "max_tool_calls": _TOOLS,
+    "max_tool_calls": "max_tool_calls limits built-in tools (web search, file search, ...), "
+                      "which are not served",
     "prompt": "stored prompt templates are not supported",
     "moderation": "moderation of the output is not supported",
     "conversation": "conversations are not stored: send the turns so far in input",
@@ -151,16 +152,19 @@ def screen(body: Mapping[str, Any], honoured: Collection[str]) -> dict[str, Any]
     return kept
 
 
-def from_validation(exc: ValidationError) -> RequestError:
+def from_validation(exc: ValidationError, arms: Collection[str] = ()) -> RequestError:
     """A ``RequestError`` naming the first bad field, with every problem in the message; an
-    unknown field says so in words instead of pydantic's "extra inputs"."""
+    unknown field says so in words instead of pydantic's "extra inputs". ``arms`` are the
+    tags of a tagged union of list items (the Responses API's input items), which pydantic
+    puts in ``loc`` after the item's index though the body has no such key: left out."""
     errors: list[dict[str, Any]] = []
     for err in exc.errors(include_url=False):
+        loc = err["loc"]
+        located = {**err, "loc": tuple(p for i, p in enumerate(loc) if not (
+            p in arms and i and isinstance(loc[i - 1], int)))}
         if err["type"] == "extra_forbidden":
-            errors.append({**err, "msg": "unknown field (docs/http.md lists the fields "
-                                         "honoured)"})
-        else:
-            errors.append(dict(err))
+            located["msg"] = "unknown field (docs/http.md lists the fields honoured)"
+        errors.append(located)
     first = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
     return RequestError(describe_validation_error(errors, subject="body") or "invalid request",
                         param=first or None)

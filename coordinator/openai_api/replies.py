@@ -48,10 +48,19 @@ def token_counts(parsed: Parsed, finals: Sequence[FinalEvent]) -> tuple[int, int
 
 
 def usage(parsed: Parsed, finals: Sequence[FinalEvent]) -> dict[str, Any]:
+    """Chat and completions ``usage``."""
     prompt, cached, completion = token_counts(parsed, finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def response_usage(parsed: Parsed, finals: Sequence[FinalEvent]) -> dict[str, Any]:
+    """The Responses API's ``usage``: the same counts (:func:`token_counts`) under its names."""
+    prompt, cached, completion = token_counts(parsed, finals)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
 
 
 def extension(final: FinalEvent) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from shared.protocol import (
     MAX_TOKENS_CAP,
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
+    MESSAGE_NAME_PATTERN,
     GenerationRequest,
     Priority,
     SamplingParams,
@@ -273,13 +274,16 @@ class ContentPart(_Strict):
 class Message(_Strict):
     """One turn of ``messages``: an assistant turn may carry the ``tool_calls`` it made
     (``content`` then null), a ``tool`` turn answers one (``tool_call_id``). ``refusal`` is
-    accepted at null: the SDKs send a reply's message back with it."""
+    accepted at null: the SDKs send a reply's message back with it. ``name`` goes to the
+    worker, whose chat template renders it, or the request is refused naming it (admission:
+    ``WorkerInfo.chat_template_names``)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: None = None
+    name: str | None = Field(default=None, pattern=MESSAGE_NAME_PATTERN)
 
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
@@ -287,21 +291,17 @@ class Message(_Strict):
         return "".join(part.text for part in self.content)
 
     def ours(self) -> dict[str, Any]:
-        """This turn as our ``ChatMessage`` (checked there: which role carries what)."""
+        """This turn as our ``ChatMessage`` (checked there: which role carries what);
+        "developer" is OpenAI's newer name for the system turn."""
         turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                 "content": self.text()}
         if self.tool_calls is not None:
             turn["tool_calls"] = [c.model_dump(mode="json") for c in self.tool_calls]
         if self.tool_call_id is not None:
             turn["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            turn["name"] = self.name
         return turn
-
-
-def our_messages(messages: list[tuple[str, str]]) -> list[dict[str, str]]:
-    """Turns as our ``ChatMessage``\\ s: "developer" is OpenAI's newer name for the system
-    turn."""
-    return [{"role": "system" if role == "developer" else role, "content": content}
-            for role, content in messages]
 
 
 class ChatRequest(_Common):

@@ -152,26 +152,28 @@ class NamedToolChoice(Strict):
 ToolMode = Literal["none", "auto", "required"]
 
 
-def _known_mode(value: Any) -> Any:
+def known_mode(value: Any) -> Any:
     """A mode we do not know is named in the refusal (a union would list its arms)."""
     if isinstance(value, str) and value not in get_args(ToolMode):
         raise ValueError(f"{value!r} is not none, auto, required or a named function")
     return value
 
 
-ToolChoice = Annotated[ToolMode | NamedToolChoice, BeforeValidator(_known_mode)]
+ToolChoice = Annotated[ToolMode | NamedToolChoice, BeforeValidator(known_mode)]
 #: ``specfleet.grammar_syntax`` values: the grammar kinds of a ``Constraint``.
 GrammarSyntax = Literal["lark", "gbnf", "regex"]
 
 
 @dataclass(frozen=True)
 class Tools:
-    """What a chat request says about tools (``tools``, ``tool_choice``,
+    """What a request says about tools (``tools``, ``tool_choice``,
     ``parallel_tool_calls``, each validated by the request), checked together."""
 
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    #: Where tool ``i``'s ``parameters`` sit in the endpoint's body (named in a refusal).
+    parameters_param: str = "tools.{}.function.parameters"
 
     def offered(self) -> list[ToolDefinition]:
         return list(self.tools or [])
@@ -195,7 +197,7 @@ class Tools:
                                param="tools")
         for i, tool in enumerate(self.offered()):  # each alone, to name the one at fault
             if tool.function.parameters is not None:
-                where = f"tools.{i}.function.parameters"
+                where = self.parameters_param.format(i)
                 compiled(where, constraint(where, kind=ConstraintKind.JSON_SCHEMA,
                                            json_schema=tool.function.parameters))
 

@@ -39,8 +39,8 @@ def _refused(endpoint: str, body: dict[str, Any]) -> RequestError:
     (CHAT, {"guided_json": {}}, "guided_json", "unknown field"),
     (CHAT, {"echo": True}, "echo", "unknown field"),  # not a chat field in OpenAI's API
     (CHAT, {"best_of": 2}, "best_of", "unknown field"),
-    (CHAT, {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name",
-     "unknown field"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "name": "bob smith"}]},
+     "messages.0.name", "should match pattern"),
     (COMPLETIONS, {"best_of": 3, "n": 2}, "best_of", "best_of other than n"),
     (COMPLETIONS, {"suffix": "end"}, "suffix", "insertion"),
     (COMPLETIONS, {"echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
