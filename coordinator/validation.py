@@ -10,6 +10,10 @@ A request's ``constraint`` is compiled here without a vocabulary (llguidance,
 ``shared.constraint.check_constraint``): a schema or grammar that cannot compile is refused
 naming the problem, so every path that queues (the client, the CLI, batches, the gateway)
 refuses it before a worker could.
+
+Whether the request's model can be served at all is :class:`coordinator.models.ModelDirectory`'s
+rule (served, coming, known, unknown); :func:`check_admission` turns its answer into the
+refusal each caller maps (a coming model's ``coming`` is the one a caller may wait out).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from coordinator.models import ModelState, Standing
+from shared.admission import context_refusal, vocabulary_refusal
 from shared.capacity import CapacityError, within_capacity
 from shared.constraint import ConstraintError, check_constraint
 from shared.protocol import GenerationRequest, WorkerInfo, describe_validation_error
@@ -28,14 +34,18 @@ class SubmitError(ValueError):
     """A request the coordinator refuses to queue; the message says what and why.
 
     ``reason`` names the kind of refusal for callers that map it (the HTTP gateway's status
-    codes): ``invalid``, ``context_length_exceeded``, ``unknown_model``, ``no_worker``;
-    ``param`` the request field at fault, where one is."""
+    codes): ``invalid``, ``context_length_exceeded``, ``unknown_model``, ``no_worker`` (known,
+    nothing live or coming), ``coming`` (no live worker yet, one is awaited: a caller may
+    wait, ``coordinator.waiting``), ``wait_timeout`` (one was awaited past the deadline);
+    ``param`` the request field at fault, where one is; ``model`` the model refused (an
+    alias resolved), where the refusal is about it."""
 
     def __init__(self, message: str, reason: str = "invalid",
-                 param: str | None = None) -> None:
+                 param: str | None = None, model: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.param = param
+        self.model = model
 
 
 def parse_request(request: GenerationRequest | dict[str, Any]) -> GenerationRequest:
@@ -66,24 +76,35 @@ def prompt_token_bounds(request: GenerationRequest) -> tuple[int, int]:
     return 1, len((request.prompt or "").encode("utf-8")) + 2
 
 
-def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
-                    known_models: Callable[[], set[str]], require_live_worker: bool) -> None:
-    """Raise ``SubmitError`` when the request cannot be served by the fleet.
+def check_admission(request: GenerationRequest, state: ModelState,
+                    known_models: Callable[[], list[str]], require_live_worker: bool) -> None:
+    """Raise ``SubmitError`` when the request cannot be served by the fleet as ``state``
+    (its model's, ``ModelDirectory.state``) stands.
 
-    ``known_models`` is only asked when no live worker serves the request's model."""
-    if not workers and request.model not in (models := known_models()):
-        known = ", ".join(sorted(models)) or "none"
-        raise SubmitError(f"unknown model '{request.model}' (models served: {known})",
-                          "unknown_model")
-    if not workers:
+    ``known_models`` is only asked for an unknown model's message. A coming model's requests
+    are refused ``coming`` (the caller may wait for a worker) unless they surely exceed its
+    declared contexts; with ``require_live_worker`` off, a model known or coming queues."""
+    model, workers = request.model, state.workers
+    if state.standing is Standing.UNKNOWN:
+        known = ", ".join(known_models()) or "none"
+        raise SubmitError(f"unknown model '{model}' (known models: {known}; declare one with "
+                          "specfleet models add)", "unknown_model", param="model", model=model)
+    if state.standing is Standing.COMING:
+        _check_declared_context(request, state)
         if require_live_worker:
-            raise SubmitError(f"no live worker serves model '{request.model}' "
+            raise SubmitError(f"no live worker serves model '{model}' yet ({state.why_coming()})",
+                              "coming", param="model", model=model)
+        return
+    if state.standing is Standing.KNOWN:
+        if require_live_worker:
+            raise SubmitError(f"no live worker serves model '{model}' "
                               "(start one, or set SPECFLEET_REQUIRE_LIVE_WORKER=false to queue)",
-                              "no_worker")
+                              "no_worker", param="model", model=model)
         return
     if request.messages is not None and not any(w.chat_template for w in workers):
         raise SubmitError(f"model '{request.model}' has no chat template: send a prompt, or "
                           "start its workers with SPECFLEET_CHAT_TEMPLATE", param="messages")
+    _check_names(request, workers)
     check_vocabulary(request, workers)
     for w in workers:  # any live worker of the model may take the job, so each must serve it
         if w.capacity is not None:
@@ -92,13 +113,39 @@ def check_admission(request: GenerationRequest, workers: list[WorkerInfo],
             except CapacityError as exc:
                 raise SubmitError(f"speculative: {exc} (worker {w.name} of model "
                                   f"'{request.model}')", param="speculative") from None
-    largest = max(w.n_ctx for w in workers)
+    _check_context(request, max(w.n_ctx for w in workers),
+                   f"the largest context of model '{request.model}' workers")
+
+
+def _check_context(request: GenerationRequest, n_ctx: int, whose: str) -> None:
     lowest, _ = prompt_token_bounds(request)
-    if lowest + request.max_tokens > largest:
-        what = "prompt" if request.prompt_tokens is not None else "prompt (at least 1 token)"
-        raise SubmitError(f"{what} of {lowest} tokens + max_tokens {request.max_tokens} exceeds "
-                          f"the largest context of model '{request.model}' workers ({largest})",
-                          "context_length_exceeded", param="max_tokens")
+    why = context_refusal(lowest, request.max_tokens, n_ctx, whose,
+                          counted=request.prompt_tokens is not None)
+    if why is not None:
+        raise SubmitError(why, "context_length_exceeded", param="max_tokens")
+
+
+def _check_names(request: GenerationRequest, workers: list[WorkerInfo]) -> None:
+    """A message's ``name`` only where every live worker's template renders it (any of them
+    may take the job): elsewhere it would be dropped."""
+    named = next((i for i, m in enumerate(request.messages or []) if m.name is not None), None)
+    if named is None:
+        return
+    blind = next((w for w in workers if not w.chat_template_names), None)
+    if blind is not None:
+        param = f"messages.{named}.name"
+        raise SubmitError(f"{param}: the chat template of model '{request.model}' (worker "
+                          f"{blind.name}: {blind.chat_template_source}) has no place for a "
+                          "message's name (put it in the content)", param=param)
+
+
+def _check_declared_context(request: GenerationRequest, state: ModelState) -> None:
+    """A request that surely exceeds every context a coming model's workers are declared
+    with is refused now, not after its wait."""
+    if state.entry is None or not state.entry.contexts:
+        return
+    _check_context(request, max(state.entry.contexts),
+                   f"the largest context declared for model '{request.model}'")
 
 
 def check_vocabulary(request: GenerationRequest, workers: list[WorkerInfo]) -> None:
@@ -108,14 +155,10 @@ def check_vocabulary(request: GenerationRequest, workers: list[WorkerInfo]) -> N
     sizes = [w.n_vocab for w in workers if w.n_vocab is not None]
     if not sizes:
         return
-    n_vocab = min(sizes)
-    for field, ids in (("prompt_tokens", request.prompt_tokens or []),
-                       ("sampling.logit_bias", request.sampling.logit_bias)):
-        outside = sorted({t for t in ids if t >= n_vocab})
-        if outside:
-            shown = ", ".join(str(t) for t in outside[:5])
-            raise SubmitError(f"{field}: token id(s) {shown} outside the vocabulary of model "
-                              f"'{request.model}' (ids 0..{n_vocab - 1})", param=field)
+    refusal = vocabulary_refusal(request, min(sizes))
+    if refusal is not None:
+        field, why = refusal
+        raise SubmitError(f"{field}: {why} of model '{request.model}'", param=field)
 
 
 def choose_tier(request: GenerationRequest, workers: list[WorkerInfo]) -> int | None:

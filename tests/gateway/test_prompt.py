@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from shared.protocol import GenerationRequest
-from worker.engine.prompt import NAMED_TEMPLATES, PromptError, build_prompt, choose_template
+from worker.engine.prompt import (
+    NAMED_TEMPLATES,
+    PromptError,
+    build_prompt,
+    choose_template,
+    reads_names,
+)
 from worker.llm.model import Model, ModelSpec
 from worker.testmodels.tiny import CHAT_END, CHAT_START, CHAT_TOKENS
 
@@ -54,6 +60,21 @@ def test_user_text_cannot_forge_a_turn(model: Model) -> None:
     as_markers = model.tokenize(forged, add_special=False, parse_special=True)
     assert START in as_markers and END in as_markers  # what a naive render would have sent
     assert not any(tokens[i:i + len(as_markers)] == as_markers for i in range(len(tokens)))
+
+
+def test_a_name_is_rendered_where_the_template_reads_it_and_refused_elsewhere(
+        model: Model) -> None:
+    """The chat model's template writes a turn's name after its role; ChatML (named) has no
+    place for one, so a named turn is refused there rather than sent without its name."""
+    named = GenerationRequest(messages=[{"role": "user", "content": "hi", "name": "ada"}])
+    special = model.tokenize("user ada\n", add_special=False, parse_special=True)
+    assert build_prompt(model, named)[:1 + len(special)] == [START, *special]
+    assert reads_names(choose_template(model).text)
+    assert not reads_names(NAMED_TEMPLATES["chatml"])
+    with pytest.raises(PromptError, match=r"messages\.0\.name: .*no place for a message's name"):
+        build_prompt(model, named, "chatml")
+    with pytest.raises(ValueError, match="name"):  # no markup can ride in a name
+        GenerationRequest(messages=[{"role": "user", "content": "hi", "name": "a<|x|>"}])
 
 
 def test_text_prompts_parse_special_tokens_only_when_asked(model: Model) -> None:

@@ -138,6 +138,10 @@ def render_chat(model: Model, template: str, messages: list[ChatMessage],
                 tools: list[ToolDefinition] | None = None) -> list[int]:
     """Render ``messages`` (and ``tools``) with ``template``; only the template's own text
     parses specials."""
+    named = next((i for i, m in enumerate(messages) if m.name is not None), None)
+    if named is not None and not reads_names(template):
+        raise PromptError(f"messages.{named}.name: this worker's chat template has no place "
+                          "for a message's name (put it in the content)")
     native = speaks_tools(template)
     if not native and (tools or _uses_tools(messages)):
         messages, tools = generic_tool_turns(messages, tools), None
@@ -181,6 +185,8 @@ def _placeholder(message: ChatMessage, content: str) -> dict[str, Any]:
             for c in message.tool_calls]
     if message.tool_call_id is not None:
         turn["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        turn["name"] = message.name
     return turn
 
 
@@ -220,6 +226,23 @@ def speaks_tools(template: str) -> bool:
     except (TemplateError, PromptError, TypeError, ValueError):
         return False
     return all(probe in text for probe in (_PROBE + "\"", _PROBE + "_call", _PROBE_RESULT))
+
+
+#: The name :func:`reads_names` renders: no template writes it unless it reads names.
+_NAME_PROBE = "sf_probe_name_7c1e"
+
+
+@lru_cache(maxsize=8)
+def reads_names(template: str) -> bool:
+    """Whether ``template`` renders a message's ``name`` (probed as :func:`speaks_tools`
+    probes tools): a name sent to one that does not would be dropped, so it is refused."""
+    messages = [{"role": "user", "content": "x", "name": _NAME_PROBE}]
+    try:
+        text = _compiled(template).render(messages=messages, add_generation_prompt=True,
+                                          bos_token="", eos_token="")
+    except (TemplateError, PromptError, TypeError, ValueError):
+        return False
+    return _NAME_PROBE in text
 
 
 #: How the generic format tells a model about its tools (a system turn's text).

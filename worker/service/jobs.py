@@ -21,6 +21,7 @@ import structlog
 from pydantic import ValidationError
 from redis import Redis
 
+from shared.admission import context_refusal, vocabulary_refusal
 from shared.event_stream import EventWriter
 from shared.keys import Keys
 from shared.logs import get_logger
@@ -169,10 +170,11 @@ class JobRun:
                            log_fields={"job_id": self.job_id, "attempt": self.writer.attempt})
 
     def tokens(self, tokens: list[int], text: str,
-               logprobs: Sequence[TokenLogprob] = ()) -> None:
-        """One step's committed tokens (and their logprobs): timed, then streamed."""
+               logprobs: Sequence[TokenLogprob] = (), origin: str = "") -> None:
+        """One step's committed tokens (their logprobs, how each was produced): timed, then
+        streamed."""
         self.rt.metrics.tokens(self.job_id, len(tokens))
-        self._chunker.add(tokens, text, logprobs)
+        self._chunker.add(tokens, text, logprobs, origin)
 
     def should_stop(self) -> bool:
         """Checked once per engine step: a cancel, a second SIGTERM, or this worker lost."""
@@ -237,7 +239,7 @@ def _reject(rt: WorkerRuntime, writer: EventWriter,
     writer.error(message, error_type=error_type)
     writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=message)
     logger.warning("job.failed", error_type=error_type, error=message)
-    rt.metrics.job_finished(writer.job_id, None, "rejected")
+    rt.metrics.job_finished(writer.job_id, None, "rejected", reason=str(error_type))
     raise RequestRejected(message)
 
 
@@ -253,19 +255,16 @@ def _admit(rt: WorkerRuntime, writer: EventWriter, logger: structlog.typing.Filt
         _reject(rt, writer, logger,
                 f"this worker serves model '{rt.model_name}', not '{req.model}'",
                 Rejection.WRONG_MODEL)
-    n_vocab = rt.engine.model.n_vocab
-    outside = sorted({t for t in [*(req.prompt_tokens or []), *req.sampling.logit_bias]
-                      if t >= n_vocab})
-    if outside:  # llama.cpp would read past its vocabulary
-        _reject(rt, writer, logger, f"token id(s) {', '.join(map(str, outside[:5]))} outside "
-                f"the vocabulary (ids 0..{n_vocab - 1})", Rejection.VALIDATION)
+    refusal = vocabulary_refusal(req, rt.engine.model.n_vocab)
+    if refusal is not None:
+        field, why = refusal
+        _reject(rt, writer, logger, f"{field}: {why}", Rejection.VALIDATION)
     from worker.engine.prompt import PromptError, build_prompt  # loads llama.cpp: worker only
     try:
         prompt = build_prompt(rt.engine.model, req, rt.settings.chat_template)
     except PromptError as exc:  # no chat template, a template that fails to render
         _reject(rt, writer, logger, str(exc), Rejection.PROMPT)
-    if len(prompt) + req.max_tokens > rt.n_ctx:
-        _reject(rt, writer, logger,
-                f"prompt ({len(prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
-                f"worker's context of {rt.n_ctx} tokens", Rejection.CONTEXT)
+    too_long = context_refusal(len(prompt), req.max_tokens, rt.n_ctx, "the worker's context")
+    if too_long is not None:
+        _reject(rt, writer, logger, too_long, Rejection.CONTEXT)
     return req, prompt

@@ -25,6 +25,7 @@ from rq.serializers import JSONSerializer
 
 from shared import redis_faults
 from shared.cancel import request_cancel
+from shared.fleet_events import FleetReporter
 from shared.logs import get_logger
 from shared.outage import RedisOutage
 from shared.protocol import FitReport, WorkerCapacity, WorkerInfo
@@ -32,10 +33,11 @@ from shared.recovery import RecoveryMonitor, hand_back
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
 from shared.settings import Settings
+from shared.starting import StartingRecord
 from shared.version import package_version
 from worker.engine.engine import SpeculativeEngine
-from worker.engine.prompt import choose_template
-from worker.launch import DeviceRef, WorkerOptions
+from worker.engine.prompt import choose_template, reads_names
+from worker.launch import DeviceGroup, DeviceRef, WorkerOptions
 from worker.service.cancel import CancelWatch
 from worker.service.heartbeat import Heartbeat
 from worker.service.intake import JobIntake
@@ -54,7 +56,7 @@ def loaded_capacity(engine: SpeculativeEngine) -> WorkerCapacity:
     return engine.plan.capacity()
 
 
-def serve(options: WorkerOptions, settings: Settings, device: DeviceRef,
+def serve(options: WorkerOptions, settings: Settings, device: DeviceRef | DeviceGroup,
           n_gpu_layers: int) -> None:
     """Run a worker until SIGTERM: load, register, recover, work, deregister. ``device`` was
     pinned before this module was imported (:func:`worker.launch.pin_device`, which gave
@@ -65,7 +67,10 @@ def serve(options: WorkerOptions, settings: Settings, device: DeviceRef,
     name = options.name or f"{socket.gethostname()}-{device.name}-{os.getpid()}"
     registry = FleetRegistry(connection, keys, settings.worker_ttl_seconds)
     check_name_free(registry, name)
-    engine, fit = load_engine(options, n_gpu_layers, settings)
+    # Loading takes seconds to minutes: meanwhile requests for the model wait for it.
+    with StartingRecord(connection, keys, options.model_name, name,
+                        settings.worker_ttl_seconds, settings.heartbeat_seconds):
+        engine, fit = load_engine(options, n_gpu_layers, settings)
     try:
         _serve_loaded(options, settings, connection, registry, name, device.name, engine, fit)
     finally:
@@ -77,11 +82,13 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
                   fit: FitReport | None) -> None:
     keys = settings.keys
     metrics = start_worker_metrics(name, options.model_name, device, options.metrics_port)
+    metrics.fleet = FleetReporter(connection, keys, name, options.model_name)
     stop_listening = redis_faults.listen(metrics)
     runtime = WorkerRuntime(engine=engine, connection=connection, settings=settings,
                             worker_name=name, model_name=options.model_name,
                             n_ctx=engine.config.n_ctx, cancels=CancelWatch(connection, keys),
                             capacity=loaded_capacity(engine), metrics=metrics)
+    template = choose_template(engine.model, settings.chat_template)
     info = WorkerInfo(
         name=name, model_name=options.model_name, model_path=options.model_path,
         device=device, n_ctx=runtime.n_ctx, slots=engine.config.slots, version=package_version(),
@@ -89,7 +96,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         heartbeat_at=time.time(), spec_methods=[str(engine.method)], fit=fit,
         capacity=runtime.capacity,
         chat_template=True, n_vocab=engine.model.n_vocab,
-        chat_template_source=choose_template(engine.model, settings.chat_template).source,
+        chat_template_source=template.source, chat_template_names=reads_names(template.text),
         metrics_port=metrics.port, prefix_cache=engine.config.prefix_cache,
         deterministic=engine.config.deterministic)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)

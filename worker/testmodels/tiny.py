@@ -79,9 +79,11 @@ def build_tiny_models(directory: Path, seed: int = 0) -> TinyModels:
 CHAT_START = "<|sf_start|>"
 CHAT_END = "<|sf_end|>"
 CHAT_TOKENS = {CHAT_START: 253, CHAT_END: 254}
-#: A ChatML-like template over those markers (``tokenizer.chat_template`` of the chat variant).
+#: A ChatML-like template over those markers (``tokenizer.chat_template`` of the chat variant);
+#: a turn's ``name``, when it has one, follows its role (as some models' templates write it).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}" + CHAT_START + "{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for m in messages %}" + CHAT_START
+    + "{{ m['role'] }}{{ (' ' + m['name']) if m['name'] is defined else '' }}\n{{ m['content'] }}"
     + CHAT_END + "\n{% endfor %}"
     "{% if add_generation_prompt %}" + CHAT_START + "assistant\n{% endif %}"
 )
