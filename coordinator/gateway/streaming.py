@@ -30,11 +30,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.types import Receive
 
 from coordinator.events import StreamCursor, TextDeltas
@@ -56,32 +51,12 @@ from shared.protocol import (
     TokenEvent,
     TokenLogprob,
 )
-from shared.redis_client import COMMAND_RETRIES, HEALTH_CHECK_SECONDS, SOCKET_TIMEOUT
-from shared.sentinel import async_sentinel_client, is_sentinel_url
 
 #: A keep-alive: a comment line that no decoder turns into an event (see the module doc).
 KEEPALIVE = b": ping\n"
 #: The keep-alive while Redis is unreachable: the client sees that the stream waits.
 WAITING = b": waiting for redis\n"
-#: Connections the gateway's async client may hold (the hub's reader has its own): health
-#: checks and the hub's wake-ups; a command past the bound waits for one to be free.
-ASYNC_CONNECTIONS = 32
-
 log = get_logger("gateway")
-
-
-def connect_async(url: str, max_connections: int = ASYNC_CONNECTIONS) -> aioredis.Redis:
-    """An async client with the same retry and health-check policy as every other client
-    (``shared.redis_client``), also for a ``redis+sentinel://`` URL, holding at most
-    ``max_connections``."""
-    options: dict[str, Any] = dict(max_connections=max_connections,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), COMMAND_RETRIES),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
-        socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
-        socket_keepalive=True, health_check_interval=HEALTH_CHECK_SECONDS)
-    if is_sentinel_url(url):
-        return async_sentinel_client(url, **options)
-    return aioredis.Redis.from_url(url, **options)
 
 
 async def job_events(hub: StreamHub, keys: Keys,
@@ -104,17 +79,30 @@ class Ending:
     error_type: str | None = None
 
 
+class Endings:
+    """Reads a job's events for its endings: an error event comes before the final event it
+    explains, so the final's :class:`Ending` carries the last error's type."""
+
+    def __init__(self) -> None:
+        self._error_type: str | None = None
+
+    def see(self, event: AnyEvent) -> Ending | None:
+        """The ending ``event`` is (a final event), else None."""
+        if isinstance(event, ErrorEvent):
+            self._error_type = event.error_type
+        elif isinstance(event, FinalEvent):
+            return Ending(event, self._error_type)
+        return None
+
+
 async def job_ending(hub: StreamHub, keys: Keys, job_id: str) -> Ending:
     """The job's final event (of its newest attempt) and its error's type."""
-    final, error_type = None, None
+    ending, endings = None, Endings()
     async with aclosing(job_events(hub, keys, StreamCursor(job_id))) as events:
         async for event in events:
-            if isinstance(event, ErrorEvent):
-                error_type = event.error_type
-            elif isinstance(event, FinalEvent):
-                final = event
-    assert final is not None  # the cursor is done only at a final event
-    return Ending(final, error_type)
+            ending = endings.see(event) or ending
+    assert ending is not None  # the cursor is done only at a final event
+    return ending
 
 
 async def refusal(hub: StreamHub, keys: Keys, job_id: str,
@@ -124,15 +112,13 @@ async def refusal(hub: StreamHub, keys: Keys, job_id: str,
     generates, or still waits. A stream waits this long before its headers, so a refused
     request is answered with its status instead of a 200 whose stream ends in an error."""
     async def watch() -> Ending | None:
-        error_type = None
+        endings = Endings()
         async with aclosing(job_events(hub, keys, StreamCursor(job_id))) as events:
             async for event in events:
-                if isinstance(event, ErrorEvent):
-                    error_type = event.error_type
-                elif isinstance(event, FinalEvent):
-                    return Ending(event, error_type)
-                elif isinstance(event, TokenEvent) or (isinstance(event, ProgressEvent)
-                                                       and event.stage == "generating"):
+                if (ending := endings.see(event)) is not None:
+                    return ending
+                if isinstance(event, TokenEvent) or (isinstance(event, ProgressEvent)
+                                                     and event.stage == "generating"):
                     return None
         return None
 
@@ -182,17 +168,16 @@ async def choice_pieces(hub: StreamHub, keys: Keys, job_id: str, index: int,
     cursor = StreamCursor(job_id)
     deltas = TextDeltas(cursor, shown)
     offset = shown  # completions' text_offset: the characters of the tokens before
-    error_type = None
+    endings = Endings()
     async with aclosing(job_events(hub, keys, cursor)) as events:
         async for ev in events:
-            if isinstance(ev, ErrorEvent):
-                error_type = ev.error_type
+            ending = endings.see(ev)
             delta = deltas.feed(ev)
             if delta or deltas.logprobs:  # a token may hold part of a character: no text yet
                 yield Piece(index, delta, deltas.logprobs or None, offset, deltas.shown)
                 offset += sum(len(lp.text) for lp in deltas.logprobs)
-            if isinstance(ev, FinalEvent) and cursor.done:
-                yield Piece(index, "", None, offset, deltas.shown, Ending(ev, error_type))
+            if ending is not None and cursor.done:
+                yield Piece(index, "", None, offset, deltas.shown, ending)
 
 
 async def merged(streams: Sequence[AsyncGenerator[Piece, None]]
@@ -229,12 +214,13 @@ async def merged(streams: Sequence[AsyncGenerator[Piece, None]]
             task.cancel()
 
 
-async def with_keepalive(events: AsyncIterator[dict[str, str]], seconds: float,
+async def with_keepalive(events: AsyncIterator[dict[str, str] | bytes], seconds: float,
                          hub: StreamHub) -> AsyncIterator[dict[str, str] | bytes]:
-    """``events``, with a :data:`KEEPALIVE` line whenever none came for ``seconds``
-    (:data:`WAITING` while ``hub`` waits out a Redis outage)."""
+    """``events`` (SSE events, or comment lines already encoded), with a :data:`KEEPALIVE`
+    line whenever none came for ``seconds`` (:data:`WAITING` while ``hub`` waits out a
+    Redis outage)."""
     iterator = events.__aiter__()
-    pending: asyncio.Future[dict[str, str]] | None = None
+    pending: asyncio.Future[dict[str, str] | bytes] | None = None
     try:
         while True:
             if pending is None:
@@ -350,7 +336,8 @@ async def responses_sse(hub: StreamHub, keys: Keys, sequence: EventSequence,
         async with aclosing(choice_pieces(hub, keys, sequence.job_id, 0)) as pieces:
             async for piece in pieces:
                 if piece.ending is None:
-                    yield event(sequence.delta(piece.text))
+                    for body in sequence.delta(piece.text):
+                        yield event(body)
                 else:
                     for body in sequence.closing(piece.ending.final):
                         yield event(body)

@@ -18,10 +18,9 @@ import pytest
 from redis import Redis, RedisError
 
 from coordinator.client import Coordinator
-from coordinator.gateway.streaming import connect_async
 from coordinator.processes import stop_processes
 from shared.protocol import JobStatus
-from shared.redis_client import connect
+from shared.redis_client import connect, connect_async
 from shared.sentinel import parse_sentinel_url
 from shared.settings import Settings
 
@@ -109,7 +108,7 @@ def test_the_gateways_async_client_follows_a_switchover(group: SentinelGroup) ->
     old = group.primary_port()
 
     async def scenario() -> bytes | None:
-        conn = connect_async(group.url)
+        conn = connect_async(group.url, 4)
         try:
             await conn.set("before", "1")
             group.sentinel.client().execute_command("SENTINEL", "FAILOVER", SERVICE)
