@@ -1,4 +1,5 @@
-"""Batches that live in Redis (OpenAI's Batch API): files in, jobs, files out.
+"""Batches that live in Redis (OpenAI's Batch API): a file in, jobs, files out (the files are
+``coordinator/files.py``'s, the tenants ``coordinator/tenancy.py``'s).
 
 A batch advances with no client alive. Creating one checks its input file (JSON Lines, every
 ``custom_id`` its own, within the limits) and answers at once, ``validating``; its lines are
@@ -6,9 +7,11 @@ turned into jobs afterwards by :meth:`BatchStore.advance` (``in_progress`` from 
 line), which whoever holds the batch's short creator lease runs: the creating process, or any
 gateway's batch pump when that one died (the lease lapses in seconds, job ids follow from the
 batch and the line, so no line runs twice). A line whose model has no live worker (a rolling
-restart) waits for one; once the batch's window (``SPECFLEET_BATCH_WINDOW_SECONDS``, OpenAI's
-``24h``) has passed, the batch is ``expired``: lines not yet run are withdrawn and reported
-``batch_expired``, the finished ones stay in its output. Each job's final event is accounted
+restart, a declared model scaled to zero: ``coordinator/models.py``) waits for one, counted
+among the model's waiting requests (``coordinator/waiting.py``); once the batch's window
+(``SPECFLEET_BATCH_WINDOW_SECONDS``, OpenAI's ``24h``) has passed, the batch is ``expired``:
+lines not yet run are withdrawn and reported ``batch_expired``, the finished ones stay in its
+output. Each job's final event is accounted
 to the batch by the script that appends it (``shared.event_stream``: counts, the line's
 result, the batch's end), whoever writes it (a worker, a cancel of a queued job, crash
 recovery). A line that cannot become a job (not UTF-8, not JSON, not a batch line, a request
@@ -17,13 +20,9 @@ way a line is accounted. Output and error files are assembled from Redis when th
 in input order. The HTTP gateway and ``specfleet batch`` both use :class:`BatchStore`; there
 is no other implementation.
 
-Tenants: every file and batch is owned by the :class:`Tenant` that created it, stored as its
-key id (never the key); a batch's output and error files are its batch's. A tenant sees and
-acts on its own objects only (another's are "no such" 404s), an admin on everyone's, and the
-operator (:data:`OPERATOR`: ``specfleet batch``, the pumps) too. What an open gateway or the
-operator creates, and what was stored before owners were recorded, is :data:`ANONYMOUS`'s.
-A tenant's :class:`Quota` bounds the bytes of its live uploads and its open batches, checked
-and booked in one script with the write, so concurrent requests cannot overshoot it.
+Tenants: every batch is owned by the tenant that created it (``coordinator/tenancy.py``), and
+its output and error files are its. A tenant's quota bounds its open batches, checked and
+booked in one script with the write, so concurrent requests cannot overshoot it.
 
 A batch cannot take its pumps down with it. A cancelled or expired batch's remaining lines are
 accounted ``cancelled`` without being parsed. Before a pump parses a line it books the attempt
@@ -34,13 +33,13 @@ carries on. An unexpected exception on a line fails that line; one outside any l
 counted in ``pump_failures`` and fails the batch (OpenAI's ``errors`` object) at
 :data:`MAX_BATCH_FAILURES`. Redis errors only delay: the next call resumes.
 
-Redis keys (``shared.keys``): ``file:{id}`` (uploads), ``files`` (their listing),
-``batch:{id}`` (status, counts, meta, owner, the line being attempted),
-``batch:{id}:jobs`` (line -> custom id, job id, model), ``batch:{id}:results`` (line -> final
-event), ``batch:{id}:creator`` (the queueing lease, naming its holder ``HOST:PID:TOKEN``),
-``job:{id}:batch`` (a job's line reference, read by the script), ``batches`` (listing),
-``batches:open`` (batches not ended, by when their window closes: what the gateways' pumps
-look after), ``owner:{key id}:...`` (a tenant's listings and what its quotas count).
+Redis keys (``shared.keys``): ``batch:{id}`` (status, counts, meta, owner, the line being
+attempted), ``batch:{id}:jobs`` (line -> custom id, job id, model), ``batch:{id}:results``
+(line -> final event), ``batch:{id}:creator`` (the queueing lease, naming its holder
+``HOST:PID:TOKEN``), ``job:{id}:batch`` (a job's line reference, read by the script),
+``batches`` (listing), ``batches:open`` (batches not ended, by when their window closes: what
+the gateways' pumps look after), ``owner:{key id}:batches...`` (a tenant's listings and what
+its quota counts).
 Everything expires ``SPECFLEET_RESULT_TTL_SECONDS`` after the batch's last change.
 """
 
@@ -55,7 +54,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
@@ -63,8 +61,16 @@ from redis.exceptions import RedisError
 from rq.job import Job
 
 from coordinator.client import Coordinator
+from coordinator.files import (
+    FileStore,
+    batch_of_file,
+    json_value,
+    jsonl_lines,
+    result_file_id,
+)
 from coordinator.openai_api import replies, requests
 from coordinator.openai_api.fields import Metadata, RequestError
+from coordinator.tenancy import ANONYMOUS, OPERATOR, StoreError, Tenant, listing
 from coordinator.validation import SubmitError
 from shared.event_stream import EventWriter
 from shared.logs import get_logger
@@ -74,8 +80,7 @@ from shared.replies import text
 
 log = get_logger("batch")
 
-#: Largest input file, in bytes, and most lines in one batch.
-MAX_FILE_BYTES = 32 * 1024 * 1024
+#: Most lines in one batch.
 MAX_BATCH_LINES = 10_000
 #: The only completion window (OpenAI's); its length is ``Settings.batch_window_seconds``.
 COMPLETION_WINDOW = "24h"
@@ -93,10 +98,6 @@ MAX_BATCH_FAILURES = 3
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 #: Statuses in which a batch still has lines to queue or jobs to wait for.
 OPEN = ("validating", "in_progress", "cancelling")
-#: The owner of what is created without an API key (an open gateway, the operator), and of
-#: what was stored before owners were recorded.
-ANONYMOUS = "anonymous"
-
 #: Move a batch to status ARGV[1] (stamping field ARGV[2] with Redis's clock, and storing
 #: ARGV[3] as its ``errors`` object unless empty) only from one of the statuses ARGV[4..]: a
 #: cancel or the last line's accounting may have moved it meanwhile.
@@ -128,46 +129,6 @@ if redis.call('HGET', KEYS[1], 'attempt_line') ~= ARGV[1] then
 end
 return redis.call('HINCRBY', KEYS[1], 'attempts', ARGV[2])
 """
-#: An owner's uploads (KEYS[3]: id -> when it expires) and their bytes (KEYS[4]: id -> bytes,
-#: ``total``): ``forget`` takes one out of both.
-_FILES_LUA = """
-local function forget(id)
-  local size = redis.call('HGET', KEYS[4], id)
-  if size then
-    redis.call('HINCRBY', KEYS[4], 'total', -tonumber(size))
-    redis.call('HDEL', KEYS[4], id)
-  end
-  redis.call('ZREM', KEYS[3], id)
-end
-"""
-#: Store upload ARGV[1] (hash KEYS[1], listing KEYS[2] scored ARGV[2]) for owner ARGV[8] with
-#: TTL ARGV[3], unless its ARGV[4] bytes bring the owner's live uploads past ARGV[5] (-1: no
-#: limit); expired uploads leave the count first. Returns -1 once stored, else the bytes the
-#: owner holds.
-_UPLOAD_LUA = _FILES_LUA + """
-local now = tonumber(redis.call('TIME')[1])
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)) do forget(id) end
-local used = tonumber(redis.call('HGET', KEYS[4], 'total') or '0')
-local size, limit = tonumber(ARGV[4]), tonumber(ARGV[5])
-if limit >= 0 and used + size > limit then return used end
-redis.call('HSET', KEYS[1], 'meta', ARGV[6], 'content', ARGV[7], 'owner', ARGV[8])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('HSET', KEYS[4], ARGV[1], size)
-redis.call('HINCRBY', KEYS[4], 'total', size)
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-redis.call('EXPIRE', KEYS[4], ARGV[3])
-return -1
-"""
-#: Delete upload ARGV[1] (hash KEYS[1], listing KEYS[2]) and its owner's count of it; 1 when
-#: it was there.
-_DELETE_FILE_LUA = _FILES_LUA + """
-local existed = redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-forget(ARGV[1])
-return existed
-"""
 #: Create batch ARGV[1] (hash KEYS[1] of the field/value pairs ARGV[8..], TTL ARGV[4]; in the
 #: listing KEYS[2] and the owner's KEYS[4] scored ARGV[2], in the open set KEYS[3] and the
 #: owner's KEYS[5] scored ARGV[3]; the owner's sets expire after ARGV[7]), unless the owner
@@ -197,7 +158,13 @@ return -1
 
 
 class _NoWorker(Exception):
-    """A line's model has no live worker now: the line waits for one."""
+    """A line's model has no live worker now: the line (``waiter``, its job id) waits for
+    one, recorded as waiting for ``model`` (``coordinator/waiting.py``)."""
+
+    def __init__(self, message: str, model: str, waiter: str) -> None:
+        super().__init__(message)
+        self.model = model
+        self.waiter = waiter
 
 
 class _LeaseLost(Exception):
@@ -210,50 +177,9 @@ _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "
                "cancelling_at", "cancelled_at")
 
 
-class BatchError(ValueError):
-    """A files/batches request that cannot be served; ``status`` is its HTTP status."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-
-
-@dataclass(frozen=True)
-class Quota:
-    """What one tenant may hold at once: bytes of live uploads, batches not ended
-    (``SPECFLEET_MAX_STORED_BYTES_PER_KEY``, ``SPECFLEET_MAX_OPEN_BATCHES_PER_KEY``)."""
-
-    stored_bytes: int
-    open_batches: int
-
-
-@dataclass(frozen=True)
-class Tenant:
-    """Who is asking, decided once per request (``coordinator.gateway.auth.ApiKeys``).
-
-    ``owner`` is the id what it creates is stored under (an API key's key id, never the key);
-    ``admin`` sees and acts on every owner's objects; ``quota`` bounds what it creates (None:
-    unbounded)."""
-
-    owner: str
-    admin: bool = False
-    quota: Quota | None = None
-
-    def sees(self, owner: str) -> bool:
-        """Whether this tenant may read and act on an object of ``owner``."""
-        return self.admin or owner == self.owner
-
-
-#: The operator (``specfleet batch``, which talks to Redis directly, and the pumps): sees and
-#: acts on everything, unbounded; what it creates is :data:`ANONYMOUS`'s.
-OPERATOR = Tenant(ANONYMOUS, admin=True)
-
-
 class BatchStore:
-    """Files and batches of one deployment, kept in its Redis.
+    """The batches of one deployment, kept in its Redis, and (``files``) the Files API they
+    read their input from and write their output to.
 
     Every method that reads or acts on objects takes the ``tenant`` asking (the operator's
     view unless told otherwise: the gateway always tells it)."""
@@ -270,144 +196,15 @@ class BatchStore:
         self._move = self.conn.register_script(_MOVE_LUA)
         self._renew = self.conn.register_script(_RENEW_LUA)
         self._attempt = self.conn.register_script(_ATTEMPT_LUA)
-        self._upload = self.conn.register_script(_UPLOAD_LUA)
-        self._delete_file = self.conn.register_script(_DELETE_FILE_LUA)
         self._create = self.conn.register_script(_CREATE_LUA)
         self._stopping = threading.Event()
+        #: Uploads and this store's batches' result files (OpenAI's ``/v1/files``).
+        self.files = FileStore(self.conn, self.keys, self.ttl, self)
 
     def stop(self) -> None:
         """Make every :meth:`advance` of this process let go at its next line or look for a
         worker (the process is stopping: its lease lapses and another carries on)."""
         self._stopping.set()
-
-    # -- files -------------------------------------------------------------------------------
-    def upload(self, content: bytes, filename: str, purpose: str = "batch", *,
-               tenant: Tenant = OPERATOR) -> dict[str, Any]:
-        """Store an input file owned by ``tenant``; returns its OpenAI file object. A file
-        that is not JSON Lines at all is refused here (:func:`_check_jsonl`), and so is one
-        that would bring the tenant's live uploads past its quota (429)."""
-        if purpose != "batch":
-            raise BatchError(f"purpose must be 'batch', not {purpose!r}", param="purpose")
-        if len(content) > MAX_FILE_BYTES:
-            raise BatchError(f"file of {len(content)} bytes exceeds the limit of "
-                             f"{MAX_FILE_BYTES} bytes", status=413, param="file")
-        _check_jsonl(content)
-        file_id = f"file-{uuid.uuid4().hex}"
-        info: dict[str, Any] = {"id": file_id, "object": "file", "bytes": len(content),
-                "created_at": int(time.time()), "filename": filename[:256], "purpose": purpose,
-                "status": "processed"}
-        limit = tenant.quota.stored_bytes if tenant.quota is not None else -1
-        held = int(self._upload(
-            keys=[self.keys.file(file_id), self.keys.files(), *self._owner_files(tenant.owner)],
-            args=[file_id, info["created_at"], self.ttl, len(content), limit, json.dumps(info),
-                  content, tenant.owner]))
-        if held >= 0:
-            raise BatchError(f"this file of {len(content)} bytes would bring this API key's "
-                             f"live uploads to {held + len(content)} bytes, over "
-                             f"SPECFLEET_MAX_STORED_BYTES_PER_KEY ({limit}): delete files or "
-                             "wait for them to expire", status=429, param="file",
-                             code="quota_exceeded")
-        return {**info, "expires_at": info["created_at"] + self.ttl}
-
-    def _owner_files(self, owner: str) -> list[str]:
-        """The keys of an owner's uploads and their bytes (the scripts' KEYS[3], KEYS[4])."""
-        return [self.keys.owner_files(owner), self.keys.owner_file_bytes(owner)]
-
-    def files(self, limit: int = 20, after: str | None = None, *,
-              tenant: Tenant = OPERATOR) -> list[dict[str, Any]]:
-        """The files ``tenant`` sees (an admin: everyone's), newest first (``after``:
-        continue after that file); a file whose TTL ran out leaves the listing when met."""
-        if tenant.admin:
-            index = self.keys.files()
-            return self._listing(index, self.file, limit, after,
-                                 lambda file_id: self.conn.zrem(index, file_id))
-        return self._listing(self.keys.owner_files(tenant.owner), self.file, limit, after,
-                             lambda file_id: self._unstore(file_id, tenant.owner))
-
-    def _listing(self, index: str, fetch: Callable[[str], dict[str, Any]], limit: int,
-                 after: str | None, forget: Callable[[str], object]) -> list[dict[str, Any]]:
-        """Up to ``limit`` objects of the sorted set ``index``, newest first, from after
-        ``after``; an id whose object has expired is dropped from the set (``forget``)."""
-        ids = [text(i) for i in self.conn.zrevrange(index, 0, -1)]
-        if after is not None and after in ids:
-            ids = ids[ids.index(after) + 1:]
-        found: list[dict[str, Any]] = []
-        for object_id in ids:
-            if len(found) >= limit:
-                break
-            try:
-                found.append(fetch(object_id))
-            except BatchError:  # expired: forget it
-                forget(object_id)
-        return found
-
-    def delete_file(self, file_id: str, *, tenant: Tenant = OPERATOR) -> dict[str, Any]:
-        """Delete an upload (a batch already created from it has its lines queued; one
-        still queueing them reads the file and fails the lines it no longer finds)."""
-        if self._result_batch(file_id, tenant) is not None:
-            raise BatchError(f"{file_id} is a batch's result file: it expires with its batch",
-                             param="file_id")
-        _, owner = self._upload_fields(file_id, tenant)
-        if not self._unstore(file_id, owner):
-            raise _no_file(file_id)
-        return {"id": file_id, "object": "file", "deleted": True}
-
-    def _unstore(self, file_id: str, owner: str) -> bool:
-        """Delete an upload and its owner's count of it; whether it was there."""
-        return bool(self._delete_file(
-            keys=[self.keys.file(file_id), self.keys.files(), *self._owner_files(owner)],
-            args=[file_id]))
-
-    def _result_batch(self, file_id: str, tenant: Tenant) -> tuple[str, str] | None:
-        """``(batch id, "output" | "errors")`` of a batch's result file, None for an upload;
-        "no such file" for the result file of a batch ``tenant`` does not see (or of none)."""
-        batch_id, kind = _result_file(file_id)
-        if batch_id is None:
-            return None
-        try:
-            self.get(batch_id, tenant=tenant)
-        except BatchError:
-            raise _no_file(file_id) from None
-        return batch_id, kind
-
-    def _upload_fields(self, file_id: str, tenant: Tenant, *fields: str) -> list[Any]:
-        """``[meta, owner, *fields]`` of an upload ``tenant`` sees, else "no such file" (the
-        same 404 whether it is missing or another's: existence does not leak)."""
-        meta, raw_owner, *values = self.conn.hmget(self.keys.file(file_id), "meta", "owner",
-                                                   *fields)
-        owner = text(raw_owner) or ANONYMOUS
-        if meta is None or not tenant.sees(owner):
-            raise _no_file(file_id)
-        return [meta, owner, *values]
-
-    def file(self, file_id: str, *, tenant: Tenant = OPERATOR) -> dict[str, Any]:
-        """The file object of an upload or of a batch's output/error file."""
-        result = self._result_batch(file_id, tenant)
-        if result is not None:
-            batch_id, kind = result
-            content = self.content(file_id, tenant=tenant)
-            batch = self.get(batch_id, tenant=tenant)
-            return {"id": file_id, "object": "file", "bytes": len(content),
-                    "created_at": batch.get("completed_at") or batch["created_at"],
-                    "filename": f"{batch_id}_{kind}.jsonl", "purpose": "batch_output",
-                    "status": "processed"}
-        meta, _ = self._upload_fields(file_id, tenant)
-        ttl = int(self.conn.ttl(self.keys.file(file_id)))
-        # OpenAI's expires_at: when the file's TTL ends
-        return {**json.loads(meta), "expires_at": int(time.time()) + max(ttl, 0)}
-
-    def content(self, file_id: str, *, tenant: Tenant = OPERATOR) -> bytes:
-        """An upload's bytes, or a batch's output/error file assembled from its results."""
-        result = self._result_batch(file_id, tenant)
-        if result is not None:
-            batch_id, kind = result
-            lines = self.result_lines(batch_id, "errors" if kind == "errors" else "output",
-                                      tenant=tenant)
-            return "".join(json.dumps(line) + "\n" for line in lines).encode()
-        _, _, raw = self._upload_fields(file_id, tenant, "content")
-        if raw is None:  # expired between the fields
-            raise _no_file(file_id)
-        return raw.encode() if isinstance(raw, str) else raw
 
     # -- batches -----------------------------------------------------------------------------
     def create(self, input_file_id: str, endpoint: str,
@@ -422,29 +219,29 @@ class BatchStore:
 
         ``model`` fills in lines whose body names none (``specfleet batch --model``)."""
         if endpoint not in requests.ENDPOINTS:
-            raise BatchError(f"endpoint must be one of {', '.join(requests.ENDPOINTS)}",
+            raise StoreError(f"endpoint must be one of {', '.join(requests.ENDPOINTS)}",
                              param="endpoint")
         if completion_window != COMPLETION_WINDOW:
-            raise BatchError(f"completion_window must be '{COMPLETION_WINDOW}'",
+            raise StoreError(f"completion_window must be '{COMPLETION_WINDOW}'",
                              param="completion_window")
         if metadata is not None:
             try:
                 metadata = METADATA.validate_python(metadata, strict=True)
             except ValidationError as exc:
-                raise BatchError(f"metadata: {describe_validation_error(exc, subject=None)}",
+                raise StoreError(f"metadata: {describe_validation_error(exc, subject=None)}",
                                  param="metadata") from None
-        if _result_file(input_file_id)[0] is not None:
-            raise BatchError(f"{input_file_id} is a batch's output or error file: a batch's "
+        if batch_of_file(input_file_id)[0] is not None:
+            raise StoreError(f"{input_file_id} is a batch's output or error file: a batch's "
                              "input is a file uploaded with purpose 'batch'",
                              param="input_file_id")
         try:
-            raw_lines = _lines(self.content(input_file_id, tenant=tenant))
-        except BatchError as exc:
-            raise BatchError(str(exc), exc.status, "input_file_id") from None
+            raw_lines = jsonl_lines(self.files.content(input_file_id, tenant=tenant))
+        except StoreError as exc:
+            raise StoreError(str(exc), exc.status, "input_file_id") from None
         if not raw_lines:
-            raise BatchError(f"input file {input_file_id} has no lines", param="input_file_id")
+            raise StoreError(f"input file {input_file_id} has no lines", param="input_file_id")
         if len(raw_lines) > MAX_BATCH_LINES:
-            raise BatchError(f"input file has {len(raw_lines)} lines; a batch holds at most "
+            raise StoreError(f"input file has {len(raw_lines)} lines; a batch holds at most "
                              f"{MAX_BATCH_LINES}", param="input_file_id")
         _check_unique(raw_lines)
         now = int(time.time())
@@ -473,7 +270,7 @@ class BatchStore:
                   self.keys.batch(""), self.window + self.ttl,
                   *itertools.chain.from_iterable(fields.items())]))
         if open_batches >= 0:
-            raise BatchError(f"this API key has {open_batches} batches open, as many as "
+            raise StoreError(f"this API key has {open_batches} batches open, as many as "
                              f"SPECFLEET_MAX_OPEN_BATCHES_PER_KEY ({limit}) allows: wait for "
                              "one to end, or cancel one", status=429, param="input_file_id",
                              code="quota_exceeded")
@@ -548,6 +345,7 @@ class BatchStore:
             self._move_batch(batch_id, "in_progress", "validating")
         lines = self._lines_or_none(meta["input_file_id"], total_lines)
         waiting_since: float | None = None
+        waiting: _NoWorker | None = None  # the line waiting for a worker, while one does
         number, taken, died = start + 1, 0, 0
         try:
             while not self._stopping.is_set():
@@ -566,6 +364,8 @@ class BatchStore:
                     self._take_line(batch_id, meta, number, lines[number - 1],
                                     resumed=number == start + 1, cancelled=cancelled, died=died)
                 except _NoWorker as exc:
+                    self.coordinator.waiting.touch(exc.model, exc.waiter)
+                    waiting = exc
                     if waiting_since is None:
                         waiting_since = time.monotonic()
                         log.warning("batch.waiting_for_worker", batch_id=batch_id, line=number,
@@ -575,7 +375,9 @@ class BatchStore:
                 if waiting_since is not None:
                     log.info("batch.worker_found", batch_id=batch_id, line=number,
                              waited_seconds=round(time.monotonic() - waiting_since, 2))
-                    waiting_since = None
+                    if waiting is not None:
+                        self.coordinator.waiting.leave(waiting.model, waiting.waiter)
+                    waiting_since, waiting = None, None
                 self._line_done(key, number)
                 taken, number = 0, number + 1
             return False
@@ -619,8 +421,8 @@ class BatchStore:
     def _lines_or_none(self, input_file_id: str, total: int) -> list[bytes | None]:
         """The input file's lines, or None for each when the file was deleted meanwhile."""
         try:
-            return list(_lines(self.content(input_file_id)))
-        except BatchError:
+            return list(jsonl_lines(self.files.content(input_file_id)))
+        except StoreError:
             return [None] * total
 
     def _expire(self, batch_id: str, meta: dict[str, Any], lines: Sequence[bytes | None],
@@ -712,8 +514,8 @@ class BatchStore:
         try:
             self.coordinator.submit(choice.request, job_id=job_id)
         except SubmitError as exc:
-            if exc.reason == "no_worker":
-                raise _NoWorker(str(exc)) from None
+            if exc.reason in ("no_worker", "coming"):  # known or coming: it waits
+                raise _NoWorker(str(exc), exc.model or parsed.model, job_id) from None
             self._fail_line(batch_id, number, custom_id, f"line {number}: {exc}")
             return
         self.conn.hset(self.keys.batch_jobs(batch_id), str(number),
@@ -748,7 +550,7 @@ class BatchStore:
         raw = {text(k): text(v) for k, v in
                self.conn.hgetall(self.keys.batch(batch_id)).items()}
         if "meta" not in raw or not tenant.sees(raw.get("owner") or ANONYMOUS):
-            raise BatchError(f"no such batch: {batch_id}", status=404, param="batch_id")
+            raise StoreError(f"no such batch: {batch_id}", status=404, param="batch_id")
         meta = json.loads(raw["meta"])
         status = raw["status"]
         if status not in TERMINAL and time.time() > meta["expires_at"]:
@@ -762,8 +564,8 @@ class BatchStore:
             "errors": json.loads(raw["errors"]) if "errors" in raw else None,
             "input_file_id": meta["input_file_id"],
             "completion_window": meta["completion_window"], "status": status,
-            "output_file_id": f"file-{batch_id}-output" if has_output else None,
-            "error_file_id": f"file-{batch_id}-errors" if has_errors else None,
+            "output_file_id": result_file_id(batch_id, "output") if has_output else None,
+            "error_file_id": result_file_id(batch_id, "errors") if has_errors else None,
             "created_at": meta["created_at"], "expires_at": meta["expires_at"],
             **{name: int(raw[name]) if name in raw else None for name in _TIMESTAMPS},
             "request_counts": counts, "metadata": meta["metadata"],
@@ -776,8 +578,8 @@ class BatchStore:
         """The batches ``tenant`` sees (an admin: everyone's), newest first; ``after``
         continues a listing after that batch."""
         index = self.keys.batches() if tenant.admin else self.keys.owner_batches(tenant.owner)
-        return self._listing(index, self.get, limit, after,
-                             lambda batch_id: self.conn.zrem(index, batch_id))
+        return listing(self.conn, index, self.get, limit, after,
+                       lambda batch_id: self.conn.zrem(index, batch_id))
 
     def cancel(self, batch_id: str, *, tenant: Tenant = OPERATOR) -> dict[str, Any]:
         """Stop a batch: queued jobs are withdrawn, running ones stop at their next step, lines
@@ -816,44 +618,12 @@ class BatchStore:
                                expired=batch["status"] == "expired")
 
 
-def _lines(content: bytes) -> list[bytes]:
-    """A file's non-blank lines, in order."""
-    return [line for line in content.split(b"\n") if line.strip()]
-
-
-def _loads(raw: bytes | None) -> Any:
-    """A line's JSON value, or None when it is none: missing, malformed, not UTF-8, or nested
-    past the interpreter's recursion limit (``json`` raises ``RecursionError`` there, not
-    ``ValueError``: a line 100,000 brackets deep was a 500)."""
-    if raw is None:
-        return None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-
-
 def _custom_id(raw: bytes | None) -> str | None:
     """A line's ``custom_id`` read plainly (nothing else of the line is looked at), for the
     record of a line accounted without being parsed as a request."""
-    line = _loads(raw)
+    line = json_value(raw)
     custom_id = line.get("custom_id") if isinstance(line, dict) else None
     return custom_id if isinstance(custom_id, str) else None
-
-
-def _check_jsonl(content: bytes) -> None:
-    """Refuse a file that is not JSON Lines at all (an image, a spreadsheet, a JSON array):
-    one holding a NUL byte (no JSON text does), or lines none of which is a JSON object. A
-    file of objects with some broken lines is taken: each bad line fails on its own."""
-    nul = content.find(b"\x00")
-    if nul >= 0:
-        raise BatchError(f"the file is not JSONL (one JSON object per line): byte {nul} is "
-                         "NUL, so it is binary data", param="file")
-    lines = _lines(content)
-    if lines and not any(isinstance(_loads(line), dict) for line in lines):
-        # an empty file is refused at create, for having no lines
-        raise BatchError("the file is not JSONL (one JSON object per line): no line is a "
-                         "JSON object", param="file")
 
 
 def _check_unique(raw_lines: Sequence[bytes]) -> None:
@@ -865,7 +635,7 @@ def _check_unique(raw_lines: Sequence[bytes]) -> None:
         if custom_id is None:
             continue
         if custom_id in seen:
-            raise BatchError(f"custom_id {custom_id!r} is on lines {seen[custom_id]} and "
+            raise StoreError(f"custom_id {custom_id!r} is on lines {seen[custom_id]} and "
                              f"{number}: each line needs its own", param="input_file_id")
         seen[custom_id] = number
 
@@ -888,19 +658,6 @@ def _lease_token() -> str:
 def _job_id(batch_id: str, number: int) -> str:
     """The job of a batch's line: it follows from both, so no line is queued twice."""
     return f"{batch_id.removeprefix('batch_')}-{number}"
-
-
-def _no_file(file_id: str) -> BatchError:
-    return BatchError(f"no such file: {file_id}", status=404, param="file_id")
-
-
-def _result_file(file_id: str) -> tuple[str | None, str]:
-    """``(batch id, "output" | "errors")`` for a batch's result file id, else ``(None, "")``."""
-    if file_id.startswith("file-batch_"):
-        batch_id, _, kind = file_id[len("file-"):].rpartition("-")
-        if kind in ("output", "errors"):
-            return batch_id, kind
-    return None, ""
 
 
 def _parse_line(endpoint: str, number: int, raw: bytes, model: str | None,

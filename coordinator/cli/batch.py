@@ -22,10 +22,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from typer.core import TyperGroup
 
-from coordinator.batch import CREATOR_LEASE_SECONDS, TERMINAL, BatchError, BatchStore
+from coordinator.batch import CREATOR_LEASE_SECONDS, TERMINAL, BatchStore
 from coordinator.cli.app import app, environment_settings, fail, fail_redis
 from coordinator.client import Coordinator
 from coordinator.openai_api.requests import ENDPOINTS, NATIVE
+from coordinator.tenancy import StoreError
 from shared.logs import configure_logging
 from shared.outage import RedisOutage, ride_out
 from shared.settings import Settings
@@ -57,7 +58,7 @@ def _store() -> Iterator[tuple[BatchStore, Settings]]:
         yield BatchStore(Coordinator(settings)), settings
     except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
-    except BatchError as exc:
+    except StoreError as exc:
         fail(str(exc), code=1 if exc.status == 404 else 2)
 
 
@@ -66,7 +67,7 @@ def _submit(store: BatchStore, path: Path, endpoint: str, model: str | None) -> 
         content = path.read_bytes()
     except OSError as exc:
         fail(f"{exc.filename}: {exc.strerror}")
-    uploaded = store.upload(content, path.name)
+    uploaded = store.files.upload(content, path.name)
     return store.create(uploaded["id"], endpoint, model=model)
 
 

@@ -6,7 +6,8 @@ time. With no keys configured the gateway is open, as llama-server and vLLM are 
 Each key is a tenant (``coordinator.batch.Tenant``), decided here once per request and put
 on ``request.state.tenant``: files and batches are stored under its key id (a digest, never
 the key), admin keys (``SPECFLEET_ADMIN_API_KEYS``) see everyone's, an open gateway's callers
-are one anonymous tenant.
+are one anonymous tenant. Admin keys alone may declare and remove models
+(``request.state.operator``), anyone on an open gateway.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from fastapi import Request
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from coordinator.batch import ANONYMOUS, Quota, Tenant
 from coordinator.gateway.errors import APIError
+from coordinator.tenancy import ANONYMOUS, Quota, Tenant
 
 
 class GatewaySettings(BaseSettings):
@@ -130,6 +131,9 @@ class ApiKeys:
 
     async def __call__(self, request: Request) -> None:
         request.state.tenant = self._open if not self._tenants else self._tenant(request)
+        # who may change what the whole deployment serves (declared models): an admin key,
+        # or anyone on a gateway without keys
+        request.state.operator = not self._tenants or request.state.tenant.admin
 
     def _tenant(self, request: Request) -> Tenant:
         """The tenant of the request's key: every key is compared (no early exit), so how

@@ -23,9 +23,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
-from coordinator.batch import MAX_FILE_BYTES, BatchError, BatchStore, Tenant
+from coordinator.batch import BatchStore
+from coordinator.files import MAX_FILE_BYTES, FileStore
 from coordinator.gateway.errors import APIError
 from coordinator.gateway.routes import json_body
+from coordinator.tenancy import StoreError, Tenant
 from shared.logs import get_logger
 
 router = APIRouter()
@@ -82,13 +84,24 @@ class QuotaExceeded(APIError):
         return response
 
 
-async def _call(request: Request, method: Callable[..., Any], *args: Any) -> Any:
-    """``method`` of the gateway's ``BatchStore`` in a thread, as the request's tenant (never
-    missing: a route without the API-key dependency fails here instead of seeing all)."""
+async def batches_call(request: Request, method: Callable[..., Any], *args: Any) -> Any:
+    """``method`` of the gateway's ``BatchStore`` (:func:`_call`): the Batch API's routes
+    and the console's."""
+    return await _call(request, request.app.state.batches, method, *args)
+
+
+async def files_call(request: Request, method: Callable[..., Any], *args: Any) -> Any:
+    """``method`` of the gateway's ``FileStore``: :func:`_call`."""
+    return await _call(request, request.app.state.batches.files, method, *args)
+
+
+async def _call(request: Request, store: object, method: Callable[..., Any], *args: Any) -> Any:
+    """``method`` of ``store`` in a thread, as the request's tenant (never missing: a route
+    without the API-key dependency fails here instead of seeing all)."""
     tenant: Tenant = request.state.tenant
     try:
-        return await asyncio.to_thread(method, request.app.state.batches, *args, tenant=tenant)
-    except BatchError as exc:
+        return await asyncio.to_thread(method, store, *args, tenant=tenant)
+    except StoreError as exc:
         if exc.status == 429:
             raise QuotaExceeded(429, str(exc), "insufficient_quota", param=exc.param,
                                 code=exc.code) from None
@@ -103,8 +116,8 @@ async def upload_file(request: Request) -> dict[str, Any]:
     if not isinstance(upload, UploadFile):
         raise APIError(400, "a multipart 'file' field is required", param="file")
     content = await upload.read()
-    return await _call(request, BatchStore.upload, content, upload.filename or "upload.jsonl",
-                       purpose if isinstance(purpose, str) else "")
+    return await files_call(request, FileStore.upload, content, upload.filename or "upload.jsonl",
+                        purpose if isinstance(purpose, str) else "")
 
 
 #: A listing's page size: OpenAI's default and bounds (outside them: a 400 naming ``limit``).
@@ -127,22 +140,22 @@ async def list_files(request: Request, limit: PageLimit = 20, after: str | None 
     ``expires_at`` (its TTL in Redis)."""
     if purpose not in (None, "batch"):
         raise APIError(400, "purpose: only 'batch' files are stored", param="purpose")
-    return _page(await _call(request, BatchStore.files, limit + 1, after), limit)
+    return _page(await files_call(request, FileStore.uploads, limit + 1, after), limit)
 
 
 @router.get("/v1/files/{file_id}")
 async def get_file(request: Request, file_id: str) -> dict[str, Any]:
-    return await _call(request, BatchStore.file, file_id)
+    return await files_call(request, FileStore.file, file_id)
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str) -> dict[str, Any]:
-    return await _call(request, BatchStore.delete_file, file_id)
+    return await files_call(request, FileStore.delete, file_id)
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> Response:
-    content = await _call(request, BatchStore.content, file_id)
+    content = await files_call(request, FileStore.content, file_id)
     return Response(content, media_type="application/jsonl")
 
 
@@ -153,21 +166,21 @@ async def create_batch(request: Request) -> dict[str, Any]:
         raise APIError(400, "input_file_id is required", param="input_file_id")
     if not isinstance(body.get("endpoint"), str):
         raise APIError(400, "endpoint is required", param="endpoint")
-    return await _call(request, BatchStore.create, body["input_file_id"], body["endpoint"],
+    return await batches_call(request, BatchStore.create, body["input_file_id"], body["endpoint"],
                        body.get("completion_window", "24h"), body.get("metadata"))
 
 
 @router.get("/v1/batches")
 async def list_batches(request: Request, limit: PageLimit = 20,
                        after: str | None = None) -> dict[str, Any]:
-    return _page(await _call(request, BatchStore.list, limit + 1, after), limit)
+    return _page(await batches_call(request, BatchStore.list, limit + 1, after), limit)
 
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
-    return await _call(request, BatchStore.get, batch_id)
+    return await batches_call(request, BatchStore.get, batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
-    return await _call(request, BatchStore.cancel, batch_id)
+    return await batches_call(request, BatchStore.cancel, batch_id)

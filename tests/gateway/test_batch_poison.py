@@ -74,7 +74,7 @@ def _body(custom_id: str, **fields: Any) -> bytes:
 
 
 def _create(store: BatchStore, lines: list[bytes], endpoint: str = "/v1/completions") -> str:
-    file_id = store.upload(b"\n".join(lines) + b"\n", "batch.jsonl")["id"]
+    file_id = store.files.upload(b"\n".join(lines) + b"\n", "batch.jsonl")["id"]
     return str(store.create(file_id, endpoint)["id"])
 
 

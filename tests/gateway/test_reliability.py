@@ -179,7 +179,8 @@ def test_a_batch_expires_after_its_window(stack: Stack) -> None:
     settings = stack.settings.model_copy(update={"batch_window_seconds": 2})
     store = BatchStore(Coordinator(settings))
     _known_model_without_worker(settings, "ghost")
-    upload = store.upload(b"\n".join(_line(n, model="ghost") for n in range(1, 5)), "in.jsonl")
+    upload = store.files.upload(b"\n".join(_line(n, model="ghost") for n in range(1, 5)),
+                                "in.jsonl")
     batch = store.create(upload["id"], COMPLETIONS)
     deadline = time.monotonic() + 60
     while (batch := store.get(batch["id"]))["status"] != "expired" or \
@@ -200,7 +201,8 @@ def test_a_stopping_process_lets_go_of_a_batch_waiting_for_a_worker(stack: Stack
     alone = stack.settings.model_copy(update={"prefix": f"s{uuid.uuid4().hex[:10]}"})
     store = BatchStore(Coordinator(alone))  # no gateway pumps this prefix: this process holds it
     _known_model_without_worker(alone, "later")
-    upload = store.upload(b"\n".join(_line(n, model="later") for n in range(1, 3)), "in.jsonl")
+    upload = store.files.upload(b"\n".join(_line(n, model="later") for n in range(1, 3)),
+                                "in.jsonl")
     batch = store.create(upload["id"], COMPLETIONS)
     outcome: list[bool] = []
     advancing = threading.Thread(target=lambda: outcome.append(store.advance(batch["id"])))

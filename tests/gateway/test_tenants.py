@@ -17,8 +17,9 @@ import openai
 import pytest
 from redis import Redis
 
-from coordinator.batch import BatchError, BatchStore, Quota, Tenant
+from coordinator.batch import BatchStore
 from coordinator.client import Coordinator
+from coordinator.tenancy import Quota, StoreError, Tenant
 from shared.settings import Settings
 
 from .conftest import Deployment, deployment_settings
@@ -181,17 +182,17 @@ def test_expired_uploads_leave_the_stored_bytes_quota(settings: Settings) -> Non
     store = BatchStore(Coordinator(settings.model_copy(update={"result_ttl_seconds": 1})))
     tenant = Tenant("quota-test", quota=Quota(stored_bytes=100, open_batches=1))
     content = b'{"custom_id": "x"}\n' * 3  # 57 bytes
-    store.upload(content, "one.jsonl", tenant=tenant)
-    with pytest.raises(BatchError) as refused:
-        store.upload(content, "two.jsonl", tenant=tenant)
+    store.files.upload(content, "one.jsonl", tenant=tenant)
+    with pytest.raises(StoreError) as refused:
+        store.files.upload(content, "two.jsonl", tenant=tenant)
     assert (refused.value.status, refused.value.code) == (429, "quota_exceeded")
     deadline = time.monotonic() + 30
     while True:  # the first upload's TTL runs out: it no longer counts
         try:
-            store.upload(content, "two.jsonl", tenant=tenant)
+            store.files.upload(content, "two.jsonl", tenant=tenant)
             break
-        except BatchError:
+        except StoreError:
             assert time.monotonic() < deadline, "an expired upload still counted"
             time.sleep(0.2)
-    assert [f["filename"] for f in store.files(tenant=tenant)] == ["two.jsonl"]
+    assert [f["filename"] for f in store.files.uploads(tenant=tenant)] == ["two.jsonl"]
 

@@ -45,7 +45,7 @@ def _wait_ended(store: BatchStore, batch_id: str, timeout: float = 60) -> dict:
 def test_cancelling_a_queued_batch_accounts_every_line(coordinator: Coordinator) -> None:
     _idle_worker(coordinator)
     store = BatchStore(coordinator)
-    upload = store.upload(_lines(_request(1), _request(2), b"\xff oops"), "in.jsonl")
+    upload = store.files.upload(_lines(_request(1), _request(2), b"\xff oops"), "in.jsonl")
     batch = store.create(upload["id"], NATIVE)
     assert batch["status"] == "validating"
     assert store.advance(batch["id"])
@@ -75,7 +75,7 @@ def _idle_worker(coordinator: Coordinator) -> None:
 def test_a_repeated_or_stale_final_event_counts_once(coordinator: Coordinator) -> None:
     _idle_worker(coordinator)
     store = BatchStore(coordinator)
-    batch = store.create(store.upload(_lines(_request(1)), "in.jsonl")["id"], NATIVE)
+    batch = store.create(store.files.upload(_lines(_request(1)), "in.jsonl")["id"], NATIVE)
     assert store.advance(batch["id"])
     job_id = json.loads(coordinator.connection.hget(coordinator.keys.batch_jobs(batch["id"]),
                                                     "1"))["job_id"]
@@ -100,7 +100,7 @@ def test_a_killed_workers_line_is_accounted_once(fleet: Fleet, coordinator: Coor
     fleet.start("w1", step_delay=0.03)
     fleet.wait_registered("w0")
     store = BatchStore(coordinator)
-    upload = store.upload(_lines(*[_request(n, 24) for n in range(1, 5)]), "in.jsonl")
+    upload = store.files.upload(_lines(*[_request(n, 24) for n in range(1, 5)]), "in.jsonl")
     batch = store.create(upload["id"], NATIVE)
     assert store.advance(batch["id"])
     job_id = json.loads(coordinator.connection.hget(coordinator.keys.batch_jobs(batch["id"]),
