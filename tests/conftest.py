@@ -31,10 +31,10 @@ from worker.testmodels import TinyModels, build_tiny_models, gemma
 #: (``private_redis``: test_secrets runs fourteen commands against one), a Redis
 #: replica group with a sentinel, a compose stack (``compose_stack``), load Gemma 3 270M,
 #: draw a statistical sample of thousands of generations (``plain_sample``), or run a bench
-#: script end to end (``run_bench``).
+#: script end to end (``run_bench``), or start RPC device processes (``rpc_devices``).
 SLOW_USES = frozenset({"Fleet", "Gateway", "live_run", "private_redis", "sentinel_group",
                        "compose_stack", "gemma_path", "gemma_f16_path", "plain_sample",
-                       "run_bench"})
+                       "run_bench", "rpc_devices"})
 
 
 def _names(code: CodeType) -> Iterator[str]:

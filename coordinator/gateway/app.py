@@ -25,19 +25,22 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.batch import MAX_FILE_BYTES, BatchStore
+from coordinator.batch import BatchStore
 from coordinator.client import Coordinator
-from coordinator.gateway import batches, errors, routes
+from coordinator.files import MAX_FILE_BYTES
+from coordinator.gateway import batches, console, errors, models, routes
 from coordinator.gateway.auth import ApiKeys, GatewaySettings
 from coordinator.gateway.cross_site import CrossSite, allowed_hosts
 from coordinator.gateway.errors import RETRY_OVERLOADED, APIError
 from coordinator.gateway.hub import StreamHub
-from coordinator.gateway.streaming import connect_async
 from shared.constraint import sandbox as constraint_sandbox
 from shared.logs import get_logger
-from shared.redis_client import connect
+from shared.redis_client import connect, connect_async
 from shared.settings import Settings
 
+#: Connections the gateway's async client may hold (the hub's reader has its own): health
+#: checks and the hub's wake-ups; a command past the bound waits for one to be free.
+ASYNC_CONNECTIONS = 32
 #: Threads for synchronous Redis work (submits, cancels, batch operations).
 SYNC_THREADS = 64
 #: The routes that start generations: what ``max_concurrent_requests`` counts.
@@ -142,7 +145,7 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None,
         coordinator = Coordinator(settings, connect(settings.redis_url))
         app.state.coordinator = coordinator
         app.state.batches = BatchStore(coordinator, gateway.aliases())
-        app.state.redis = connect_async(settings.redis_url)
+        app.state.redis = connect_async(settings.redis_url, ASYNC_CONNECTIONS)
         app.state.hub = StreamHub(connect_async(settings.redis_url, max_connections=1),
                                   app.state.redis,
                                   settings.keys.gateway_wake(uuid.uuid4().hex[:12]),
@@ -174,6 +177,8 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None,
     app.include_router(routes.public)
     app.include_router(routes.router, dependencies=auth)
     app.include_router(batches.router, dependencies=auth)
+    app.include_router(models.router, dependencies=auth)  # /v1/models, declared models
+    console.install(app, auth, keys_required=bool(gateway.keys()))  # GET /console
     app.add_middleware(BodyLimit, limit=gateway.max_request_bytes,
                        seconds=gateway.body_timeout_seconds)
     app.add_middleware(Admission, limit=gateway.max_concurrent_requests)
