@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settings", default="default,passive,spin,one_thread")
     ap.add_argument("--spin", type=int, default=10000, help="GOMP_SPINCOUNT of 'spin'")
+    ap.add_argument("--neighbours", default=",".join(NEIGHBOURS),
+                    help="comma list of " + ", ".join(NEIGHBOURS) + " ('alone' is always run)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--forever", action="store_true", help=argparse.SUPPRESS)
@@ -125,13 +127,17 @@ def main() -> None:
         child(args.tokens, args.threads, args.forever)
         return
     settings = args.settings.split(",")
-    rates: dict[str, dict[str, list[float]]] = {s: {n: [] for n in NEIGHBOURS} for s in settings}
+    neighbours = ["alone", *(n for n in args.neighbours.split(",") if n != "alone")]
+    unknown = set(neighbours) - set(NEIGHBOURS)
+    if unknown:
+        raise SystemExit(f"unknown neighbours {sorted(unknown)}: pick from {NEIGHBOURS}")
+    rates: dict[str, dict[str, list[float]]] = {s: {n: [] for n in neighbours} for s in settings}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         order = settings if r % 2 == 0 else settings[::-1]
         for name in order:
             env, threads = setting_env(name, args.spin)
-            for neighbour in NEIGHBOURS:
+            for neighbour in neighbours:
                 rate = measure(neighbour, env, args.tokens, threads or args.threads)
                 rates[name][neighbour].append(rate)
                 print(f"round {r + 1} {name:>10} {neighbour:>13}: {rate:6.1f} tok/s",
@@ -142,7 +148,7 @@ def main() -> None:
     for name in settings:
         alone = statistics.median(rates[name]["alone"])
         row = {"vs_default_alone": alone / base}
-        for neighbour in NEIGHBOURS:
+        for neighbour in neighbours:
             tok_s = statistics.median(rates[name][neighbour])
             row[f"{neighbour}_tok_s"] = tok_s
             if neighbour != "alone":
@@ -152,7 +158,7 @@ def main() -> None:
               "spin": args.spin, "load_before_after": load, "settings": summary,
               "rates": rates}
     print(json.dumps(result, indent=2))
-    if args.markdown:
+    if args.markdown and len(neighbours) == len(NEIGHBOURS):
         print("\n| setting | alone tok/s | beside a busy core | beside a second worker "
               "| alone vs default |\n|---|---|---|---|---|")
         for name, row in summary.items():

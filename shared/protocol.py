@@ -696,6 +696,10 @@ class WorkerInfo(_Strict):
     chat_template: bool = Field(default=False, description="can render chat messages")
     chat_template_names: bool = Field(
         default=False, description="its chat template renders a message's name")
+    threads: int | None = Field(default=None, ge=1, description="llama.cpp CPU threads")
+    thread_wait: str | None = Field(
+        default=None, description="how those threads wait at a barrier: active (spin) or "
+        "passive (sleep), worker/threads.py")
     chat_template_source: str | None = Field(
         default=None, description="which template renders chats: gguf, named:NAME "
         "(SPECFLEET_CHAT_TEMPLATE), architecture:NAME or default:NAME")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -58,6 +58,12 @@ class Settings(BaseSettings):
         description="how long a batch's lines may wait for workers and run (OpenAI's "
                     "completion_window '24h'); past it the batch is expired. Shorter only "
                     "for drills and tests",
+    )
+    thread_wait: Literal["auto", "active", "passive"] = Field(
+        default="auto", description="worker: how its llama.cpp threads wait at a barrier: "
+        "'passive' sleeps (a busy neighbour costs its share), 'active' spins (fastest on "
+        "cores of its own); 'auto': passive when --threads takes every core it may run on "
+        "(worker/threads.py; OMP_WAIT_POLICY, when set, is kept)",
     )
     chat_template: str | None = Field(
         default=None, description="worker: a named chat template (chatml, gemma, llama3) "

@@ -39,6 +39,7 @@ class Watch:
     def find_spec(self, name, path=None, target=None):
         if name == "llama_cpp" and "at_llama_import" not in seen:
             seen["at_llama_import"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+            seen["wait_at_llama_import"] = os.environ.get("OMP_WAIT_POLICY")
 sys.meta_path.insert(0, Watch())
 atexit.register(lambda: open(out, "w").write(json.dumps(
     {"modules": sorted(sys.modules), "starts": int(os.environ["STARTS"]), **seen})))
@@ -78,6 +79,8 @@ class Run:
     #: CUDA_VISIBLE_DEVICES when llama_cpp was first imported ("missing": never imported,
     #: None: not set yet).
     at_llama_import: str | None
+    #: OMP_WAIT_POLICY then (worker/threads.py: libgomp reads it as llama.cpp loads).
+    wait_at_llama_import: str | None = None
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +92,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     env["REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
     env["SPECFLEET_REDIS_OUTAGE_SECONDS"] = "1"  # a submit waits out an outage this long
     env.pop("CUDA_VISIBLE_DEVICES", None)  # as an operator starts a worker: the pin is its job
+    env.pop("OMP_WAIT_POLICY", None)  # ... and so is the threads' wait policy
     junk = workdir / "not-a-model.gguf"
     junk.write_bytes(b"not a gguf file\n" * 64)
     procs = {case: subprocess.Popen(
@@ -101,7 +105,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         _, stderr = proc.communicate(timeout=120)
         report = json.loads((workdir / f"{case}.json").read_text())
         done[case] = Run(proc.returncode, stderr, report["modules"], report["starts"],
-                         report.get("at_llama_import", "missing"))
+                         report.get("at_llama_import", "missing"),
+                         report.get("wait_at_llama_import"))
     return done
 
 
@@ -133,6 +138,13 @@ def test_a_worker_pins_its_device_before_llama_cpp_loads(runs: dict[str, Run]) -
     for case in ("worker", "worker-loads"):
         assert runs[case].starts == 1, (case, runs[case].stderr)
     assert runs["worker-loads"].at_llama_import == "", "llama.cpp loaded before the pin"
+
+
+def test_a_worker_sets_its_threads_wait_policy_before_llama_cpp_loads(
+        runs: dict[str, Run]) -> None:
+    """libgomp reads OMP_WAIT_POLICY once, as llama.cpp loads: the worker has chosen it by
+    then (worker/threads.py), so its threads wait the way its registration says."""
+    assert runs["worker-loads"].wait_at_llama_import in ("ACTIVE", "PASSIVE")
 
 
 def test_every_sub_command_module_is_reachable() -> None:

@@ -3,6 +3,7 @@ until SIGTERM."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 import typer
@@ -26,6 +27,7 @@ from worker.launch import (
     parse_slots,
     pin_device,
 )
+from worker.threads import OMP_WAIT_POLICY, ThreadWait, apply_wait, choose_wait, usable_cores
 
 
 @app.command()
@@ -103,6 +105,9 @@ def worker(
     # Pinned before the serving code is imported: it loads llama.cpp, which reads the
     # visible devices once (docs/architecture.md, "Processes").
     n_gpu_layers = pin_device(group)
+    # ... and so is the threads' wait policy (libgomp reads it as llama.cpp loads).
+    apply_wait(choose_wait(ThreadWait(settings.thread_wait), threads, usable_cores(),
+                           os.environ.get(OMP_WAIT_POLICY)))
     from worker.fitter import FitError  # noqa: PLC0415
     from worker.llm.placement import placed  # noqa: PLC0415
     from worker.service.runner import serve  # noqa: PLC0415

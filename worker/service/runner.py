@@ -47,6 +47,7 @@ from worker.service.metrics import start_worker_metrics
 from worker.service.prefix_presence import PrefixPresence
 from worker.service.rq_presence import ContextTiers, RqPresence, check_name_free
 from worker.service.startup import load_engine
+from worker.threads import current_wait
 
 log = get_logger("worker")
 
@@ -97,6 +98,7 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         capacity=runtime.capacity,
         chat_template=True, n_vocab=engine.model.n_vocab,
         chat_template_source=template.source, chat_template_names=reads_names(template.text),
+        threads=options.threads, thread_wait=current_wait(),
         metrics_port=metrics.port, prefix_cache=engine.config.prefix_cache,
         deterministic=engine.config.deterministic)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
