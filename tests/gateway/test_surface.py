@@ -123,7 +123,8 @@ def test_requests_the_fleet_can_judge_are_400s(deployment: Deployment,
     with pytest.raises(openai.BadRequestError) as long_ids:
         client.completions.create(model=MODEL_NAME, prompt=[5] * (CTX - 10), max_tokens=64)
     assert long_ids.value.body["code"] == "context_length_exceeded"
-    assert f"({CTX})" in long_ids.value.message and "max_tokens 64" in long_ids.value.message
+    message = long_ids.value.message
+    assert f"({CTX} tokens)" in message and "max_tokens (64)" in message
     # text: only the worker counts its tokens; it refuses before generating
     with pytest.raises(openai.BadRequestError) as long_text:
         client.completions.create(model=MODEL_NAME, prompt="tok_1 " * 2000, max_tokens=200)
