@@ -14,6 +14,13 @@ being read; with ``fleet_events`` the fleet's event stream in Redis (``Keys.flee
 A line that is not a JSON object with an ``event`` is counted as unparseable and skipped. A
 line without a ``worker`` field (start-up events such as ``engine.loaded``) belongs to the
 worker that the same source names in its ``worker.registered`` event.
+
+Live (:class:`LiveFeed`, ``specfleet monitor --live``): the jobs' own events as the workers
+publish them (Redis pub/sub, every job's channel at once: the event script PUBLISHes each
+event it appends to the job's stream), turned into the records a log would hold
+(:func:`records_of`), so a fleet is summarised without its workers' log files. Pub/sub is
+at most once: a job whose events a reader missed (it started late, the connection dropped)
+still has them all in its stream, which stays the durable record.
 """
 
 from __future__ import annotations
@@ -37,12 +44,17 @@ from typing import IO, Any
 from redis import Redis
 
 from shared.keys import STREAM_FIELD, Keys
-from shared.protocol import Telemetry
+from shared.protocol import AnyEvent, ErrorEvent, FinalEvent, JobStatus, ProgressEvent, Telemetry
+from shared.protocol import parse_event as parse_job_event
 
 #: Label for records whose worker no line of their source names.
 UNKNOWN = "-"
 #: The source name of the records read from the fleet's event stream.
 FLEET_SOURCE = "redis:fleet-events"
+#: The source of what :class:`LiveFeed` reads.
+LIVE_SOURCE = "redis:live"
+#: How long a stopping :class:`LiveFeed` waits for one more message before its last summary.
+DRAIN_SECONDS = 0.2
 #: Records held per source until its worker is known (a start-up is a few dozen lines).
 _PENDING_MAX = 10_000
 
@@ -191,6 +203,10 @@ class LogSummary:
         if not isinstance(record, dict) or not isinstance(record.get("event"), str):
             self.unparseable += 1
             return
+        self.add(record, source)
+
+    def add(self, record: dict[str, Any], source: str = "-") -> None:
+        """One parsed record (an object with an ``event``) from ``source``."""
         if (self.fleet_events and record["event"] == "worker.lost"
                 and source != FLEET_SOURCE):
             return  # the fleet's event stream has it, once
@@ -447,3 +463,71 @@ def follow(patterns: list[str], summary: LogSummary, interval: float = 0.5,
     finally:
         for tail in tails.values():
             tail.close()
+
+
+_OUTCOMES = {JobStatus.FINISHED: "job.finished", JobStatus.CANCELLED: "job.cancelled",
+             JobStatus.FAILED: "job.failed"}
+
+
+def records_of(event: AnyEvent, error_type: str | None = None) -> list[dict[str, Any]]:
+    """The log records a job's published ``event`` stands for: ``job.started``; at its final
+    event ``generation.finished`` (its telemetry) and its outcome, a failure with the type of
+    the ``error_type`` the job's error event gave (the caller remembers it per job)."""
+    base = {"job_id": event.job_id, "attempt": event.attempt}
+    if isinstance(event, ProgressEvent) and event.stage == "started":
+        return [{"event": "job.started", "worker": event.worker or UNKNOWN, **base}]
+    if not isinstance(event, FinalEvent):
+        return []
+    worker = {"worker": event.worker or UNKNOWN, **base}
+    records: list[dict[str, Any]] = []
+    if event.telemetry is not None:
+        records.append({"event": "generation.finished", **worker,
+                        "telemetry": event.telemetry.model_dump(mode="json")})
+    outcome: dict[str, Any] = {"event": _OUTCOMES[event.status], **worker}
+    if event.status is JobStatus.FAILED:
+        outcome["error_type"] = error_type or "unknown"
+    return [*records, outcome]
+
+
+class LiveFeed:
+    """Every job's events as they are published (``PSUBSCRIBE`` on the jobs' channels),
+    fed to a :class:`LogSummary` as the records they stand for (see the module docstring)."""
+
+    def __init__(self, connection: Redis, keys: Keys) -> None:
+        self._pubsub = connection.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.psubscribe(keys.channel("*"))
+        #: Per job, the type of its last error event (its final event says only "failed").
+        self._errors: dict[str, str] = {}
+
+    def poll(self, summary: LogSummary, seconds: float) -> int:
+        """Feed what is published within ``seconds``; returns the events read."""
+        deadline, read = time.monotonic() + seconds, 0
+        while (left := deadline - time.monotonic()) > 0:
+            message = self._pubsub.get_message(timeout=left)
+            if message is None or message.get("type") != "pmessage":
+                continue
+            read += 1
+            try:
+                event = parse_job_event(message["data"])
+            except ValueError:
+                summary.lines += 1
+                summary.unparseable += 1
+                continue
+            if isinstance(event, ErrorEvent):
+                self._errors[event.job_id] = event.error_type
+            error_type = self._errors.pop(event.job_id, None) if isinstance(
+                event, FinalEvent) else None
+            for record in records_of(event, error_type):
+                summary.lines += 1
+                summary.add(record, LIVE_SOURCE)
+        return read
+
+    def drain(self, summary: LogSummary) -> None:
+        """Feed what has been published and not read yet (the reader stops: what arrived
+        before it did belongs in its last summary)."""
+        while self.poll(summary, DRAIN_SECONDS):
+            pass
+
+    def close(self) -> None:
+        self._pubsub.close()
+

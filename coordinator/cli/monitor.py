@@ -1,10 +1,12 @@
-"""``specfleet monitor``: summarise workers' JSON logs; alert through the exit status.
+"""``specfleet monitor``: summarise workers' JSON logs, or the fleet's jobs live; alert through
+the exit status.
 
 Exit status: 0 all clear, 1 a ``--fail-on`` condition holds (each one is named on stderr),
-2 bad usage (a bad condition or time, no log file matched). With ``--follow`` it keeps
-reading growing files (and new files matching a glob), prints a summary every ``--interval``
-seconds and exits 1 as soon as a condition holds, so it can run under cron, CI or a
-supervisor.
+2 bad usage (a bad condition or time, no log file matched), 3 Redis unreachable. With
+``--follow`` it keeps reading growing files (and new files matching a glob), prints a summary
+every ``--interval`` seconds and exits 1 as soon as a condition holds, so it can run under
+cron, CI or a supervisor. ``--live`` reads no logs: it follows every job's events as the
+workers publish them (Redis pub/sub), the same way, for ``--for`` seconds or until stopped.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rich.table import Table
 from coordinator.cli.app import app, environment_settings, error_line, fail, fail_redis
 from coordinator.monitor import (
     Condition,
+    LiveFeed,
     LogSummary,
     expand,
     follow,
@@ -115,6 +118,12 @@ def monitor(
     fleet_events: Annotated[bool, typer.Option(
         "--fleet-events", help="count lost workers from the fleet's event stream in Redis "
         "(REDIS_URL, SPECFLEET_PREFIX), whoever swept them, not from the logs read")] = False,
+    live: Annotated[bool, typer.Option(
+        "--live", help="read no logs: follow every job's events as the workers publish them "
+        "(Redis pub/sub, REDIS_URL and SPECFLEET_PREFIX), a summary every --interval")] = False,
+    duration: Annotated[float | None, typer.Option(
+        "--for", min=0.1, help="--live: stop after this many seconds (default: until "
+        "stopped) and print the last summary")] = None,
 ) -> None:
     """Summarise JSON logs per worker, model and job: generations, tokens, acceptance (also
     per position), tokens per verify, replays, host fallbacks by reason, failures, refusals,
@@ -126,6 +135,13 @@ def monitor(
                              fleet_events=fleet_events)
     except ValueError as exc:
         fail(str(exc))
+    if live:
+        if logs or follow_logs:
+            fail("--live reads the fleet's published events, not logs: drop the log files "
+                 "and --follow")
+        _live(summary, as_json, jobs, conditions, interval, duration, fleet_events)
+    if duration is not None:
+        fail("--for goes with --live")
     if not follow_logs and not expand(patterns):
         fail(f"no log file matches {' '.join(patterns)}")
     read_fleet = _fleet_reader(summary) if fleet_events else None
@@ -148,3 +164,36 @@ def monitor(
         pass
     summary.close()
     raise typer.Exit(1 if _report(summary, as_json, jobs, conditions) else 0)
+
+
+def _live(summary: LogSummary, as_json: bool, jobs: bool, conditions: list[Condition],
+          interval: float, duration: float | None, fleet_events: bool) -> None:
+    """``--live``: summaries of the published events every ``interval`` seconds, for
+    ``duration`` seconds or until SIGINT/SIGTERM; exits as ``--follow`` does."""
+    settings = environment_settings()
+    read_fleet = _fleet_reader(summary) if fleet_events else None
+    try:
+        feed = ride_out(lambda: LiveFeed(connect(settings.redis_url), settings.keys),
+                        settings.redis_outage_seconds, "monitor.subscribe")
+    except (RedisError, RedisOutage) as exc:
+        fail_redis(settings, exc)
+    sys.stderr.write(f"specfleet: following the fleet's jobs live (prefix {settings.prefix})\n")
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    end = time.monotonic() + duration if duration is not None else float("inf")
+    try:
+        while (left := end - time.monotonic()) > 0:
+            try:
+                feed.poll(summary, min(interval, left))
+            except RedisError as exc:
+                fail_redis(settings, exc)
+            if read_fleet is not None:
+                read_fleet()
+            if time.monotonic() < end and _report(summary, as_json, jobs, conditions):
+                raise typer.Exit(1)
+    except KeyboardInterrupt:
+        pass
+    feed.drain(summary)
+    feed.close()
+    raise typer.Exit(1 if _report(summary, as_json, jobs, conditions) else 0)
+
