@@ -30,6 +30,7 @@ from worker.llm import LlamaError
 
 
 @app.command()
+@opt.drafting_options("load")
 def fit(
     model: opt.ModelFile,
     device: opt.Device = "cpu",
@@ -39,15 +40,14 @@ def fit(
     budget_mib: opt.BudgetMib = None,
     fit_target_mib: opt.FitTargetMib = f"{DEFAULT_FIT_TARGET_MIB:g}",
     slots: opt.Slots = "1",
-    spec: opt.Spec = opt.DEFAULT_SPEC.method,
-    draft_max: opt.DraftMax = None,
-    rollback_depth: opt.RollbackDepth = opt.DEFAULT_SPEC.rollback_depth,
     checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
     ctx_min: opt.CtxMin = DEFAULT_CTX_MIN,
     ctx: opt.FixedCtx = None,
     allow_ctx_above_train: opt.AllowCtxAboveTrain = False,
     threads: opt.Threads = opt.DEFAULT_THREADS,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    *,
+    drafting: opt.Drafting,
 ) -> None:
     """Fit the largest context for MODEL on DEVICE and print the measured breakdown.
 
@@ -57,7 +57,7 @@ def fit(
     configure_logging(level="warning")
     try:
         group = parse_device_group(device, rpc, split_mode, tensor_split)
-        capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
+        capacity = EngineCapacity(**drafting.capacity())
         result = fit_worker(
             str(model), device=group,
             budget_mib=parse_mib_list("--budget-mib", budget_mib, group) if budget_mib else None,

@@ -43,17 +43,12 @@ def _replays(t: Telemetry) -> str:
 
 @app.command()
 @opt.sampling_options
+@opt.drafting_options("request")
 def generate(
     model: opt.ModelFile,
     max_tokens: opt.MaxTokens,
     prompt: opt.Prompt = None,
     prompt_tokens: opt.PromptTokens = None,
-    spec: opt.Spec = opt.DEFAULT_SPEC.method,
-    draft_max: opt.DraftMax = None,
-    draft_min: opt.DraftMin = opt.DEFAULT_SPEC.draft_min,
-    p_min: opt.PMin = opt.DEFAULT_SPEC.p_min,
-    adaptive: opt.Adaptive = opt.DEFAULT_SPEC.adaptive,
-    rollback_depth: opt.RollbackDepth = opt.DEFAULT_SPEC.rollback_depth,
     checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
     logprobs: opt.Logprobs = None,
     calibrate_verify: Annotated[bool, typer.Option(
@@ -67,16 +62,15 @@ def generate(
     as_json: opt.AsJson = False,
     *,
     sampling: dict[str, Any],
+    drafting: opt.Drafting,
 ) -> None:
     """Generate from one prompt with the speculative engine, in this process."""
     configure_logging(level="warning")
     req = opt.build_request(prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                            spec=spec, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
-                            adaptive=adaptive, rollback_depth=rollback_depth,
-                            sampling=sampling, logprobs=logprobs)
+                            drafting=drafting, sampling=sampling, logprobs=logprobs)
     # Loaded for exactly what the request asks (build_request has checked N and D); the
     # request itself carries the drafter knobs, as a submitted one does.
-    capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
+    capacity = EngineCapacity(**drafting.capacity())
     try:
         group = parse_device_group(device, rpc, split_mode, tensor_split)
     except ValueError as exc:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -174,6 +175,77 @@ def sampling_options(command: F) -> F:
     return with_sampling  # type: ignore[return-value]
 
 
+# -- drafting: the speculative options, defined once --------------------------------------------
+@dataclass(frozen=True)
+class Drafting:
+    """The drafting options of one command line: what an engine is loaded for (``worker``,
+    ``fit``, ``generate``: :meth:`capacity`) and what a request asks (``generate``,
+    ``submit``: :meth:`speculative`). ``draft_max`` and ``rollback_depth`` None: the
+    default (loading), or "the worker's" (a request: ``shared/capacity.py``)."""
+
+    method: SpecMethod
+    draft_max: int | None
+    rollback_depth: int | None
+    draft_min: int = DEFAULT_SPEC.draft_min
+    p_min: float = DEFAULT_SPEC.p_min
+    adaptive: bool = DEFAULT_SPEC.adaptive
+
+    def capacity(self) -> dict[str, Any]:
+        """``EngineCapacity``'s arguments (``worker/launch.py``): what an engine loads for."""
+        return {"method": self.method, "draft_max": self.draft_max,
+                "rollback_depth": self.rollback_depth}
+
+    def speculative(self) -> dict[str, Any]:
+        """The request's ``speculative`` object (unset N and D left out)."""
+        return {"method": self.method, "draft_min": self.draft_min, "p_min": self.p_min,
+                "adaptive": self.adaptive,
+                **{k: v for k, v in (("draft_max", self.draft_max),
+                                     ("rollback_depth", self.rollback_depth))
+                   if v is not None}}
+
+
+def _drafting_parameters(kind: Literal["load", "request", "fleet"]) -> list[inspect.Parameter]:
+    """The options of :func:`drafting_options`: a loading command's three, a request's six;
+    a fleet request's N and D default to the worker's."""
+    draft_max, depth = ((WorkerDraftMax, WorkerRollbackDepth) if kind == "fleet"
+                        else (DraftMax, RollbackDepth))
+    options: list[tuple[str, Any, Any]] = [
+        ("spec", Spec, DEFAULT_SPEC.method), ("draft_max", draft_max, None),
+        ("rollback_depth", depth, None if kind == "fleet" else DEFAULT_SPEC.rollback_depth)]
+    if kind != "load":
+        options += [("draft_min", DraftMin, DEFAULT_SPEC.draft_min),
+                    ("p_min", PMin, DEFAULT_SPEC.p_min),
+                    ("adaptive", Adaptive, DEFAULT_SPEC.adaptive)]
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                              annotation=annotation) for name, annotation, default in options]
+
+
+def drafting_options(kind: Literal["load", "request", "fleet"]) -> Callable[[F], F]:
+    """Give ``command`` the drafting options (``--spec``, ``--draft-max``, ... as ``kind``
+    has them), passed to it as one ``drafting`` :class:`Drafting`."""
+    parameters = _drafting_parameters(kind)
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "drafting"]
+
+        @functools.wraps(command)
+        def with_drafting(*args: Any, **kwargs: Any) -> Any:
+            values = {p.name: kwargs.pop(p.name) for p in parameters}
+            values["method"] = values.pop("spec")
+            return command(*args, drafting=Drafting(**values), **kwargs)
+
+        keyword = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        positional = [p for p in own if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        with_drafting.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[*positional, *parameters, *keyword])
+        with_drafting.__annotations__ = {
+            **{k: v for k, v in command.__annotations__.items() if k != "drafting"},
+            **{p.name: p.annotation for p in parameters}}
+        return with_drafting  # type: ignore[return-value]
+    return decorate
+
+
 def sampling_line(sampling: SamplingParams, seed: int | None) -> str:
     """What a generation sampled with, for a person: the knobs set and the seed that
     reproduces it (``--seed``)."""
@@ -215,18 +287,15 @@ def _by_option(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def build_request(*, prompt: str | None, prompt_tokens: str | None, max_tokens: int,
-                  spec: SpecMethod, draft_max: int | None, draft_min: int, p_min: float,
-                  adaptive: bool, rollback_depth: int | None,
-                  sampling: Mapping[str, Any] | None = None, logprobs: int | None = None,
-                  model: str = "default", stop: Sequence[str] = (),
+                  drafting: Drafting, sampling: Mapping[str, Any] | None = None,
+                  logprobs: int | None = None, model: str = "default",
+                  stop: Sequence[str] = (),
                   priority: Priority = Priority.NORMAL) -> GenerationRequest:
     """The options as a request, or a one-line error naming every bad option.
 
-    ``draft_max`` and ``rollback_depth`` left None stay unset in the request, which means
-    "the worker's" (``shared/capacity.py``); ``sampling`` holds the sampling options given
-    (:func:`sampling_options`); ``logprobs`` None is off, N returns N alternatives a token."""
-    capacity = {k: v for k, v in (("draft_max", draft_max), ("rollback_depth", rollback_depth))
-                if v is not None}
+    ``drafting`` holds the drafting options (:func:`drafting_options`), ``sampling`` the
+    sampling options given (:func:`sampling_options`); ``logprobs`` None is off, N returns N
+    alternatives a token."""
     try:
         return GenerationRequest.model_validate({
             "model": model, "prompt": prompt,
@@ -234,7 +303,6 @@ def build_request(*, prompt: str | None, prompt_tokens: str | None, max_tokens: 
             "max_tokens": max_tokens, "stop": list(stop), "priority": priority,
             "sampling": dict(sampling or {}),
             "logprobs": logprobs is not None, "top_logprobs": logprobs or 0,
-            "speculative": {"method": spec, "draft_min": draft_min, "p_min": p_min,
-                            "adaptive": adaptive, **capacity}})
+            "speculative": drafting.speculative()})
     except ValidationError as exc:
         fail(describe_validation_error(_by_option(exc.errors(include_url=False))))

@@ -72,17 +72,12 @@ def print_result(result: JobResult, as_json: bool, streamed: bool,
 
 @app.command()
 @opt.sampling_options
+@opt.drafting_options("fleet")
 def submit(
     model: Annotated[str, typer.Option(help="served model name")],
     max_tokens: opt.MaxTokens,
     prompt: opt.Prompt = None,
     prompt_tokens: opt.PromptTokens = None,
-    spec: opt.Spec = opt.DEFAULT_SPEC.method,
-    draft_max: opt.WorkerDraftMax = None,
-    draft_min: opt.DraftMin = opt.DEFAULT_SPEC.draft_min,
-    p_min: opt.PMin = opt.DEFAULT_SPEC.p_min,
-    adaptive: opt.Adaptive = opt.DEFAULT_SPEC.adaptive,
-    rollback_depth: opt.WorkerRollbackDepth = None,
     logprobs: opt.Logprobs = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop sequence (repeatable)")] = None,
     priority: Annotated[Priority, typer.Option(help="queue priority")] = Priority.NORMAL,
@@ -100,14 +95,13 @@ def submit(
     ] = "lark",
     *,
     sampling: dict[str, Any],
+    drafting: opt.Drafting,
 ) -> None:
     """Submit one generation to the fleet and wait for its result."""
     settings = environment_settings()
     configure_logging(settings.log_level, settings.log_format)
     request = opt.build_request(prompt=prompt, prompt_tokens=prompt_tokens,
-                                max_tokens=max_tokens, spec=spec, draft_max=draft_max,
-                                draft_min=draft_min, p_min=p_min, adaptive=adaptive,
-                                rollback_depth=rollback_depth, sampling=sampling,
+                                max_tokens=max_tokens, drafting=drafting, sampling=sampling,
                                 logprobs=logprobs, model=model, stop=stop or (),
                                 priority=priority)
     constraint = read_constraint(json_schema, grammar, grammar_syntax)

@@ -31,6 +31,7 @@ from worker.threads import OMP_WAIT_POLICY, ThreadWait, apply_wait, choose_wait,
 
 
 @app.command()
+@opt.drafting_options("load")
 def worker(
     model: opt.ModelFile,
     model_name: Annotated[str | None, typer.Option(help="name clients submit to "
@@ -48,9 +49,6 @@ def worker(
     = None,
     ctx: opt.FixedCtx = None,
     allow_ctx_above_train: opt.AllowCtxAboveTrain = False,
-    spec: opt.Spec = opt.DEFAULT_SPEC.method,
-    draft_max: opt.DraftMax = None,
-    rollback_depth: opt.RollbackDepth = opt.DEFAULT_SPEC.rollback_depth,
     checkpoint: opt.Checkpoint = CheckpointMode.DEVICE,
     threads: opt.Threads = opt.DEFAULT_THREADS,
     slots: opt.Slots = "1",
@@ -66,6 +64,8 @@ def worker(
         "--device-verify", help="'on': greedy verify rows reduced to their top two on the "
         "device, no logits row read by Python; 'off': every row read; 'auto': on where the "
         "layers run on a GPU (docs/engine.md, 'Verify on the device')")] = "auto",
+    *,
+    drafting: opt.Drafting,
 ) -> None:
     """Run a resident-model worker: fit, load once, register, take jobs, heartbeat.
 
@@ -89,7 +89,7 @@ def worker(
         fail(DETERMINISTIC_CPU_ONLY + " (without --rpc)" if group.host_is_device
              else DETERMINISTIC_CPU_ONLY)
     try:
-        capacity = EngineCapacity(method=spec, draft_max=draft_max, rollback_depth=rollback_depth)
+        capacity = EngineCapacity(**drafting.capacity())
     except ValueError as exc:
         fail(str(exc))
     options = WorkerOptions(
