@@ -27,14 +27,15 @@ import pytest
 from worker.testmodels import TinyModels, build_tiny_models, gemma
 
 #: Names whose use makes a test slow: they start worker processes (``Fleet``, ``live_run``),
-#: a gateway process (``Gateway``), a private ``redis-server`` to stop, restart or refuse
-#: (``private_redis``: test_secrets runs fourteen commands against one), a Redis
-#: replica group with a sentinel, a compose stack (``compose_stack``), load Gemma 3 270M,
-#: draw a statistical sample of thousands of generations (``plain_sample``), or run a bench
-#: script end to end (``run_bench``), or start RPC device processes (``rpc_devices``).
-SLOW_USES = frozenset({"Fleet", "Gateway", "live_run", "private_redis", "sentinel_group",
-                       "compose_stack", "gemma_path", "gemma_f16_path", "plain_sample",
-                       "run_bench", "rpc_devices"})
+#: a gateway process (``Gateway``, or a worker and a gateway: ``deployed``), a private
+#: ``redis-server`` to stop, restart or refuse (``private_redis``: test_secrets runs fourteen
+#: commands against one), a Redis replica group with a sentinel, a compose stack
+#: (``compose_stack``), load Gemma 3 270M, draw a statistical sample of thousands of
+#: generations (``plain_sample``), run a bench script end to end (``run_bench``), or start
+#: RPC device processes (``rpc_devices``).
+SLOW_USES = frozenset({"Fleet", "Gateway", "deployed", "live_run", "private_redis",
+                       "sentinel_group", "compose_stack", "gemma_path", "gemma_f16_path",
+                       "plain_sample", "run_bench", "rpc_devices"})
 
 
 def _names(code: CodeType) -> Iterator[str]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator.redis_local import free_port  # noqa: F401  (the tests import it from here)
 from shared.protocol import SpecMethod, SpecSettings
@@ -95,3 +95,20 @@ class ReplaysRepeats:
             time.sleep(self._penalty)
         self._rows = batch.n_tokens
         self._context.decode(batch)
+
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 60.0, what: str = "condition",
+             every: float = 0.05) -> T:
+    """Poll ``predicate`` every ``every`` seconds until it returns something truthy, and return
+    that; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+

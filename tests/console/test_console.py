@@ -29,7 +29,7 @@ import httpx
 import pytest
 from gateway.conftest import deployment_settings
 from gateway.gateway import Gateway
-from helpers import specfleet
+from helpers import specfleet, wait_for
 from monitor.scrape import total
 from redis import Redis
 from selenium import webdriver
@@ -72,17 +72,6 @@ class Live:
         return httpx.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
 
 
-def until(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll ``predicate`` until it returns something truthy; that is the result."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def live(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     settings = deployment_settings("con")
@@ -115,7 +104,7 @@ def live(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> I
             rows = {w.name: w for w in fleet_snapshot(coordinator).workers}
             return all(w in rows and rows[w].generated_tokens == n
                        for w, n in generated.items())
-        until(published, 30, "heartbeats carrying the jobs' telemetry")
+        wait_for(published, 30, "heartbeats carrying the jobs' telemetry")
         yield Live(settings, fleet, gateway, results)
     finally:
         gateway.stop()
@@ -176,7 +165,7 @@ class Page:
         """Until ``script`` returns something truthy in the page; that is the result (a
         timeout shows what the page said meanwhile)."""
         try:
-            return until(lambda: self.js(script, *args), timeout, what)
+            return wait_for(lambda: self.js(script, *args), timeout, what, every=0.1)
         except AssertionError as exc:
             shown = self.js("return document.querySelector('main').innerText")
             logs = self.driver.get_log("browser")
@@ -222,7 +211,7 @@ def test_the_fleet_page_shows_what_metrics_and_top_show(page: Page) -> None:
         rows = page.rows("workers", "worker")
         got = {name: int(row["generated_tokens"]) for name, row in rows.items()}
         return rows if got == want else None
-    rows = until(shown, 30, "the page's workers as the fleet snapshot has them")
+    rows = wait_for(shown, 30, "the page's workers as the fleet snapshot has them")
     top = json.loads(specfleet("top", "--once", "--json",
                                env=live.fleet.env(0.0, {}), timeout=60).stdout)
     assert {w["name"] for w in top["workers"]} == set(rows) >= {"chat", "hyb"}

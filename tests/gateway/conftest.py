@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,23 +58,35 @@ def deployment_settings(tag: str) -> Settings:
                     token_flush_seconds=0.0)
 
 
-@pytest.fixture(scope="package")
-def deployment(chat_model: Path, tmp_path_factory: pytest.TempPathFactory,
-               ) -> Iterator[Deployment]:
-    """One worker (``w1``) and one gateway shared by the read-only tests."""
-    s = deployment_settings("g")
-    logs = tmp_path_factory.mktemp("deployment")
-    fleet = Fleet(s, chat_model, logs)
-    gateway = Gateway(s, logs)
+@contextmanager
+def deployed(s: Settings, model: Path, logs: Path, worker: str = "w1",
+             args: tuple[str, ...] | None = None, gateway_env: dict[str, str] | None = None,
+             register_timeout: float = 60) -> Iterator[Deployment]:
+    """One worker of ``model`` (``args`` as :meth:`Fleet.start` takes them) and one gateway,
+    started side by side; both stopped and the deployment's keys deleted afterwards."""
+    fleet = Fleet(s, model, logs)
+    gateway = Gateway(s, logs, env=gateway_env)
     try:
-        fleet.start("w1", wait=False)
+        if args is None:
+            fleet.start(worker, wait=False)
+        else:
+            fleet.start(worker, wait=False, args=args)
         gateway.start()
-        fleet.wait_registered("w1")
+        fleet.wait_registered(worker, timeout=register_timeout)
         yield Deployment(s, fleet, gateway)
     finally:
         gateway.stop()
         fleet.stop_all()
         _delete_namespace(Redis.from_url(s.redis_url), s.prefix)
+
+
+@pytest.fixture(scope="package")
+def deployment(chat_model: Path, tmp_path_factory: pytest.TempPathFactory,
+               ) -> Iterator[Deployment]:
+    """One worker (``w1``) and one gateway shared by the read-only tests."""
+    with deployed(deployment_settings("g"), chat_model,
+                  tmp_path_factory.mktemp("deployment")) as d:
+        yield d
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
@@ -87,13 +88,6 @@ def zero(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         _delete_namespace(Redis.from_url(settings.redis_url), settings.prefix)
 
 
-def _until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.1)
-
-
 def test_a_batch_created_before_any_worker_completes_once_one_starts(zero: Zero) -> None:
     model = "tiny-batch"
     assert zero.declare(model, aliases=["batch-alias"]).status_code == 200
@@ -109,12 +103,13 @@ def test_a_batch_created_before_any_worker_completes_once_one_starts(zero: Zero)
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                   completion_window="24h")
     # its first line waits for a worker, and an autoscaler can see that it does
-    _until(lambda: zero.gauge("model_waiting_requests", model) >= 1, "a line waiting")
+    wait_for(lambda: zero.gauge("model_waiting_requests", model) >= 1, what="a line waiting")
     assert zero.gauge("model_demand_slots", model) >= 1
     assert client.batches.retrieve(batch.id).request_counts.failed == 0
     zero.fleet.start("w-batch", model_name=model, wait=False)
-    _until(lambda: client.batches.retrieve(batch.id).status in
-           {"completed", "failed", "expired", "cancelled"}, "the batch ended", timeout=120)
+    wait_for(lambda: client.batches.retrieve(batch.id).status in
+             {"completed", "failed", "expired", "cancelled"}, what="the batch ended",
+             timeout=120)
     batch = client.batches.retrieve(batch.id)
     assert batch.status == "completed"
     assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)
@@ -139,7 +134,8 @@ def test_a_streamed_chat_waits_for_a_worker_and_completes(zero: Zero) -> None:
 
     reader = threading.Thread(target=read)
     reader.start()
-    _until(lambda: zero.gauge("model_waiting_requests", model) == 1, "the stream waiting")
+    wait_for(lambda: zero.gauge("model_waiting_requests", model) == 1,
+             what="the stream waiting")
     assert not chunks and not failed  # nothing yet: it waits
     zero.fleet.start("w-stream", model_name=model, wait=False)
     reader.join(timeout=120)
@@ -236,8 +232,8 @@ def test_a_worker_still_loading_makes_its_undeclared_model_awaited(zero: Zero) -
 
     asking = threading.Thread(target=ask)
     asking.start()
-    _until(lambda: zero.gauge("model_waiting_requests", model) == 1 or bool(failed),
-           "the request waiting")
+    wait_for(lambda: zero.gauge("model_waiting_requests", model) == 1 or bool(failed),
+             what="the request waiting")
     assert not failed, failed  # not refused as an unknown model: it waits
     assert zero.gauge("model_starting_workers", model) == 1
     zero.fleet.kill(name, signal.SIGCONT)  # it finishes loading, registers, serves

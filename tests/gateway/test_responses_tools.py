@@ -24,7 +24,6 @@ import pytest
 from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
 from openai.types.responses import ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
-from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -35,11 +34,9 @@ from shared.protocol import FinalEvent, FinishReason, JobStatus
 from shared.tool_calls import render_calls
 from worker.testmodels.tiny import write_dense_llama
 
-from .conftest import Deployment, deployment_settings
-from .gateway import Gateway
+from .conftest import Deployment, deployed, deployment_settings
 
-from service.conftest import _delete_namespace  # isort: skip
-from service.workers import MODEL_NAME, Fleet  # isort: skip
+from service.workers import MODEL_NAME  # isort: skip
 
 #: Bounded arguments: a random model under the grammar still closes every call in budget.
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now",
@@ -63,20 +60,11 @@ SAME: dict[str, Any] = {"temperature": 0, "extra_body": {"specfleet": {"prefix_c
 def byte_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """One worker on the byte-level tiny model (a context for the generic tool prompt) and
     one gateway."""
-    s = deployment_settings("rt")
     logs = tmp_path_factory.mktemp("responses-tools")
     model = write_dense_llama(logs / "tiny-bytes.gguf", byte_vocab=True)
-    fleet = Fleet(s, model, logs)
-    gateway = Gateway(s, logs)
-    try:
-        fleet.start("w1", wait=False, args=("--ctx", "4096", "--slots", "2"))
-        gateway.start()
-        fleet.wait_registered("w1")
-        yield Deployment(s, fleet, gateway)
-    finally:
-        gateway.stop()
-        fleet.stop_all()
-        _delete_namespace(Redis.from_url(s.redis_url), s.prefix)
+    with deployed(deployment_settings("rt"), model, logs,
+                  args=("--ctx", "4096", "--slots", "2")) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

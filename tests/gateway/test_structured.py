@@ -21,13 +21,10 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from pydantic import BaseModel, Field
-from redis import Redis
 
-from .conftest import Deployment, deployment_settings
-from .gateway import Gateway
+from .conftest import Deployment, deployed, deployment_settings
 
-from service.conftest import _delete_namespace  # isort: skip
-from service.workers import MODEL_NAME, Fleet  # isort: skip
+from service.workers import MODEL_NAME  # isort: skip
 
 pytestmark = pytest.mark.gemma
 
@@ -87,19 +84,10 @@ FRESH = {"specfleet": {"prefix_cache": False}}
 def gemma_fleet(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory,
                 ) -> Iterator[Deployment]:
     """One Gemma worker (two slots) and one gateway for the module."""
-    s = deployment_settings("st")
-    logs = tmp_path_factory.mktemp("structured")
-    fleet = Fleet(s, gemma_path, logs)
-    gateway = Gateway(s, logs)
-    try:
-        fleet.start("g1", wait=False, args=("--ctx", "4096", "--slots", "2"))
-        gateway.start()
-        fleet.wait_registered("g1", timeout=180)
-        yield Deployment(s, fleet, gateway)
-    finally:
-        gateway.stop()
-        fleet.stop_all()
-        _delete_namespace(Redis.from_url(s.redis_url), s.prefix)
+    with deployed(deployment_settings("st"), gemma_path, tmp_path_factory.mktemp("structured"),
+                  worker="g1", args=("--ctx", "4096", "--slots", "2"),
+                  register_timeout=180) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,10 @@ from coordinator.client import Coordinator
 from coordinator.tenancy import Quota, StoreError, Tenant
 from shared.settings import Settings
 
-from .conftest import Deployment, deployment_settings
-from .gateway import Gateway
+from .conftest import Deployment, deployed, deployment_settings
 from .test_batches import _line, _upload, _wait
 
 from helpers import specfleet  # isort: skip
-from service.conftest import _delete_namespace  # isort: skip
-from service.workers import Fleet  # isort: skip
 
 KEYS = {name: f"{name}-{uuid.uuid4().hex}" for name in ("a", "b", "q", "admin")}
 STORED_BYTES, OPEN_BATCHES = 64 * 1024, 2
@@ -42,23 +39,13 @@ def keyed(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """A worker and a gateway that takes keys a, b and q, and an admin key, with small
     per-key quotas."""
     s = deployment_settings("k")
-    logs = tmp_path_factory.mktemp("keyed")
-    fleet = Fleet(s, chat_model, logs)
-    gateway = Gateway(s, logs, env={
-        "SPECFLEET_API_KEYS": ",".join(KEYS[k] for k in "abq"),
-        "SPECFLEET_ADMIN_API_KEYS": KEYS["admin"],
-        "SPECFLEET_MAX_STORED_BYTES_PER_KEY": str(STORED_BYTES),
-        "SPECFLEET_MAX_OPEN_BATCHES_PER_KEY": str(OPEN_BATCHES)})
-    try:
-        fleet.start("w1", wait=False)
-        gateway.start()
-        fleet.wait_registered("w1")
+    with deployed(s, chat_model, tmp_path_factory.mktemp("keyed"), gateway_env={
+            "SPECFLEET_API_KEYS": ",".join(KEYS[k] for k in "abq"),
+            "SPECFLEET_ADMIN_API_KEYS": KEYS["admin"],
+            "SPECFLEET_MAX_STORED_BYTES_PER_KEY": str(STORED_BYTES),
+            "SPECFLEET_MAX_OPEN_BATCHES_PER_KEY": str(OPEN_BATCHES)}) as d:
         Redis.from_url(s.redis_url).sadd(s.keys.models(), IDLE_MODEL)
-        yield Deployment(s, fleet, gateway)
-    finally:
-        gateway.stop()
-        fleet.stop_all()
-        _delete_namespace(Redis.from_url(s.redis_url), s.prefix)
+        yield d
 
 
 def _client(deployment: Deployment, key: str) -> openai.OpenAI:

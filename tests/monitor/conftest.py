@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from helpers import wait_for
 from redis import Redis
 from service.conftest import _delete_namespace
 from service.workers import MODEL_NAME, Fleet
@@ -56,17 +56,6 @@ def make_settings() -> Settings:
         pytest.skip(f"no Redis at {redact(url)} (make test starts one)")
     return Settings(redis_url=url, prefix=f"t{uuid.uuid4().hex[:12]}", heartbeat_seconds=0.25,
                     worker_ttl_seconds=1.5, token_chunk=4, token_flush_seconds=0.0)
-
-
-def wait_for(predicate: Callable[[], T], timeout: float = 60.0, what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns something truthy; that is the result."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gateway.gateway import Gateway
-from helpers import specfleet
+from helpers import specfleet, wait_for
 from redis import Redis
 from service.conftest import _delete_namespace
 from service.workers import MODEL_NAME, Fleet
@@ -23,7 +23,7 @@ from service.workers import MODEL_NAME, Fleet
 from coordinator.client import Coordinator
 from coordinator.metrics import fleet_snapshot
 
-from .conftest import make_settings, wait_for
+from .conftest import make_settings
 from .scrape import total
 
 NAMES = ("top-a", "top-b")
