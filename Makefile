@@ -21,9 +21,21 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 
+# pip reuses a wheel it built before, whatever CMAKE_ARGS were then: a llama-cpp-python
+# without the RPC backend asked for here is rebuilt from source, past pip's cache.
+HAS_RPC := import importlib.util as u, pathlib, sys; \
+	d = pathlib.Path(u.find_spec("llama_cpp").submodule_search_locations[0]); \
+	sys.exit(0 if list(d.glob("lib/libggml-rpc*")) else 1)
+LLAMA_VERSION := import importlib.metadata as m; print(m.version("llama-cpp-python"))
+
 $(VENV)/.installed: pyproject.toml | $(PY)
 	@echo "installing specfleet into $(VENV) (llama-cpp-python builds from source: ~5 min on 2 cores)"
 	$(PIP) install -e '.[dev,demo]'
+	@if echo "$(CMAKE_ARGS)" | grep -q 'GGML_RPC=ON' && ! $(PY) -c '$(HAS_RPC)'; then \
+		echo "llama-cpp-python came from a wheel built without the RPC backend: rebuilding it"; \
+		$(PIP) install --no-cache-dir --force-reinstall --no-deps \
+			"llama-cpp-python==$$($(PY) -c '$(LLAMA_VERSION)')"; \
+	fi
 	@touch $@
 
 install: $(VENV)/.installed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -38,6 +39,8 @@ from coordinator.monitor import (
 from shared.outage import RedisOutage, ride_out
 from shared.redis_client import connect
 
+#: ``--live``: how often the loop looks whether it was told to stop.
+LOOK_SECONDS = 0.25
 _COLUMNS = ("gens", "tokens", "accept", "accept/pos", "tok/verify", "replays", "fallbacks",
             "failed", "refused", "requeued", "lost")
 
@@ -169,7 +172,9 @@ def monitor(
 def _live(summary: LogSummary, as_json: bool, jobs: bool, conditions: list[Condition],
           interval: float, duration: float | None, fleet_events: bool) -> None:
     """``--live``: summaries of the published events every ``interval`` seconds, for
-    ``duration`` seconds or until SIGINT/SIGTERM; exits as ``--follow`` does."""
+    ``duration`` seconds or until SIGINT/SIGTERM; exits as ``--follow`` does. A signal only
+    sets a flag (a KeyboardInterrupt in the middle of reading a message would lose it): the
+    loop stops at its next look, reads what had arrived, and prints the last summary."""
     settings = environment_settings()
     read_fleet = _fleet_reader(summary) if fleet_events else None
     try:
@@ -177,23 +182,25 @@ def _live(summary: LogSummary, as_json: bool, jobs: bool, conditions: list[Condi
                         settings.redis_outage_seconds, "monitor.subscribe")
     except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     sys.stderr.write(f"specfleet: following the fleet's jobs live (prefix {settings.prefix})\n")
     sys.stderr.flush()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    end = time.monotonic() + duration if duration is not None else float("inf")
+    now = time.monotonic()
+    end = now + duration if duration is not None else float("inf")
+    next_report = now + interval
     try:
-        while (left := end - time.monotonic()) > 0:
-            try:
-                feed.poll(summary, min(interval, left))
-            except RedisError as exc:
-                fail_redis(settings, exc)
+        while not stop.is_set() and (now := time.monotonic()) < end:
+            feed.poll(summary, min(LOOK_SECONDS, end - now, max(next_report - now, 0.0)))
             if read_fleet is not None:
                 read_fleet()
-            if time.monotonic() < end and _report(summary, as_json, jobs, conditions):
-                raise typer.Exit(1)
-    except KeyboardInterrupt:
-        pass
-    feed.drain(summary)
+            if time.monotonic() >= next_report:
+                next_report = time.monotonic() + interval
+                if _report(summary, as_json, jobs, conditions):
+                    raise typer.Exit(1)
+        feed.drain(summary)
+    except RedisError as exc:
+        fail_redis(settings, exc)
     feed.close()
     raise typer.Exit(1 if _report(summary, as_json, jobs, conditions) else 0)
-
