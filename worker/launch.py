@@ -148,6 +148,21 @@ class DeviceGroup:
         return tuple(sorted(d.index for d in self.devices if d.is_cuda))
 
 
+def exclusive_devices(device: str, host: str) -> set[str]:
+    """The devices a worker registered with ``device`` (a :attr:`DeviceGroup.name`) on
+    ``host`` holds alone: its CUDA devices (on that host) and its RPC servers (wherever they
+    are: a server serves one client's buffers). The host's CPU is shared by design (its
+    threads' wait policy is what makes that fair: ``worker/threads.py``)."""
+    held: set[str] = set()
+    for member in device.split(","):
+        member = member.strip()
+        if member.startswith("cuda:"):
+            held.add(f"{member} on {host}")
+        elif member.startswith("RPC[") and member.endswith("]"):
+            held.add(member)
+    return held
+
+
 def parse_device_group(device: str = "cpu", rpc: str | None = None,
                        split_mode: str = SplitMode.LAYER.value,
                        tensor_split: str | None = None) -> DeviceGroup:

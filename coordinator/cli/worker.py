@@ -109,13 +109,10 @@ def worker(
     apply_wait(choose_wait(ThreadWait(settings.thread_wait), threads, usable_cores(),
                            os.environ.get(OMP_WAIT_POLICY)))
     from worker.fitter import FitError  # noqa: PLC0415
-    from worker.llm.placement import placed  # noqa: PLC0415
     from worker.service.runner import serve  # noqa: PLC0415
 
     try:
-        # The fit measures, and the engine then loads, on the same placement.
-        with placed(group):
-            serve(options, settings, group, n_gpu_layers)
+        serve(options, settings, group, n_gpu_layers)
     except (RedisError, RedisOutage) as exc:
         fail_redis(settings, exc)
     except (FitError, RuntimeError, ValueError) as exc:

@@ -48,3 +48,18 @@ def test_a_worker_over_rpc_devices_serves_what_one_device_does(
         expected = engine.generate(PROMPT, 24, SpecSettings()).tokens
     assert result.status is JobStatus.FINISHED and result.worker == "group"
     assert result.tokens == expected
+
+
+def test_a_group_that_overlaps_a_live_workers_devices_is_refused(
+        fleet: Fleet, devices: list[str]) -> None:
+    """Two workers on one RPC server would each fit the model to the memory the other then
+    takes: the second is refused at start, naming the first and the device."""
+    fleet.start("first", args=("--ctx", str(CTX), "--rpc", devices[0], "--budget-mib", "64",
+                               "--fit-target-mib", "0", "--spec", "none"))
+    with pytest.raises(AssertionError, match=r"exited") as refused:
+        fleet.start("second", args=("--ctx", str(CTX), "--rpc", f"{devices[1]},{devices[0]}",
+                                    "--budget-mib", "64", "--fit-target-mib", "0",
+                                    "--spec", "none"))
+    said = str(refused.value)
+    assert f"RPC[{devices[0]}]" in said and "'first'" in said and f"RPC[{devices[1]}]" not in (
+        said.split("already serve")[0])

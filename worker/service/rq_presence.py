@@ -1,5 +1,5 @@
 """The worker as rq and the fleet see it: rq's worker record and command channel, the
-context tiers it takes from, and the check that its name is free.
+context tiers it takes from, and the checks that its name and its devices are free.
 
 These adapt the process to rq and the registry; the serving loop (``loop.py``) never needs
 them to step a job, and ``runner.py`` wires them around it.
@@ -21,6 +21,7 @@ from shared.keys import Keys
 from shared.logs import get_logger
 from shared.registry import FleetRegistry
 from shared.replies import text
+from worker.launch import exclusive_devices
 from worker.service.channels import ChannelListener
 
 log = get_logger("worker")
@@ -131,3 +132,23 @@ class RqPresence(SimpleWorker):
         """Leave rq's registry and its command channel."""
         self.unsubscribe()
         self.register_death()
+
+
+def check_devices_free(registry: FleetRegistry, device: str, name: str) -> None:
+    """Refuse a device group that overlaps a live worker's (its GPUs on this host, its RPC
+    servers anywhere), naming that worker: two workers on one GPU each fit the model to the
+    memory the other then takes. A holder whose process is gone from this host does not
+    count (it is being taken over, as in :func:`check_name_free`)."""
+    host = socket.gethostname()
+    mine = exclusive_devices(device, host)
+    if not mine:
+        return
+    for other in registry.live_workers():
+        if other.name == name or (other.host == host and not _pid_alive(other.pid)):
+            continue
+        shared = sorted(mine & exclusive_devices(other.device, other.host))
+        if shared:
+            raise RuntimeError(f"{', '.join(shared)} already serve(s) worker {other.name!r} "
+                               f"(pid {other.pid} on {other.host}): a device serves one "
+                               "worker; pick another --device / --rpc, or stop that worker")
+

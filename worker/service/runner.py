@@ -38,6 +38,7 @@ from shared.version import package_version
 from worker.engine.engine import SpeculativeEngine
 from worker.engine.prompt import choose_template, reads_names
 from worker.launch import DeviceGroup, DeviceRef, WorkerOptions
+from worker.llm.placement import placed
 from worker.service.cancel import CancelWatch
 from worker.service.heartbeat import Heartbeat
 from worker.service.intake import JobIntake
@@ -45,7 +46,12 @@ from worker.service.jobs import WorkerRuntime
 from worker.service.loop import ServingLoop
 from worker.service.metrics import start_worker_metrics
 from worker.service.prefix_presence import PrefixPresence
-from worker.service.rq_presence import ContextTiers, RqPresence, check_name_free
+from worker.service.rq_presence import (
+    ContextTiers,
+    RqPresence,
+    check_devices_free,
+    check_name_free,
+)
 from worker.service.startup import load_engine
 from worker.threads import current_wait
 
@@ -68,14 +74,20 @@ def serve(options: WorkerOptions, settings: Settings, device: DeviceRef | Device
     name = options.name or f"{socket.gethostname()}-{device.name}-{os.getpid()}"
     registry = FleetRegistry(connection, keys, settings.worker_ttl_seconds)
     check_name_free(registry, name)
-    # Loading takes seconds to minutes: meanwhile requests for the model wait for it.
-    with StartingRecord(connection, keys, options.model_name, name,
-                        settings.worker_ttl_seconds, settings.heartbeat_seconds):
-        engine, fit = load_engine(options, n_gpu_layers, settings)
-    try:
-        _serve_loaded(options, settings, connection, registry, name, device.name, engine, fit)
-    finally:
-        engine.close()
+    # Before the placement: it connects to the group's RPC servers, which serve one client.
+    check_devices_free(registry, device.name, name)
+    group = device if isinstance(device, DeviceGroup) else DeviceGroup.of(device)
+    # The fit measures, and the engine then loads, on the same placement.
+    with placed(group):
+        # Loading takes seconds to minutes: meanwhile requests for the model wait for it.
+        with StartingRecord(connection, keys, options.model_name, name,
+                            settings.worker_ttl_seconds, settings.heartbeat_seconds):
+            engine, fit = load_engine(options, n_gpu_layers, settings)
+        try:
+            _serve_loaded(options, settings, connection, registry, name, device.name, engine,
+                          fit)
+        finally:
+            engine.close()
 
 
 def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
