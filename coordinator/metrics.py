@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC
 from typing import Any
 
@@ -78,6 +78,19 @@ class WorkerRow:
     #: The whole lifetime telemetry the worker published (None before its first heartbeat
     #: with one).
     telemetry: dict[str, Any] | None
+    #: Its fit per device, in the model's device order (empty: it published no fit).
+    devices: list[DeviceRow] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    """One device of a worker's fit: what its components take there (``fitted_bytes``), what
+    the device had free at the fit and the margin the fitter left."""
+
+    device: str
+    fitted_bytes: int
+    free_bytes: int
+    margin_bytes: int
 
 
 @dataclass(frozen=True)
@@ -163,7 +176,9 @@ def worker_row(info: WorkerInfo, now: float) -> WorkerRow:
         host_fallbacks=t.host_fallbacks if t else 0,
         checkpoint_mode=t.checkpoint_mode if t else None,
         prefix_hit_rate=_hit_rate(t), cached_tokens=t.cached_tokens if t else 0,
-        telemetry=t.model_dump(mode="json") if t else None)
+        telemetry=t.model_dump(mode="json") if t else None,
+        devices=[DeviceRow(d.device, sum(d.components.values()), d.free_bytes, d.margin_bytes)
+                 for d in (info.fit.devices if info.fit else [])])
 
 
 def _hit_rate(t: Telemetry | None) -> float:
@@ -292,8 +307,16 @@ def render_fleet_metrics(coordinator: Coordinator) -> bytes:
         busy.labels(model).set(sum(w.busy_slots for w in rows))
     age = gauge("worker_heartbeat_age_seconds", "Seconds since a worker's last heartbeat",
                 ("worker", "model", "device"))
+    fitted = gauge("worker_device_fitted_bytes", "Bytes a worker's fit placed on one of its "
+                   "devices (every component: weights, KV, state, compute, reservations)",
+                   ("worker", "model", "device"))
+    free = gauge("worker_device_free_bytes", "Bytes the device had free when the worker fitted",
+                 ("worker", "model", "device"))
     for w in snapshot.workers:
         age.labels(w.name, w.model, w.device).set(w.heartbeat_age_seconds)
+        for d in w.devices:
+            fitted.labels(w.name, w.model, d.device).set(d.fitted_bytes)
+            free.labels(w.name, w.model, d.device).set(d.free_bytes)
     _demand_gauges(snapshot.demand, gauge)
     registry.register(_PublishedTelemetry(snapshot.workers))
     registry.register(_Routing(coordinator, snapshot.models()))
@@ -354,17 +377,17 @@ class _PublishedTelemetry:
 
     def collect(self) -> list[CounterMetricFamily]:
         families = []
-        for field in PUBLISHED_COUNTS:
-            family = CounterMetricFamily(f"{PREFIX}worker_telemetry_{field}",
-                                         f"Lifetime telemetry {field} a worker published",
+        for count in PUBLISHED_COUNTS:
+            family = CounterMetricFamily(f"{PREFIX}worker_telemetry_{count}",
+                                         f"Lifetime telemetry {count} a worker published",
                                          labels=["worker", "model", "device"])
             for w in self._workers:
                 if w.telemetry is not None:
-                    family.add_metric([w.name, w.model, w.device], w.telemetry[field])
+                    family.add_metric([w.name, w.model, w.device], w.telemetry[count])
             families.append(family)
         return families
 
 
-__all__ = ["METRICS_CONTENT_TYPE", "FleetSnapshot", "LostRow", "ModelDemand", "QueueRow",
-           "WorkerRow", "demand_rows", "fleet_snapshot", "lost_rows", "render_fleet_metrics",
-           "worker_row"]
+__all__ = ["METRICS_CONTENT_TYPE", "DeviceRow", "FleetSnapshot", "LostRow", "ModelDemand",
+           "QueueRow", "WorkerRow", "demand_rows", "fleet_snapshot", "lost_rows",
+           "render_fleet_metrics", "worker_row"]

@@ -138,3 +138,15 @@ def test_top_once_json_shows_workers_queues_and_published_telemetry(
         assert total(idle_metrics, "specfleet:worker_telemetry_target_decodes_total",
                      worker=name) == sum(r.telemetry.target_decodes for r in results
                                          if r.telemetry and r.worker == name)
+        # ... and each worker's fit, device by device, as top shows it
+        info = coordinator.registry.registration(name)
+        assert info is not None and info.fit is not None and info.fit.devices
+        row = next(w for w in done["workers"] if w["name"] == name)
+        assert [d["device"] for d in row["devices"]] == [d.device for d in info.fit.devices]
+        for d, shown in zip(info.fit.devices, row["devices"], strict=True):
+            fitted = sum(d.components.values())
+            assert shown["fitted_bytes"] == fitted > 0
+            assert total(idle_metrics, "specfleet:worker_device_fitted_bytes", worker=name,
+                         device=d.device) == fitted
+            assert total(idle_metrics, "specfleet:worker_device_free_bytes", worker=name,
+                         device=d.device) == d.free_bytes
