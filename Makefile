@@ -22,7 +22,8 @@ $(PY):
 	$(PIP) install -q --upgrade pip setuptools wheel
 
 # pip reuses a wheel it built before, whatever CMAKE_ARGS were then: a llama-cpp-python
-# without the RPC backend asked for here is rebuilt from source, past pip's cache.
+# without the RPC backend asked for here is dropped from pip's cache and rebuilt from source
+# (the new wheel is cached, so the next install reuses one with RPC).
 HAS_RPC := import importlib.util as u, pathlib, sys; \
 	d = pathlib.Path(u.find_spec("llama_cpp").submodule_search_locations[0]); \
 	sys.exit(0 if list(d.glob("lib/libggml-rpc*")) else 1)
@@ -33,7 +34,8 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -e '.[dev,demo]'
 	@if echo "$(CMAKE_ARGS)" | grep -q 'GGML_RPC=ON' && ! $(PY) -c '$(HAS_RPC)'; then \
 		echo "llama-cpp-python came from a wheel built without the RPC backend: rebuilding it"; \
-		$(PIP) install --no-cache-dir --force-reinstall --no-deps \
+		$(PIP) cache remove 'llama_cpp_python*' >/dev/null 2>&1 || true; \
+		$(PIP) install --force-reinstall --no-deps \
 			"llama-cpp-python==$$($(PY) -c '$(LLAMA_VERSION)')"; \
 	fi
 	@touch $@
