@@ -195,18 +195,24 @@ class LogSummary:
         """One raw log line from ``source`` (a file name, or ``-`` for stdin)."""
         if not line.strip():
             return
-        self.lines += 1
         try:
             record = json.loads(line)
         except ValueError:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("event"), str):
-            self.unparseable += 1
+            self.skip()
             return
         self.add(record, source)
 
+    def skip(self) -> None:
+        """One input that is no record (not JSON, no ``event``): counted, never fatal."""
+        self.lines += 1
+        self.unparseable += 1
+
     def add(self, record: dict[str, Any], source: str = "-") -> None:
-        """One parsed record (an object with an ``event``) from ``source``."""
+        """One record (an object with an ``event``) from ``source``, a log line's or one a
+        live event stands for (:func:`records_of`)."""
+        self.lines += 1
         if (self.fleet_events and record["event"] == "worker.lost"
                 and source != FLEET_SOURCE):
             return  # the fleet's event stream has it, once
@@ -510,15 +516,13 @@ class LiveFeed:
             try:
                 event = parse_job_event(message["data"])
             except ValueError:
-                summary.lines += 1
-                summary.unparseable += 1
+                summary.skip()
                 continue
             if isinstance(event, ErrorEvent):
                 self._errors[event.job_id] = event.error_type
             error_type = self._errors.pop(event.job_id, None) if isinstance(
                 event, FinalEvent) else None
             for record in records_of(event, error_type):
-                summary.lines += 1
                 summary.add(record, LIVE_SOURCE)
         return read
 
