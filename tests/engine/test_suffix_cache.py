@@ -19,7 +19,7 @@ from worker.engine.proposers.mtp import MtpProposer
 from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.repeat_shape import aligned_length, next_verify
 from worker.engine.proposers.suffix import SuffixProposer, SuffixShared, no_ends
-from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
+from worker.engine.proposers.token_index import ORDERS, TokenIndex, tail_keys
 
 #: Verify rows that cost nothing extra: the drafter drafts whatever has any chance.
 FREE_ROWS = [0.0] + [1.0] * 17
@@ -75,15 +75,37 @@ def test_outputs_holding_a_context_are_those_it_occurred_in_most_recent_first() 
     b = _record(cache, [4, *shared_run, 5])
     _record(cache, [6, 11, 12, 13, 14])
     order = ORDERS.index(4)
-    key = context_keys(shared_run)[order]
+    key = tail_keys(shared_run)[order]
     assert key is not None
     assert [e for e, _ in cache.holding(order, key, None)] == [b, a]
     cache.touch(a)
     assert [e for e, _ in cache.holding(order, key, None)] == [a, b]
     assert [e for e, _ in cache.holding(order, key, a)] == [b]  # never the asking entry
     # A context only at an output's end has no follower there: nothing to draft from it.
-    tail = context_keys([11, 12, 13, 14])[order]
+    tail = tail_keys([11, 12, 13, 14])[order]
     assert tail is not None and cache.holding(order, tail, None) == []
+
+
+def test_the_index_finds_every_context_where_a_search_of_the_tokens_does() -> None:
+    """The prefix hashes index each context under the key its tail is looked up with, at
+    every order, however the sequence was appended: the index's occurrences are exactly
+    the earlier places the tail's tokens occur (with a follower), newest first."""
+    rng = random.Random(5)
+    tokens = [rng.randrange(6) for _ in range(400)]  # a small alphabet: many repeats
+    index = TokenIndex(tokens[:150])
+    for i in range(150, 400, 7):
+        index.extend(tokens[i:i + 7])
+    for end in (3, 40, 130, 399):
+        seq = tokens[:end + 1]
+        keys = tail_keys(seq)
+        assert TokenIndex(seq).tail_keys() == keys
+        for order, n in enumerate(ORDERS):
+            if n > len(seq):
+                assert keys[order] is None
+                continue
+            tail = seq[-n:]
+            found = [s + n for s in range(len(tokens) - n) if tokens[s:s + n] == tail]
+            assert index.occurrences(order, keys[order])[:5] == found[::-1][:5], (end, n)
 
 
 def test_entry_bound_and_an_output_larger_than_the_cache() -> None:

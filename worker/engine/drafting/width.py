@@ -9,6 +9,7 @@ choice of object, not an ``if adaptive`` in the per-token path.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Protocol
 
 #: A ceiling-reaching draft that accepts fewer than this many tokens counts towards backoff.
@@ -110,15 +111,61 @@ def best_draft_length(confidences: Sequence[float], row_seconds: Sequence[float]
     accepted)`` tokens (the bonus always comes); ``m = 0`` is a plain step. The longest
     length with a measured cost bounds ``m``; ties go to the shorter draft, which risks less.
     """
-    best, best_rate = 0, bar / row_seconds[1]
-    expected, reach = 1.0, 1.0
-    for m, p in enumerate(confidences[: len(row_seconds) - 2], start=1):
-        reach *= p
-        expected += reach
-        rate = expected / row_seconds[m + 1]
-        if rate > best_rate:
-            best, best_rate = m, rate
-    return best
+    chooser = DraftLength(row_seconds, bar)
+    for p in confidences:
+        if not chooser.add(p):
+            break
+    return chooser.best
+
+
+class DraftLength:
+    """:func:`best_draft_length` one confidence at a time, for a drafter that walks its draft
+    token by token: :meth:`add` says when no longer draft could be chosen any more, so the
+    walk stops there instead of walking the whole width and throwing the tail away (the
+    suffix drafter walked ~26 tokens a step at one slot, most of its host time, where the
+    bar let it keep none).
+
+    ``floor_from[r]``: the least a verify of ``r`` or more rows costs (default: computed
+    from ``row_seconds``); a longer draft's rate is bounded by every further token accepted
+    for sure at that cost."""
+
+    def __init__(self, row_seconds: Sequence[float], bar: float = PLAIN_BAR,
+                 floor_from: Sequence[float] | None = None) -> None:
+        self._seconds = row_seconds
+        self._floor = floor_from if floor_from is not None else cheapest_from(row_seconds)
+        #: The most drafts a measured cost covers (``m`` drafts decode ``m + 1`` rows).
+        self._limit = len(row_seconds) - 2
+        self.best = 0
+        self._best_rate = bar / row_seconds[1]
+        self._m = 0
+        self._expected = 1.0
+        self._reach = 1.0
+
+    def add(self, p: float, left: int | None = None) -> bool:
+        """The next draft token is accepted with probability ``p`` (given all before it
+        were); ``left``: how many more tokens the walk could still add after it (None: up to
+        the table's limit). False once neither this length nor any longer one can be
+        :attr:`best`: the walk may stop."""
+        m = self._m + 1
+        if m > self._limit:
+            return False
+        self._m = m
+        self._reach *= p
+        self._expected += self._reach
+        rate = self._expected / self._seconds[m + 1]
+        if rate > self._best_rate:
+            self.best, self._best_rate = m, rate
+        more = self._limit - m if left is None else min(left, self._limit - m)
+        # Every further token at most certain, at the cheapest width any of them reaches.
+        return more > 0 and (self._expected + self._reach * more) / self._floor[m + 2] > \
+            self._best_rate
+
+
+def cheapest_from(row_seconds: Sequence[float]) -> list[float]:
+    """``out[r]``: the cheapest verify of ``r`` or more rows (a learnt table need not rise
+    with the rows everywhere: :class:`~worker.engine.drafting.costs.RowCosts` keeps a
+    residual per width)."""
+    return list(accumulate(reversed(row_seconds), min))[::-1]
 
 
 def expected_tokens(confidences: Sequence[float]) -> float:

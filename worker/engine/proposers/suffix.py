@@ -44,11 +44,11 @@ from time import perf_counter
 from worker.engine.core.draft import Draft, VerifyOutcome
 from worker.engine.drafting.bar import DraftBar
 from worker.engine.drafting.costs import RowCosts
-from worker.engine.drafting.width import best_draft_length, expected_tokens
+from worker.engine.drafting.width import DraftLength, expected_tokens
 from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
 from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.repeat_shape import Shape, aligned_length, next_verify
-from worker.engine.proposers.token_index import ORDERS, TokenIndex, context_keys
+from worker.engine.proposers.token_index import ORDERS, TokenIndex, tail_keys
 
 #: The walk stops once the chance that the whole draft so far is accepted falls below this.
 MIN_REACH = 0.02
@@ -163,11 +163,13 @@ class SuffixProposer:
         stops a walk at the first token whose calibrated confidence is below it."""
         if len(self._local) < len(history):  # normally kept in step by observe
             self._local.extend(history[len(self._local):])
-        seconds = self._shared.costs.seconds
+        costs = self._shared.costs
+        seconds = costs.seconds
         best, best_rate = Candidate(OWN), 0.0
         for source, match in enumerate(self._matches(history)):
-            walked = self._walk(source, match, width, p_min)
-            keep = best_draft_length(walked.confidences, seconds, self._shared.bar.level)
+            length = DraftLength(seconds, self._shared.bar.level, costs.floor_from)
+            walked = self._walk(source, match, width, p_min, length)
+            keep = length.best
             rate = expected_tokens(walked.confidences[:keep]) / seconds[keep + 1]
             if keep and rate > best_rate:
                 best = Candidate(source, walked.tokens[:keep], walked.confidences[:keep],
@@ -225,7 +227,10 @@ class SuffixProposer:
         tail matches there and its occurrences (cached outputs most recently used first);
         ``(0, [])`` where it matches nowhere. Earlier answers to this same prompt that this
         output is still in step with come first, matched as a whole request (:meth:`_repeats`)."""
-        keys = context_keys(history)
+        # The request's index holds the history (propose keeps it in step): its prefix
+        # hashes give every order's key at once.
+        local = self._local
+        keys = local.tail_keys() if len(local) == len(history) else tail_keys(history)
         cache = self._shared.cache
         own: Match = (0, [])
         for order, key in enumerate(keys):
@@ -290,7 +295,8 @@ class SuffixProposer:
                 cache.touch(entry)
         return (max(len(history), LEAD_IN), found) if found else (0, [])
 
-    def _walk(self, source: int, match: Match, width: int, p_min: float) -> Candidate:
+    def _walk(self, source: int, match: Match, width: int, p_min: float,
+              length: DraftLength) -> Candidate:
         """Follow the occurrences' continuations token by token, majority first.
 
         An occurrence in the request's own text whose continuation reaches the end of the
@@ -307,12 +313,17 @@ class SuffixProposer:
         answer that quotes the user's last words goes on after them (Gemma 270M, a story
         quoting "finds a message in a bottle.": 13 tokens of template drafted at 0.99 and
         rejected at once, and the request's record then kept it from drafting for about
-        twenty verifies). A cached output may draft its own end: a repeat ends there too."""
+        twenty verifies). A cached output may draft its own end: a repeat ends there too.
+
+        The walk stops where ``length`` says no longer draft could be kept: what it walked
+        past that was never verified."""
         depth, occurrences = match
         stats = self._shared.stats
         scale = self._records[source].scale()
         walked = Candidate(source)
         wraps = source == OWN
+        # Only a cached output knows fragile positions; the request's own text has none.
+        shaky_any = any(shaky for _, _, shaky in occurrences)
         reach = 1.0
         for i in range(width):
             counts: dict[int, int] = {}
@@ -334,8 +345,8 @@ class SuffixProposer:
             if source == OWN and self._shared.ends(token):
                 break
             fragile = max((shaky.get(start + i, 0) for (_, start, shaky), t in going
-                           if t == token), default=0)
-            p, cell = stats.confidence(depth + i, sum(counts.values()), counts[token],
+                           if t == token), default=0) if shaky_any else 0
+            p, cell = stats.confidence(depth + i, len(going), counts[token],
                                        source == SHARED, fragile)
             p *= scale
             reach *= p
@@ -344,5 +355,10 @@ class SuffixProposer:
             walked.tokens.append(token)
             walked.confidences.append(p)
             walked.cells.append(cell)
-            occurrences = [occurrence for occurrence, t in going if t == token]
+            if not length.add(p, width - i - 1):
+                break
+            if len(counts) > 1:
+                occurrences = [occurrence for occurrence, t in going if t == token]
+            elif len(going) < len(occurrences):
+                occurrences = [occurrence for occurrence, _ in going]
         return walked

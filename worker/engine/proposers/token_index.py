@@ -9,6 +9,12 @@ occurrence of the same context. Appending a token costs one dict write per order
 few probes, and memory is a known few dozen bytes per token and order, so a cache of many
 such indexes can be bounded in bytes (:meth:`TokenIndex.nbytes`).
 
+A context's hash is polynomial (a context of ``n`` tokens from ``a`` on:
+``prefix[a + n] - prefix[a] * BASE^n``), read off the sequence's prefix hashes
+in three integer operations whatever its length: hashing each context's tokens instead
+(127 tokens a token over the seven orders, twice: the request's index and its cache entry)
+was the suffix drafter's largest host cost on long prompts.
+
 A hash collision only yields a wrong proposal, which verification rejects; it can never
 change the output.
 """
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 #: Context lengths indexed, longest first. A match is at least as long as the order it was
 #: found at; extending it while drafting is exact (the walk filters occurrences token by token).
@@ -28,8 +36,16 @@ MAX_OCCURRENCES = 16
 #: Bytes per (token, order): one chain slot (8) plus, for contexts seen once, a dict slot with
 #: its key and value ints (measured with tracemalloc on Gemma text: 60-100). Conservative.
 BYTES_PER_ENTRY = 120
-#: Bytes per stored token (the token array itself).
-BYTES_PER_TOKEN = 8
+#: Bytes per stored token (the token list's slot and its prefix hash).
+BYTES_PER_TOKEN = 16
+#: The polynomial hash of a context ``t_0 .. t_{n-1}``: ``sum (t_j + 1) BASE^(n-1-j)`` modulo
+#: 2^64 (an odd multiplier; ``+ 1`` so token 0 counts).
+BASE = 0x9E3779B97F4A7C15
+MASK = (1 << 64) - 1
+#: Appending this many tokens at once indexes them in numpy (:meth:`TokenIndex._extend_many`).
+BULK = 32
+#: ``(order's slot, length, BASE^length mod 2^64)`` per indexed order.
+_ORDER_POWERS = tuple((k, n, pow(BASE, n, MASK + 1)) for k, n in enumerate(ORDERS))
 
 
 class TokenIndex:
@@ -41,6 +57,8 @@ class TokenIndex:
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.tokens: list[int] = []
+        #: ``prefix[i]``: the hash of ``tokens[:i]`` (a context's hash is two of these).
+        self._prefix: array[int] = array("Q", [0])
         #: Per order: each context's hash -> its most recent end position. ``key in
         #: ends[order]`` is the cheapest "did it occur" (the output cache asks it of every
         #: cached output at every draft step).
@@ -52,21 +70,66 @@ class TokenIndex:
         return len(self.tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Append ``tokens`` and index every context that now has a follower."""
-        seq = self.tokens
+        """Append ``tokens`` and index every context that now has a follower (a prompt's
+        worth at once in numpy, :meth:`_extend_many`; a verify's few one by one)."""
+        tokens = list(tokens)
+        if len(tokens) >= BULK:
+            self._extend_many(tokens)
+            return
+        seq, prefix, ends, chains = self.tokens, self._prefix, self.ends, self._prev
+        h = prefix[-1]
         for token in tokens:
             end = len(seq) - 1  # the context ending here gets ``token`` as its follower
-            seq.append(token)
-            if end < 0:
-                continue
-            for k, n in enumerate(ORDERS):
+            for k, n, power in _ORDER_POWERS:
                 if end + 1 < n:
-                    self._prev[k].append(-1)
+                    if end >= 0:
+                        chains[k].append(-1)
                     continue
-                key = hash(tuple(seq[end + 1 - n : end + 1]))
-                last = self.ends[k]
-                self._prev[k].append(last.get(key, -1))
+                key = (h - prefix[end + 1 - n] * power) & MASK
+                last = ends[k]
+                chains[k].append(last.get(key, -1))
                 last[key] = end
+            seq.append(token)
+            h = (h * BASE + token + 1) & MASK
+            prefix.append(h)
+
+    def _extend_many(self, tokens: list[int]) -> None:
+        """:meth:`extend` for many tokens, in numpy: the same prefix hashes, keys, chains and
+        most recent ends as appending them one by one (a 300-token prompt indexed in Python
+        cost ~2 ms, twice a request: its own index and its cache entry's lead-in)."""
+        old, added = len(self.tokens), len(tokens)
+        codes = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+        powers = _powers(added + 1)
+        # prefix[old + j + 1] = prefix[old] B^(j+1) + sum_{i<=j} code_i B^(j-i), the sum as
+        # B^j sum_i code_i B^-i (B is odd, so invertible modulo 2^64; numpy wraps).
+        inverse = _inverse_powers(added)
+        with np.errstate(over="ignore"):
+            sums = np.cumsum(codes * inverse, dtype=np.uint64)
+            fresh = np.uint64(self._prefix[-1]) * powers[1:] + powers[:-1] * sums
+        self._prefix.frombytes(fresh.tobytes())
+        self.tokens += tokens
+        prefix = np.frombuffer(self._prefix, dtype=np.uint64)
+        first_end = max(old - 1, 0)  # the first position this call gives a follower
+        last_end = old + added - 2
+        for k, n, power in _ORDER_POWERS:
+            start = max(first_end, n - 1)
+            chain = self._prev[k]
+            chain.extend([-1] * max(0, min(start, last_end + 1) - first_end))
+            if start > last_end:
+                continue
+            at = np.arange(start, last_end + 1, dtype=np.intp)
+            with np.errstate(over="ignore"):
+                keys = prefix[at + 1] - prefix[at + 1 - n] * np.uint64(power)
+            order = np.argsort(keys, kind="stable")  # per key, in position order
+            ranked, where = keys[order], at[order]
+            prev = np.empty(len(at), dtype=np.int64)
+            prev[1:] = np.where(ranked[1:] == ranked[:-1], where[:-1], -2)
+            prev[0] = -2
+            firsts = np.flatnonzero(prev == -2)
+            last = self.ends[k]
+            prev[firsts] = [last.get(key, -1) for key in ranked[firsts].tolist()]
+            chain.extend(prev[np.argsort(order)].tolist())
+            last.update(zip(keys.tolist(), at.tolist(), strict=True))
 
     def occurrences(self, order: int, key: int) -> list[int]:
         """Follower positions (end + 1) of the most recent occurrences of context ``key`` of
@@ -79,12 +142,44 @@ class TokenIndex:
             end = chain[end]  # slot e: the previous end of the context ending at e
         return found
 
+    def tail_keys(self) -> list[int | None]:
+        """The hash of the sequence's last ``n`` tokens per order (None where it is
+        shorter): what a drafter looks up, in this index and in others."""
+        prefix, size = self._prefix, len(self.tokens)
+        return [(prefix[size] - prefix[size - n] * power) & MASK if n <= size else None
+                for _, n, power in _ORDER_POWERS]
+
     def nbytes(self) -> int:
         """Accounted size: what the cache bounds (see :data:`BYTES_PER_ENTRY`)."""
         return len(self.tokens) * (BYTES_PER_TOKEN + BYTES_PER_ENTRY * len(ORDERS))
 
 
-def context_keys(history: Sequence[int]) -> list[int | None]:
-    """Hash of the last ``n`` tokens of ``history`` per order (None where it is too short);
-    computed once per step and probed against every index."""
-    return [hash(tuple(history[-n:])) if n <= len(history) else None for n in ORDERS]
+def tail_keys(tokens: Sequence[int]) -> list[int | None]:
+    """:meth:`TokenIndex.tail_keys` of a sequence without an index (a drafter asked about a
+    history its index does not hold): the same hashes, from the last ``max(ORDERS)`` tokens."""
+    keys: dict[int, int] = {}
+    key, power, size = 0, 1, len(tokens)
+    for n in range(1, min(size, ORDERS[0]) + 1):
+        key = (key + (tokens[size - n] + 1) * power) & MASK
+        power = (power * BASE) & MASK
+        keys[n] = key
+    return [keys.get(n) for n in ORDERS]
+
+
+def _powers(count: int) -> np.ndarray:
+    """``BASE^0 .. BASE^(count-1)`` modulo 2^64."""
+    with np.errstate(over="ignore"):
+        out = np.full(count, BASE, dtype=np.uint64)
+        out[0] = 1
+        return np.cumprod(out, dtype=np.uint64)
+
+
+def _inverse_powers(count: int) -> np.ndarray:
+    """``BASE^0 .. BASE^-(count-1)`` modulo 2^64."""
+    with np.errstate(over="ignore"):
+        out = np.full(count, _INVERSE, dtype=np.uint64)
+        out[0] = 1
+        return np.cumprod(out, dtype=np.uint64)
+
+
+_INVERSE = pow(BASE, -1, MASK + 1)
