@@ -13,11 +13,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
+from coordinator.client import Coordinator
 from coordinator.redis_local import DEFAULT_URL, answers
 from shared.redact import redact
 from shared.settings import Settings
@@ -78,6 +82,26 @@ def deployed(s: Settings, model: Path, logs: Path, worker: str = "w1",
         gateway.stop()
         fleet.stop_all()
         _delete_namespace(Redis.from_url(s.redis_url), s.prefix)
+
+
+@pytest.fixture(scope="module")
+def byte_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """One worker on the byte-level tiny model and one gateway: text round-trips, so the
+    grammar of tool calls can be written, and with no template of its own the model gets
+    ChatML and tools travel in the generic format (the tool tests' fleet)."""
+    logs = tmp_path_factory.mktemp("byte-fleet")
+    model = write_dense_llama(logs / "tiny-bytes.gguf", byte_vocab=True)
+    with deployed(deployment_settings("rt"), model, logs,
+                  args=("--ctx", "4096", "--slots", "2")) as d:
+        yield d
+
+
+def queued(fleet: Deployment, job_id: str) -> dict[str, Any]:
+    """The request the gateway queued for a job (what the worker renders): the tests read a
+    turn's messages here to see what the gateway made of a client's history."""
+    job = Job.fetch(job_id, connection=Coordinator(fleet.settings).connection,
+                    serializer=JSONSerializer)
+    return dict(job.args[0])
 
 
 @pytest.fixture(scope="package")

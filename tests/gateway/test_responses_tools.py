@@ -1,8 +1,8 @@
 """Tools on the Responses API against a live fleet, through the real ``openai`` package and
-the OpenAI Agents SDK (whose default model is the Responses API): function calls whole and
-streamed as typed events, ``tool_choice`` and ``parallel_tool_calls``, a call's output sent
-back as the next turn, and a message ``name`` refused by name where the template has no
-place for it.
+the OpenAI Agents SDK (whose default model is the Responses API; its chat-completions model
+runs the same tool loop here): function calls whole and streamed as typed events,
+``tool_choice`` and ``parallel_tool_calls``, a call's output sent back as the next turn, and
+a message ``name`` refused by name where the template has no place for it.
 
 The worker runs the tiny dense model with a byte-level vocabulary (text round-trips, so the
 grammar of calls can be written) and no template of its own (ChatML: tools travel in the
@@ -15,26 +15,30 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import jsonschema
 import openai
 import pytest
-from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+from agents import (
+    Agent,
+    ModelResponse,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    RunConfig,
+    Runner,
+    function_tool,
+)
 from openai.types.responses import ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
-from rq.job import Job
-from rq.serializers import JSONSerializer
 
-from coordinator.client import Coordinator
 from coordinator.openai_api.fields import RequestError
 from coordinator.openai_api.responses import EventSequence, parse_responses, response_object
 from shared.protocol import FinalEvent, FinishReason, JobStatus
 from shared.tool_calls import render_calls
-from worker.testmodels.tiny import write_dense_llama
 
-from .conftest import Deployment, deployed, deployment_settings
+from .conftest import Deployment, queued
 
 from service.workers import MODEL_NAME  # isort: skip
 
@@ -54,17 +58,6 @@ SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
 ASK = "What is the weather like in Paris?"
 #: Greedy and without the prefix cache: the same request decodes the same tokens.
 SAME: dict[str, Any] = {"temperature": 0, "extra_body": {"specfleet": {"prefix_cache": False}}}
-
-
-@pytest.fixture(scope="module")
-def byte_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    """One worker on the byte-level tiny model (a context for the generic tool prompt) and
-    one gateway."""
-    logs = tmp_path_factory.mktemp("responses-tools")
-    model = write_dense_llama(logs / "tiny-bytes.gguf", byte_vocab=True)
-    with deployed(deployment_settings("rt"), model, logs,
-                  args=("--ctx", "4096", "--slots", "2")) as d:
-        yield d
 
 
 @pytest.fixture(scope="module")
@@ -162,13 +155,6 @@ def _with_cache_writes(event: dict[str, Any]) -> dict[str, Any]:
                                   "usage": {**usage, "input_tokens_details": details}}}
 
 
-def _queued(fleet: Deployment, job_id: str) -> dict[str, Any]:
-    """The request the gateway queued for a job (what the worker renders)."""
-    coordinator = Coordinator(fleet.settings)
-    job = Job.fetch(job_id, connection=coordinator.connection, serializer=JSONSerializer)
-    return dict(job.args[0])
-
-
 def test_a_call_whole_and_streamed_is_the_same_call(client: openai.OpenAI) -> None:
     """``tool_choice: required``: the response is one ``function_call`` item; streamed, it
     is the item added, argument deltas that concatenate to the arguments done, the item
@@ -217,9 +203,9 @@ def test_tool_choice(client: openai.OpenAI, byte_fleet: Deployment, choice: str)
         assert reply.tool_choice.name == "get_time"  # type: ignore[union-attr]
     elif choice == "none":
         assert kinds == {"message"} and reply.tool_choice == "none"
-        queued = _queued(byte_fleet, reply.specfleet["job_id"])
-        assert "constraint" not in queued and [t["function"]["name"] for t in
-                                               queued["tools"]] == ["get_weather", "get_time"]
+        request = queued(byte_fleet, reply.specfleet["job_id"])
+        assert "constraint" not in request and [t["function"]["name"] for t in
+                                                request["tools"]] == ["get_weather", "get_time"]
     else:
         assert kinds in ({"message"}, {"function_call"}), reply.output
         for item in reply.output[:-1] if reply.status == "incomplete" else reply.output:
@@ -275,7 +261,7 @@ def test_a_call_output_is_the_next_turn(client: openai.OpenAI,
                               "output": output}])
 
     short, long = answer("18 C"), answer("18 C, sunny all day")
-    assert _queued(byte_fleet, short.specfleet["job_id"])["messages"] == [
+    assert queued(byte_fleet, short.specfleet["job_id"])["messages"] == [
         {"role": "user", "content": ASK},
         {"role": "assistant", "content": None, "tool_calls": [{
             "id": call.call_id, "type": "function",
@@ -299,12 +285,25 @@ def test_a_message_name_is_refused_by_name(client: openai.OpenAI) -> None:
     assert reply.choices[0].message.role == "assistant"
 
 
-def test_the_agents_sdk_runs_a_two_turn_tool_loop(byte_fleet: Deployment) -> None:
-    """The Agents SDK's default (Responses) model, run and streamed: the first turn must
-    call the tool (``tool_choice: required``); the SDK runs it and sends the call and its
-    output back; the second turn (tool choice reset to auto, the output typed) answers
-    with the typed output. The second prompt holds no random ids (the generic format
-    renders no call ids), so the greedy model makes the same choice every run."""
+def _job_of(response: ModelResponse) -> str:
+    """The gateway job behind one of the Agents SDK's model calls: the chat-completions
+    model puts the completion's id in its output items' provider data (its ``response_id``
+    is None, or a placeholder when streamed); the Responses model keeps the response's id."""
+    data = getattr(response.output[0], "provider_data", None) or {}
+    name = str(data.get("response_id") or response.response_id or "")
+    return name.removeprefix("chatcmpl-").removeprefix("resp_")
+
+
+@pytest.mark.parametrize("model_class", [OpenAIResponsesModel, OpenAIChatCompletionsModel])
+def test_the_agents_sdk_runs_a_two_turn_tool_loop(
+        byte_fleet: Deployment,
+        model_class: type[OpenAIResponsesModel | OpenAIChatCompletionsModel]) -> None:
+    """The Agents SDK's default (Responses) model and its chat-completions model, each run
+    and streamed: the first turn must call the tool (``tool_choice: required``); the SDK
+    runs it and sends the call and its output back; the second turn (tool choice reset to
+    auto, the output typed) answers with the typed output. The second prompt holds no
+    random ids (the generic format renders no call ids), so the greedy model makes the
+    same choice every run."""
     ran: list[str] = []
 
     class Answer(BaseModel):
@@ -321,7 +320,7 @@ def test_the_agents_sdk_runs_a_two_turn_tool_loop(byte_fleet: Deployment) -> Non
                                     max_retries=0, timeout=60)
         agent = Agent(name="weather", instructions="Answer with the weather.",
                       tools=[get_weather], output_type=Answer,
-                      model=OpenAIResponsesModel(model=MODEL_NAME, openai_client=client),
+                      model=model_class(model=MODEL_NAME, openai_client=client),
                       model_settings=ModelSettings(
                           tool_choice="required", temperature=0, max_tokens=120,
                           parallel_tool_calls=False, extra_body=SAME["extra_body"]))
@@ -343,10 +342,9 @@ def test_the_agents_sdk_runs_a_two_turn_tool_loop(byte_fleet: Deployment) -> Non
             "tool_call_item", "tool_call_output_item", "message_output_item"]
         assert len(ran) == 1 and result.new_items[1].output == f"18 C in {ran[0]}"
         assert isinstance(result.final_output, Answer)
-        first, second = (r.response_id or "" for r in result.raw_responses)
-        assert _queued(byte_fleet, first.removeprefix("resp_"))["messages"][-1] == {
-            "role": "user", "content": ASK}
-        turns = _queued(byte_fleet, second.removeprefix("resp_"))["messages"]
+        first, second = map(_job_of, result.raw_responses)
+        assert queued(byte_fleet, first)["messages"][-1] == {"role": "user", "content": ASK}
+        turns = queued(byte_fleet, second)["messages"]
         assert [t["role"] for t in turns] == ["system", "user", "assistant", "tool"]
         assert turns[3]["content"] == f"18 C in {ran[0]}"
         assert turns[2]["tool_calls"][0]["id"] == turns[3]["tool_call_id"]
