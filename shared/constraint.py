@@ -54,6 +54,12 @@ class Constraint(BaseModel):
     grammar: str | None = Field(
         default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS,
         description="kind lark, gbnf or regex: the grammar text")
+    json_from: str | None = Field(
+        default=None, max_length=64,
+        description="kind lark, gbnf or regex: where the output's JSON starts, for llama.cpp's "
+                    "cap of 16 digits in a row of a number: '' at its first byte, a text: when "
+                    "the output opens with it (tool calls' marker); unset: the output is not "
+                    "JSON. The JSON kinds are JSON from their first byte")
 
     @model_validator(mode="before")
     @classmethod
@@ -79,7 +85,17 @@ class Constraint(BaseModel):
                 raise ValueError("kind 'json_object' takes neither 'json_schema' nor 'grammar'")
         elif self.grammar is None or self.json_schema is not None:
             raise ValueError(f"kind {self.kind.value!r} takes 'grammar' (and no 'json_schema')")
+        if self.json_from is not None and self.grammar is None:
+            raise ValueError(f"kind {self.kind.value!r} is JSON from its first byte: it takes "
+                             "no 'json_from'")
         return self
+
+    def json_opening(self) -> str | None:
+        """Where the output's JSON starts (``json_from``; the JSON kinds: at once), None
+        where it has none: the worker caps numbers' digits there (``numbers.py``)."""
+        if self.kind in (ConstraintKind.JSON_OBJECT, ConstraintKind.JSON_SCHEMA):
+            return ""
+        return self.json_from
 
     def llguidance_grammar(self) -> str:
         """This constraint as llguidance grammar text, the one both sides compile.

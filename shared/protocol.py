@@ -500,6 +500,9 @@ class Telemetry(_Strict):
         "mask_cut_drafts", "Drafted tokens cut before verification: the grammar forbids them")] = 0
     mask_seconds: Annotated[float, Summed(
         "mask_seconds", "Seconds computing grammar masks and checking drafts")] = 0.0
+    grammar_forced_closes: Annotated[int, Summed(
+        "grammar_forced_closes", "Constrained generations that max_tokens steered to a close "
+        "(a token the target picked replaced by the close's)")] = 0
     replay_events: Annotated[int, Summed(
         "replay_events", "Compact-rollback checkpoint restores followed by a replay")] = 0
     replay_tokens: Annotated[int, Summed("replay_tokens", "Tokens re-decoded by replays")] = 0

@@ -65,11 +65,16 @@ def response_usage(parsed: Parsed, finals: Sequence[FinalEvent]) -> dict[str, An
 
 def extension(final: FinalEvent) -> dict[str, Any]:
     """The ``specfleet`` fields of one job: the job, its worker, the seed it sampled with (the
-    same request with this ``seed`` gives the same tokens) and what speculation bought."""
-    return {"job_id": final.job_id, "worker": final.worker, "attempts": final.attempt,
-            "finish_reason": str(final.finish_reason) if final.finish_reason else None,
-            "seed": final.seed,
-            "telemetry": final.telemetry.model_dump(mode="json") if final.telemetry else None}
+    same request with this ``seed`` gives the same tokens) and what speculation bought; and
+    ``note``, when the worker said why a finished output is not what was asked (a
+    ``max_tokens`` under the shortest document the constraint allows)."""
+    fields = {"job_id": final.job_id, "worker": final.worker, "attempts": final.attempt,
+              "finish_reason": str(final.finish_reason) if final.finish_reason else None,
+              "seed": final.seed,
+              "telemetry": final.telemetry.model_dump(mode="json") if final.telemetry else None}
+    if final.error:
+        fields["note"] = final.error
+    return fields
 
 
 def extensions(finals: Sequence[FinalEvent]) -> dict[str, Any]:

@@ -217,16 +217,21 @@ class Tools:
             parameters = closed(tool.function.parameters or {"type": "object"})
             rules.append(f"fn_{i}: {_literal(tool.function.name + CALL_ARGUMENTS)} "
                          f"%json {json.dumps({**parameters, 'x-guidance': COMPACT})}")
+        # The output's JSON, for the cap on numbers' digits: calls are JSON in a frame with no
+        # digits outside strings, so all of it unless free text may stand in their place.
+        json_from = ""
         if self.tool_choice in (None, "auto"):
             if message is None:
                 start = "start: calls | TEXT"
                 rules.append(f"TEXT: /(.|\\n)*/ & ~/{_regex_literal(MARKER)}(.|\\n)*/")
+                json_from = MARKER
             else:
                 start = "start: calls | message"
                 rules.append(f"message: {_message_rule(message)}")
         else:
             start = "start: calls"
-        return constraint("tools", kind=ConstraintKind.LARK, grammar="\n".join([start, *rules]))
+        return constraint("tools", kind=ConstraintKind.LARK, grammar="\n".join([start, *rules]),
+                          json_from=json_from)
 
 
 def _literal(text: str) -> str:

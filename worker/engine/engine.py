@@ -196,7 +196,7 @@ class SpeculativeEngine:
                                 prompt_tokens=len(request.prompt_tokens))
         # Compiled against this vocabulary before anything is placed (the serving loop has
         # compiled it already, off this thread): a ConstraintError.
-        constraint = bind(request.constraint, self.model, counters)
+        constraint = bind(request.constraint, self.model, counters, request.max_tokens)
         follows = self.head.follows(method)
         placement = self.prefix.place(request.prompt_tokens, free, follows,
                                       request.prefix_cache)

@@ -259,7 +259,10 @@ class RandomSampler(_RequestSampler):
     def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
                draft: Draft, mask: SlotConstraint) -> tuple[int, int]:
         """Row i's target is the distribution of its logits masked after drafts 1..i: the
-        masked target, which a grammar-following draft (masked too) is tested against."""
+        masked target, which a grammar-following draft (masked too) is tested against. The
+        token a row draws rather than accepts is ``settle``'d (a draft is only ever one the
+        constraint would keep: its guide cut the rest), so the output is plain constrained
+        sampling's followed by the same settling."""
         tokens = draft.tokens
         penalised = self.penalised
         for i in range(len(tokens) + 1):
@@ -267,11 +270,11 @@ class RandomSampler(_RequestSampler):
             p = self.distribution(mask.masked(tokens[:i], ctx.logits(row0 + i)), seen)
             u = keyed_uniform(self.seed, pos0 + 1 + i, Stream.TARGET)
             if i == len(tokens):
-                return i, p.pick(u)
+                return i, mask.settle(tokens[:i], p.pick(u))
             q = draft.dists[i] if draft.dists is not None else Distribution.point(tokens[i])
             accepted, token = accept_or_resample(p, q, tokens[i], u)
             if not accepted:
-                return i, token
+                return i, mask.settle(tokens[:i], token)
         raise AssertionError("unreachable: the loop returns at the bonus row")
 
 

@@ -164,9 +164,10 @@ class Slot:
             if self.finish is not None:
                 break
         # A grammar with nothing more to say ends the generation; an end token right where
-        # it completed (a verify's row after the last draft) is that same ending.
-        if self.constraint.commit(outcome.n_accepted, committed) and self.finish in (
-                None, FinishReason.EOS):
+        # it completed (a verify's row after the last draft) is that same ending, and so is
+        # the budget or the context running out on the token that completed it: the output
+        # is whole (a steered close ends this way), which "length" would deny.
+        if self.constraint.commit(outcome.n_accepted, committed):
             self.finish = FinishReason.STOP
         if self.finish is not None:
             self.kv_at_finish = [*self.history, *outcome.accepted]

@@ -141,6 +141,9 @@ class JobRun:
         self._cancel = rt.cancels.begin(job_id)
         self._chunker = TokenChunker(writer, rt.settings.token_chunk,
                                      rt.settings.token_flush_seconds, logprobs=req.logprobs)
+        #: Why a constrained output cut by max_tokens may not parse (the budget is under the
+        #: shortest document its constraint allows): the final event's ``error``.
+        self._budget_note: str | None = None
 
     @classmethod
     def open(cls, rt: WorkerRuntime, job_id: str, request: Any) -> JobRun:
@@ -164,6 +167,11 @@ class JobRun:
         # The coordinator gave the request its seed before queueing; one that arrived
         # without (an old client writing the queue itself) gets one drawn by the engine.
         req = self.req
+        if grammar is not None:
+            self._budget_note = grammar.budget_note(req.max_tokens)
+            if self._budget_note:
+                self.log.warning("constraint.budget_short", max_tokens=req.max_tokens,
+                                 shortest=grammar.shortest, kind=grammar.kind)
         return SlotRequest(self.prompt, req.max_tokens, req.speculative,
                            sampling=req.sampling, stop=req.stop, logprobs=req.logprobs_k,
                            prefix_cache=req.prefix_cache, constraint=grammar,
@@ -205,7 +213,9 @@ class JobRun:
             status=JobStatus.CANCELLED if cancelled else JobStatus.FINISHED,
             finish_reason=result.finish_reason, tokens=result.tokens, text=result.text,
             telemetry=result.telemetry, worker=rt.worker_name, seed=result.seed,
-            logprobs=result.logprobs if self.req.logprobs else None)
+            logprobs=result.logprobs if self.req.logprobs else None,
+            error=self._budget_note if result.finish_reason in (
+                FinishReason.LENGTH, FinishReason.CONTEXT) else None)
         self.log.info("job.cancelled" if cancelled else "job.finished",
                       finish_reason=str(result.finish_reason), tokens=len(result.tokens),
                       effective_tps=round(result.telemetry.effective_tokens_per_second, 2))

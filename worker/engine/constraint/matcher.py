@@ -19,6 +19,15 @@ tokens. Every step asks it four things, in this order (docs/structured.md):
    target's rollback did (a trim, a snapshot or a checkpoint restore and replay); a grammar
    that can say no more ends the generation (``stop``).
 
+Two rules sit on top of the grammar's. Where the output is JSON, a number's digit runs are
+capped as llama.cpp caps them (:mod:`.numbers`: masks, greedy's check and the draft cut all
+apply it). And the slot's ``max_tokens`` is a budget the output must close within
+(:meth:`SlotConstraint.settle`, :mod:`.close`): near the end of the budget every token the
+target picks is kept only if a close of the grammar still fits after it, else it is replaced
+by the first token of the close from where the slot stands, so a document cut by the budget
+is a closed one. Drafts are cut where that check fails, so a draft never carries a token the
+close would replace.
+
 :data:`~worker.engine.core.constraint.UNCONSTRAINED` answers all of them with "no change",
 so the hot loop never asks whether a slot is constrained.
 """
@@ -38,21 +47,33 @@ from llguidance import LLMatcher
 
 from shared.constraint import Constraint, ConstraintError, check_constraint
 from shared.constraint_sandbox import WALL_FACTOR, WORKER_STACK_MIB, parser_limits
+from worker.engine.constraint.close import SEARCH_LIMIT, close_plan, closer
+from worker.engine.constraint.numbers import NumberCap, number_cap
 from worker.engine.constraint.tokenizer import GrammarVocab, grammar_vocab
 from worker.engine.core.constraint import UNCONSTRAINED, SlotConstraint
 from worker.engine.core.draft import Draft
 from worker.engine.core.telemetry import SpecCounters
 from worker.llm import Model
 
+#: A close not looked for yet (``GrammarConstraint._plans``; None: none fits).
+_NOT_YET: list[int] = []
+#: How near the end of its budget a slot's closes are watched (tokens left): the searches
+#: are paid for only there. Further away a single token would have to lengthen the shortest
+#: close by this much for the budget to be missed.
+HORIZON = 256
+
 
 class GrammarConstraint:
     """A slot's llguidance matcher, kept at the slot's committed tokens between steps.
 
-    Within a step the matcher may stand ``len(self._path)`` draft tokens further; masks are
-    kept per path until the next commit. Its counts go to the slot's ``counters``.
+    Within a step the matcher may stand ``len(self._path)`` draft tokens further; masks and
+    closes are kept per path until the next commit. ``cap``: the number cap of the output's
+    JSON (None: not JSON); ``budget``: the tokens the slot may generate (None: no close is
+    steered to). Its counts go to the slot's ``counters``.
     """
 
-    def __init__(self, matcher: LLMatcher, vocab: GrammarVocab, counters: SpecCounters) -> None:
+    def __init__(self, matcher: LLMatcher, vocab: GrammarVocab, counters: SpecCounters,
+                 cap: NumberCap | None = None, budget: int | None = None) -> None:
         self._matcher = matcher
         self._vocab = vocab
         self._counters = counters
@@ -63,12 +84,25 @@ class GrammarConstraint:
         self._eos = vocab.tokenizer.eos_token
         self._eog = np.asarray(vocab.eog, dtype=np.int64)
         self._forced = 0
+        self._cap = cap
+        #: The cap's state at the committed tokens, and after each token of ``_path``.
+        self._lex0 = cap.start if cap is not None else 0
+        self._lex: list[int] = []
+        #: Tokens the budget leaves at the committed tokens (None: nothing is steered).
+        self._left = budget
+        #: A close that fits the budget there, by path (None: none does).
+        self._plans: dict[tuple[int, ...], list[int] | None] = {}
+        #: Paths whose last token replaced the target's pick (a close steered to).
+        self._replaced: list[tuple[int, ...]] = []
+        self._closing = False
+        self._closer = closer(vocab)
 
     # -- the steps ---------------------------------------------------------------------------
     def guide(self, draft: Draft, room: int) -> tuple[Draft, int]:
         t0 = perf_counter()
         self._goto(())
         valid = self._matcher.validate_tokens(draft.tokens) if draft.tokens else 0
+        valid = min(valid, self._uncapped(draft.tokens[:valid]))
         self._counters.mask_cut_drafts += len(draft.tokens) - valid
         draft = draft.cut(valid)
         forced = self._matcher.compute_ff_tokens()[:room] if room > 0 else []
@@ -78,6 +112,11 @@ class GrammarConstraint:
         n = len(forced)
         if n and draft.tokens[:n] != forced:  # the proposer did not propose the forced run
             draft = Draft(forced)
+        fits = self._fits(draft.tokens)
+        if fits < len(draft.tokens):  # the budget's close would replace the token there
+            self._counters.mask_cut_drafts += len(draft.tokens) - fits
+            draft = draft.cut(fits)
+            n = min(n, fits)
         self._forced = n
         self._counters.mask_seconds += perf_counter() - t0
         return draft, n
@@ -97,18 +136,45 @@ class GrammarConstraint:
         if token in self._vocab.eog:
             allowed = bool(self._allowed_eos())
         else:
-            allowed = self._matcher.validate_tokens([token]) == 1
+            allowed = (self._matcher.validate_tokens([token]) == 1
+                       and not self._capped(token))
         if not allowed:
             ids = self._allowed()
             token = int(ids[np.argmax(logits[ids])])
+        self._counters.mask_seconds += perf_counter() - t0
+        return self.settle(path, token)
+
+    def settle(self, path: Sequence[int], token: int) -> int:
+        if token in self._vocab.eog or not self._watched(len(path) + 1):
+            return token
+        t0 = perf_counter()
+        if self._plan([*path, token]) is None:
+            plan = self._plan(path)
+            if plan is not None:  # else no close fits here either: nothing to steer to
+                token = plan[0] if plan else self._eos
+                self._replaced.append((*path, token))
         self._counters.mask_seconds += perf_counter() - t0
         return token
 
     def commit(self, n_accepted: int, committed: Sequence[int]) -> bool:
         t0 = perf_counter()
+        key = tuple(committed)
+        watched = self._watched(len(key))
+        plan = self._plan(key) if watched else None
+        if not self._closing and any(self._kept(key, p) for p in self._replaced):
+            self._closing = True
+            self._counters.grammar_forced_closes += 1
         self._goto(committed)  # rolls back the rejected drafts, consumes the bonus
         self._path = []
-        mask = self._masks.get(tuple(committed))
+        self._lex0 = self._lex_at()
+        self._lex = []
+        if self._left is not None:
+            # No close fits any more (a token before the horizon lengthened it past the
+            # budget, or the search finds none): nothing is left to steer to or search for.
+            self._left = self._left - len(committed) if plan is not None or not watched else None
+        self._plans = {(): plan} if watched else {}
+        self._replaced = []
+        mask = self._masks.get(key)
         self._masks = {} if mask is None else {(): mask}
         c = self._counters
         c.constrained_tokens += len(committed)
@@ -138,6 +204,95 @@ class GrammarConstraint:
         if rest:
             self._matcher.consume_tokens(rest)
             here.extend(rest)
+        if self._cap is not None:
+            del self._lex[common:]
+            state = self._lex_at()
+            for token in rest:
+                state, _ = self._cap.step(state, token)
+                self._lex.append(state)
+
+    def _lex_at(self) -> int:
+        """The number cap's state where the matcher stands."""
+        return self._lex[-1] if self._lex else self._lex0
+
+    def _capped(self, token: int) -> bool:
+        """``token`` would run a number past the cap from where the matcher stands."""
+        return self._cap is not None and self._cap.step(self._lex_at(), token)[1]
+
+    def _uncapped(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (drafts from the committed tokens) the cap lets through."""
+        if self._cap is None:
+            return len(tokens)
+        state = self._lex0
+        for i, token in enumerate(tokens):
+            state, over = self._cap.step(state, token)
+            if over:
+                return i
+        return len(tokens)
+
+    # -- the budget ----------------------------------------------------------------------------
+    def _kept(self, committed: tuple[int, ...], replaced: tuple[int, ...]) -> bool:
+        """The slot kept the token the close put at the end of ``replaced`` (an end token is
+        kept by ending right there: the slot commits what came before it)."""
+        if replaced[-1] in self._vocab.eog:
+            return committed == replaced[:-1]
+        return committed[:len(replaced)] == replaced
+
+    def _watched(self, depth: int) -> bool:
+        """Whether the budget's close is watched ``depth`` tokens past the committed ones."""
+        return self._left is not None and self._left - depth <= HORIZON
+
+    def _fits(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (drafts from the committed tokens) leave a close that fits
+        the budget after each of them."""
+        for i, token in enumerate(tokens):
+            if token in self._vocab.eog:  # an end the grammar allows ends it closed
+                break
+            if self._watched(i + 1) and self._plan(tokens[:i + 1]) is None:
+                return i
+        return len(tokens)
+
+    def _plan(self, path: Sequence[int]) -> list[int] | None:
+        """A close from after ``path`` within what the budget leaves there ([] where the
+        grammar may end; None: none found). Derived from the close before the path's last
+        token where that is watched (its tail, when the token is its first or spells its
+        first bytes; itself, when it still closes after the token), so a close once found is
+        followed to the end and a state's close depends only on the tokens that led there;
+        else searched for."""
+        key = tuple(path)
+        plan = self._plans.get(key, _NOT_YET)
+        if plan is not _NOT_YET:
+            return plan
+        assert self._left is not None  # asked only where the budget is watched
+        left = self._left - len(key)
+        before = self._plan(key[:-1]) if key and self._watched(len(key) - 1) else None
+        if before and before[0] == key[-1]:
+            plan = before[1:]
+        else:
+            rest = self._closer.after(before, key[-1]) if before else None
+            if rest is not None and self._closes(key, rest, left):
+                plan = rest
+            elif before is not None and self._closes(key, before, left):
+                plan = before
+            else:
+                self._goto(key)
+                plan = close_plan(self._matcher, self._vocab, left, self._cap, self._lex_at())
+        self._plans[key] = plan
+        return plan
+
+    def _closes(self, path: tuple[int, ...], plan: list[int], left: int) -> bool:
+        """``plan`` still closes the grammar after ``path``, within ``left`` tokens."""
+        if len(plan) > left:
+            return False
+        self._goto(path)
+        if not plan:
+            return self._matcher.is_accepting()
+        if self._matcher.validate_tokens(plan) < len(plan):
+            return False
+        self._matcher.consume_tokens(plan)
+        closes = self._matcher.is_accepting()
+        self._matcher.rollback(len(plan))
+        return closes
 
     def _allowed_eos(self) -> bool:
         return self._matcher.validate_tokens([self._eos]) == 1
@@ -151,6 +306,9 @@ class GrammarConstraint:
         ids = self._masks.get(key)
         if ids is None:
             ids = self._mask_ids()
+            if self._cap is not None and len(ids):
+                uncapped = ids[~self._cap.forbidden(self._lex_at())[ids]]
+                ids = uncapped if len(uncapped) else ids  # the cap yields to the grammar
             if not len(ids):
                 ids = self._eog if len(self._eog) else np.arange(self._vocab.n_vocab)
             self._masks[key] = ids
@@ -170,6 +328,27 @@ class CompiledGrammar:
     matcher: LLMatcher
     vocab: GrammarVocab
     kind: str
+    #: The number cap of the output's JSON (None: the output is not JSON).
+    cap: NumberCap | None = None
+    #: Tokens of the shortest document the close search finds from the start (None: none
+    #: within ``SEARCH_LIMIT``): a ``max_tokens`` under it cannot be closed within.
+    shortest: int | None = None
+
+    def closes_within(self, max_tokens: int | None) -> bool:
+        """Whether a budget of ``max_tokens`` can be steered to a closed document."""
+        return (max_tokens is not None and self.shortest is not None
+                and self.shortest <= max_tokens)
+
+    def budget_note(self, max_tokens: int) -> str | None:
+        """What a result cut by ``max_tokens`` says when the budget could never hold a
+        closed document (None: it could, so the close was steered to)."""
+        if self.closes_within(max_tokens):
+            return None
+        shortest = (f"the {self.shortest} tokens of the shortest document it allows"
+                    if self.shortest is not None else
+                    f"any document it allows (none within {SEARCH_LIMIT} tokens)")
+        return (f"{self.kind} constraint: max_tokens {max_tokens} is under {shortest}, so "
+                "the output was cut where the budget ended and may not parse")
 
 
 def compile_grammar(constraint: Constraint, model: Model) -> CompiledGrammar:
@@ -191,7 +370,10 @@ def compile_grammar(constraint: Constraint, model: Model) -> CompiledGrammar:
     if not len(_mask_ids(matcher, vocab)) or matcher.is_error():
         raise ConstraintError(f"{kind} constraint: this model's vocabulary cannot spell any "
                               f"start it allows ({_reason(matcher.get_error())})")
-    return CompiledGrammar(matcher, vocab, kind)
+    opening = constraint.json_opening()
+    cap = number_cap(vocab, opening.encode()) if opening is not None else None
+    plan = close_plan(matcher, vocab, SEARCH_LIMIT, cap, cap.start if cap else 0)
+    return CompiledGrammar(matcher, vocab, kind, cap, len(plan) if plan is not None else None)
 
 
 class GrammarCompile:
@@ -243,7 +425,11 @@ def compile_off_thread(constraint: Constraint, model: Model) -> GrammarCompile:
         if not compile_.future.set_running_or_notify_cancel():
             return
         try:
-            grammar_vocab(model)
+            # Once per model, not the grammar's time: the vocabulary and what every grammar
+            # reads from it (the number cap's digit table, the close's one-byte tokens).
+            vocab = grammar_vocab(model)
+            number_cap(vocab, b"")
+            closer(vocab)
             compile_.begin()
             compile_.future.set_result(compile_grammar(constraint, model))
         except BaseException as exc:  # noqa: BLE001  the waiting job reports it
@@ -262,16 +448,19 @@ _STACK_LOCK = threading.Lock()
 
 
 def bind(compiled: CompiledGrammar | Constraint | None, model: Model,
-         counters: SpecCounters) -> SlotConstraint:
+         counters: SpecCounters, max_tokens: int | None = None) -> SlotConstraint:
     """A slot's constraint: :data:`UNCONSTRAINED` for None; a compiled grammar's matcher
     counting into the slot's ``counters`` (a :class:`Constraint` not compiled yet, as
     ``engine.generate`` passes one, is compiled here, off this thread's stack, and waited
-    for)."""
+    for), steered to a close within ``max_tokens`` where the budget can hold one (the
+    engine's one hook: it passes the request's budget at admission; the constraint counts
+    what it commits)."""
     if compiled is None:
         return UNCONSTRAINED
     if isinstance(compiled, Constraint):
         compiled = compile_off_thread(compiled, model).future.result()
-    return GrammarConstraint(compiled.matcher, compiled.vocab, counters)
+    budget = max_tokens if compiled.closes_within(max_tokens) else None
+    return GrammarConstraint(compiled.matcher, compiled.vocab, counters, compiled.cap, budget)
 
 
 def _mask_ids(matcher: LLMatcher, vocab: GrammarVocab) -> np.ndarray:

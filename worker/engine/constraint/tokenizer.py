@@ -26,15 +26,18 @@ CONTROL_PREFIX = b"\xff"
 MEMO_ENTRIES = 4096
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GrammarVocab:
     """A model's vocabulary for llguidance: its tokenizer, the model's vocabulary size (the
-    logits' width; llguidance may add a virtual end token past it) and the ids that end a
-    generation, which a mask allows wherever the grammar lets it end."""
+    logits' width; llguidance may add a virtual end token past it), the ids that end a
+    generation, which a mask allows wherever the grammar lets it end, and every token's
+    piece as llguidance reads it (the number cap and the close search read the bytes).
+    Compared by identity: one per loaded model, and the key of what is cached for it."""
 
     tokenizer: LLTokenizer
     n_vocab: int
     eog: tuple[int, ...]
+    pieces: tuple[bytes, ...]
 
 
 class _Pieces:
@@ -109,5 +112,6 @@ def grammar_vocab(model: Model) -> GrammarVocab:
         if vocab is None:
             pieces = _Pieces(model)
             tokenizer = LLTokenizer(TokenizerWrapper(pieces))
-            vocab = _CACHE[model] = GrammarVocab(tokenizer, model.n_vocab, pieces.eog)
+            vocab = _CACHE[model] = GrammarVocab(tokenizer, model.n_vocab, pieces.eog,
+                                                    tuple(pieces.tokens))
         return vocab

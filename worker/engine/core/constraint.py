@@ -30,7 +30,14 @@ class SlotConstraint(Protocol):
 
     def choose(self, path: Sequence[int], logits: np.ndarray, token: int) -> int:
         """Greedy's token after ``path``: ``token`` (the raw argmax) when allowed, else the
-        argmax among the allowed ids."""
+        argmax among the allowed ids; then :meth:`settle`'d."""
+        ...
+
+    def settle(self, path: Sequence[int], token: int) -> int:
+        """The token a row keeps after ``path`` when the sampler picked ``token`` (an allowed
+        one): itself, unless the output could no longer close within ``max_tokens`` after
+        it; then the first token of the close from here (docs/structured.md, "Closing
+        within max_tokens": the one place the constraint changes more than the mask)."""
         ...
 
     def commit(self, n_accepted: int, committed: Sequence[int]) -> bool:
@@ -49,6 +56,9 @@ class Unconstrained:
         return logits
 
     def choose(self, path: Sequence[int], logits: np.ndarray, token: int) -> int:
+        return token
+
+    def settle(self, path: Sequence[int], token: int) -> int:
         return token
 
     def commit(self, n_accepted: int, committed: Sequence[int]) -> bool:

@@ -102,12 +102,14 @@ class SpecCounters:
     #: This generation's share of its steps' host time (step wall minus target decode).
     host_seconds: float = count()
     #: Under a constraint (``worker/engine/constraint/``): tokens committed, forced tokens
-    #: (jump-forward drafts) accepted, drafted tokens cut because the grammar forbids them,
-    #: and seconds spent on masks, draft checks and the matcher's bookkeeping.
+    #: (jump-forward drafts) accepted, drafted tokens cut because the constraint forbids them,
+    #: seconds spent on masks, draft checks and the matcher's bookkeeping, and whether the
+    #: budget steered the output to its close (1 a generation).
     constrained_tokens: int = count()
     forced_tokens: int = count()
     mask_cut_drafts: int = count()
     mask_seconds: float = count()
+    grammar_forced_closes: int = count()
     rollback: RollbackStats = field(default_factory=RollbackStats,
                                     metadata={_MERGE: operator.add})
 
