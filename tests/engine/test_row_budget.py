@@ -4,9 +4,13 @@ decode's fixed cost."""
 
 from __future__ import annotations
 
+from shared.protocol import SpecMethod
+from worker.engine.core.draft import Draft
 from worker.engine.core.telemetry import SpecCounters
 from worker.engine.drafting.budget import FIRST_GUESS, plan_widths, reach
-from worker.engine.drafting.width import PLAIN_MARGIN
+from worker.engine.drafting.curve import CostCurve
+from worker.engine.drafting.planner import DraftPlanner, Proposed
+from worker.engine.drafting.width import PLAIN_MARGIN, BudgetedWidth
 
 
 def linear(fixed: float, per_row: float, rows: int) -> list[float]:
@@ -55,3 +59,38 @@ def test_reach_moves_from_the_prior_to_the_slot_record() -> None:
     for _ in range(20):
         earlier.record_verify(1, 1)
     assert reach(fresh, 1, earlier) == [1.0]
+
+
+def _planner(curve: CostCurve, slots: int) -> DraftPlanner:
+    return DraftPlanner(curve, slots, draft_max=8, replays=False, budget=True, shape=False)
+
+
+def _step(planner: DraftPlanner, policies: list[BudgetedWidth], chance: float) -> list[int]:
+    """One step: each slot asks its policy's width and drafts that many tokens at ``chance``;
+    returns the widths asked."""
+    asked = [planner.width(p, room=8) for p in policies]
+    counters = SpecCounters()
+    planner.plan([Proposed(Draft([7] * w, confidences=[chance] * w), 0, counters,
+                           SpecMethod.SUFFIX, p) for w, p in zip(asked, policies, strict=True)])
+    return asked
+
+
+def test_a_slot_whose_drafts_the_budget_keeps_cutting_stops_asking_its_drafter_for_a_while(
+) -> None:
+    """Eight slots where a draft row costs what a plain one does (a CPU at eight slots): the
+    budget grants nothing, so each slot's drafter is asked after 1, 2, 4, 8, 8 ... skipped
+    steps instead of at every step; a draft the budget takes (rows nearly free) restores
+    asking at every step."""
+    dear = _planner(CostCurve({1: 1.0, 8: 8.0, 64: 64.0}), 8)
+    policies = [dear.policy(8, adaptive=False) for _ in range(8)]
+    asked = [_step(dear, policies, 0.9)[0] for _ in range(40)]
+    assert [i for i, w in enumerate(asked) if w] == [0, 2, 5, 10, 19, 28, 37]
+    cheap = _planner(CostCurve({1: 1.0, 8: 1.05, 64: 1.5}), 8)
+    policies = [cheap.policy(8, adaptive=False) for _ in range(8)]
+    assert [_step(cheap, policies, 0.9)[0] for _ in range(10)] == [8] * 10
+    # A slot that had backed off asks at once again after its first granted draft.
+    skipped = dear.policy(8, adaptive=False)
+    skipped.granted(asked=8, width=0)
+    assert skipped.width() == 0 and skipped.width() == 8
+    skipped.granted(asked=8, width=3)
+    assert skipped.width() == 8

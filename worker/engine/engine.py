@@ -309,7 +309,7 @@ class SpeculativeEngine:
                    for s in self.active if s.cancelled]
         decoding = [s for s in self.active if s.phase is Phase.DECODE]
         chunks = self._chunks([s for s in self.active if s.phase is Phase.PREFILL])
-        drafts = self.planner.plan([Proposed(d, s.forced, s.counters, s.method)
+        drafts = self.planner.plan([Proposed(d, s.forced, s.counters, s.method, s.policy)
                                     for s, d in zip(decoding, self._draft(decoding),
                                                     strict=True)])
         jobs = [VerifyJob(s.seq, s.history[-1], d, len(s.history) - 1, s.sampler, s.proposer,

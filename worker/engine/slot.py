@@ -27,7 +27,7 @@ from worker.engine.core.constraint import UNCONSTRAINED, SlotConstraint
 from worker.engine.core.draft import VerifyOutcome
 from worker.engine.core.sampler import Sampler
 from worker.engine.core.telemetry import SpecCounters
-from worker.engine.drafting.width import DraftLengthPolicy
+from worker.engine.drafting.width import BudgetedWidth
 from worker.engine.logprobs import LogprobReporter
 from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.head import Staged
@@ -100,7 +100,7 @@ class Slot:
     staged: Staged
     #: The request drafts with the engine's draft head, which follows its sequence.
     follows_head: bool
-    policy: DraftLengthPolicy
+    policy: BudgetedWidth
     sampler: Sampler
     logprobs: LogprobReporter
     stream: TextStream

@@ -33,19 +33,20 @@ from worker.engine.drafting.budget import draft_chances, plan_widths
 from worker.engine.drafting.costs import RowCosts
 from worker.engine.drafting.curve import CostCurve
 from worker.engine.drafting.shape import best_lengths
-from worker.engine.drafting.width import DraftLengthPolicy, make_policy
+from worker.engine.drafting.width import BudgetedWidth, DraftLengthPolicy, make_policy
 
 
 @dataclass(frozen=True)
 class Proposed:
     """One decoding slot's draft as the step plans it: the draft, the grammar's forced run at
-    its head (kept whatever the budget says), the slot's counters and its method (whose
-    finished requests are its prior)."""
+    its head (kept whatever the budget says), the slot's counters, its method (whose
+    finished requests are its prior) and its width policy (told what the budget granted)."""
 
     draft: Draft
     forced: int
     counters: SpecCounters
     method: SpecMethod
+    policy: BudgetedWidth
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,9 @@ class DraftPlanner:
         #: Finished requests' counters per method: the row budget's prior for the next ones.
         self._prior: dict[SpecMethod, SpecCounters] = {}
 
-    def policy(self, draft_max: int, adaptive: bool) -> DraftLengthPolicy:
+    def policy(self, draft_max: int, adaptive: bool) -> BudgetedWidth:
         """A new request's width policy (``draft_max`` 0: it never drafts)."""
-        return make_policy(draft_max, adaptive, self.shape)
+        return BudgetedWidth(make_policy(draft_max, adaptive, self.shape))
 
     def width(self, policy: DraftLengthPolicy, room: int) -> int:
         """How far to ask the proposer: the policy's ceiling within ``room``, on the shape."""
@@ -125,6 +126,8 @@ class DraftPlanner:
             chances = [draft_chances(p.draft, p.counters, self._prior.get(p.method))
                        for p in proposed]
             widths = plan_widths(chances, self.steps.seconds, self.bar.level)
+            for p, w in zip(proposed, widths, strict=True):
+                p.policy.granted(len(p.draft.tokens) - p.forced, max(w - p.forced, 0))
         return [p.draft.cut(max(w, p.forced)) if p.draft.dists is None else p.draft
                 for p, w in zip(proposed, widths, strict=True)]
 

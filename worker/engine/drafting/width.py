@@ -79,6 +79,47 @@ class AdaptiveWidth:
             self._streak = 0
 
 
+#: A slot whose drafts the row budget cut to nothing this many steps in a row skips its
+#: drafter for as many steps (doubling, up to :data:`MAX_SKIP`), then asks it again.
+MAX_SKIP = 8
+
+
+class BudgetedWidth:
+    """A slot's width policy as the row budget lets it draft: while several slots share the
+    steps and the budget keeps cutting this slot's drafts to nothing, its drafter is not
+    asked at all for a while (width 0), then asked again.
+
+    Where extra rows cost what plain ones do (Gemma 270M on a 2-core CPU at eight slots:
+    8 rows 65 ms, 16 rows 123 ms), the budget grants almost no draft, and every slot's
+    drafter still looked its history up and walked a draft each step: 1,435 of 1,466 suffix
+    drafts cut, 120-150 us of host time each, three times plain decoding's host time a
+    token. Where the budget grants drafts (a GPU, a copy), nothing is skipped."""
+
+    def __init__(self, policy: DraftLengthPolicy) -> None:
+        self.policy = policy
+        self._cut = 0    # drafts cut to nothing in a row
+        self._skip = 0   # steps left without asking the drafter
+
+    def width(self) -> int:
+        if self._skip:
+            self._skip -= 1
+            return 0
+        return self.policy.width()
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.policy.update(drafted, accepted)
+
+    def granted(self, asked: int, width: int) -> None:
+        """The budget cut this slot's ``asked``-token draft to ``width`` tokens."""
+        if not asked:
+            return
+        if width:
+            self._cut = 0
+            return
+        self._cut = min(self._cut + 1, MAX_SKIP.bit_length())
+        self._skip = min(1 << (self._cut - 1), MAX_SKIP)
+
+
 def make_policy(draft_max: int, adaptive: bool, shape: list[int]) -> DraftLengthPolicy:
     """The width policy for one generation (``draft_max`` 0 = plain decoding)."""
     if adaptive and draft_max > 0:

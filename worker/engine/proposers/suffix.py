@@ -163,6 +163,11 @@ class SuffixProposer:
         stops a walk at the first token whose calibrated confidence is below it."""
         if len(self._local) < len(history):  # normally kept in step by observe
             self._local.extend(history[len(self._local):])
+        if width <= 0:  # nothing may be drafted this step: no lookups
+            self.shaped = False
+            self._chosen = Candidate(OWN)
+            self.stamp()
+            return Draft([])
         costs = self._shared.costs
         seconds = costs.seconds
         best, best_rate = Candidate(OWN), 0.0
