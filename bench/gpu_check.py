@@ -33,6 +33,13 @@ failure and exits non-zero if any check failed.
 - ``device-verify``: the same bench at K = 1 and 8 with greedy verify rows reduced on the
   device and with every row read by Python: tokens per second, the host's share of a step,
   logits rows read a token (none with it on; docs/engine.md, "Verify on the device").
+- ``device-group``: one model over the first two GPUs (docs/fitter.md, "Device groups"), the
+  checks of tests/multidevice: each device's fitted figure within 2% of what llama.cpp
+  allocated there (the tiny dense model, and the hybrid with MTP and compact rollback), the
+  greedy output of one GPU over the group in either order, with ``--split-mode none`` and
+  ``row``, the reversed order moving the first layers, and a budget one device cannot meet
+  refused naming it. Skipped, saying so, with one GPU; a CPU run does the same over the host
+  and two RPC device processes (no row split there), so the check itself is tested here.
 
 ``--model tiny`` runs the model checks (fit, pinning, service) on the project's tiny dense
 model instead of Gemma, for a host that cannot fetch Gemma (skip ``slots`` there).
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -57,6 +65,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,9 +76,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from coordinator.client import Coordinator  # noqa: E402
 from coordinator.processes import stop_processes  # noqa: E402
 from coordinator.redis_local import local_redis  # noqa: E402
+from coordinator.rpc_local import local_rpc_devices  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
-from shared.protocol import JobStatus  # noqa: E402
+from shared.protocol import JobStatus, SpecMethod  # noqa: E402
 from shared.settings import Settings  # noqa: E402
+from worker.engine.engine import SpeculativeEngine  # noqa: E402
+from worker.fitter import fit_worker, reserve_checkpoints  # noqa: E402
+from worker.fitter.buffers import parse_buffers  # noqa: E402
+from worker.fitter.devices import device_map  # noqa: E402
+from worker.launch import EngineCapacity, parse_device_group  # noqa: E402
+from worker.llm import capture_llama_log  # noqa: E402
+from worker.llm.placement import placed  # noqa: E402
 from worker.testmodels import build_tiny_models  # noqa: E402
 from worker.testmodels.gemma import gemma_q4_path  # noqa: E402
 
@@ -103,6 +120,8 @@ class Context:
     model: Path
     hybrid: Path
     gpus: list[dict[str, Any]]
+    #: The tiny dense model (the device-group check's; ``model`` may be Gemma).
+    dense: Path
 
     def devices(self) -> list[str]:
         if self.args.device == "cpu":
@@ -411,12 +430,174 @@ def check_device_verify(ctx: Context, check: Check) -> None:
                       "the default drafter read no logits row with device verify on")
 
 
+#: The device-group runs: each tiny model with its drafter, the hybrid with compact rollback
+#: (D = 1 < N = 3), so its device checkpoints live on the device of its recurrent layers.
+GROUP_RUNS = {"dense": EngineCapacity(method=SpecMethod.NGRAM, draft_max=4),
+              "hybrid": EngineCapacity(method=SpecMethod.MTP, draft_max=3, rollback_depth=1)}
+#: How far a device's fitted figure may sit from what llama.cpp allocated on it.
+GROUP_TOLERANCE = 0.02
+#: Each device's budget for the group fits (MiB): small, so the fits are the same anywhere.
+GROUP_BUDGET_MIB = 64
+#: llama.cpp's buffer kinds, as logged when it really allocates one.
+ALLOCATED = ("model", "kv_buffer", "recurrent", "output", "compute", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Group:
+    """The devices a group check spans: ``--device``/``--rpc`` for it and for the same
+    reversed, the one device its output is compared with, and the fitted devices in the
+    model's order (the host first where it is one)."""
+
+    args: tuple[str, ...]
+    reversed_args: tuple[str, ...]
+    alone: tuple[str, ...]
+    members: tuple[str, ...]
+
+    @property
+    def offload(self) -> tuple[str, ...]:
+        """The members that take layers."""
+        return tuple(m for m in self.members if m != "cpu")
+
+    def flag(self, name: str) -> str | None:
+        return self.args[self.args.index(name) + 1] if name in self.args else None
+
+
+def _run_args(capacity: EngineCapacity) -> tuple[str, ...]:
+    """``capacity`` as the CLI takes it."""
+    depth = capacity.rollback_depth
+    return ("--spec", str(capacity.method), "--draft-max", str(capacity.draft_max),
+            *(("--rollback-depth", str(depth)) if depth is not None else ()))
+
+
+def _engine_against_fit(model: str, device: str, rpc: str | None, capacity: EngineCapacity,
+                        threads: int) -> dict[str, dict[str, float]]:
+    """Fit ``model`` on the group, build the engine from the fit under the same placement
+    and reserve its checkpoints; per device what the fit said (as at load: the output growth
+    and the engine's host caches left out) and what llama.cpp logged allocating there.
+
+    Runs in a child process: its connections to RPC devices end with it (a device serves
+    one client at a time), and its GPU contexts with them."""
+    configure_logging(level="warning")
+    group = parse_device_group(device, rpc)
+    with placed(group) as placement:
+        fit = fit_worker(model, device=group, budget_mib=GROUP_BUDGET_MIB, fit_target_mib=0,
+                         capacity=capacity, ctx_min=256, n_threads=threads)
+        with capture_llama_log() as lines:
+            engine = SpeculativeEngine(fit.config)
+            report = reserve_checkpoints(engine, fit)
+        engine.close()
+        where = device_map(group, placement)
+    found = parse_buffers(lines)
+    figures = {}
+    for d in report.devices:
+        c = d.components
+        growth = report.details["runtime_growth_bytes"] if d.device == where.host else 0
+        fitted = sum(c.values()) - c["prefix_checkpoints"] - c["lookup_cache"] - growth
+        allocated = sum(found.by_device(kind, where)[d.device] for kind in ALLOCATED)
+        figures[d.device] = {"n_ctx": report.n_ctx, "fitted_mib": round(fitted / MIB, 3),
+                             "allocated_mib": round(allocated / MIB, 3),
+                             "deviation": round(fitted / allocated - 1, 4) if allocated else 0}
+    return figures
+
+
+def _group_generate(ctx: Context, model: Path, capacity: EngineCapacity,
+                    *group: str) -> list[int] | str:
+    """Greedy tokens of ``specfleet generate`` on ``group`` (its error when it failed)."""
+    done = _specfleet("generate", "--model", str(model), "--prompt-tokens",
+                      "5,17,42,99,3,250,8,61", "--max-tokens", "32", "--ctx", "256",
+                      "--threads", str(ctx.args.threads), "--json", *_run_args(capacity),
+                      *group)
+    return json.loads(done.stdout)["tokens"] if done.returncode == 0 else done.stderr[-300:]
+
+
+def _group_fit(ctx: Context, check: Check, *args: str) -> dict[str, Any] | None:
+    """``specfleet fit --json`` of the hybrid on a group (None when it failed: noted)."""
+    done = _specfleet("fit", "--model", str(ctx.hybrid), *_run_args(GROUP_RUNS["hybrid"]),
+                      "--fit-target-mib", "0", "--ctx-min", "256", "--threads",
+                      str(ctx.args.threads), "--json", *args)
+    check.require(done.returncode == 0, f"specfleet fit {' '.join(args)}"
+                  + ("" if done.returncode == 0 else f": {done.stderr.strip()[-300:]}"))
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def _run_group(ctx: Context, check: Check, group: Group) -> None:
+    """tests/multidevice's checks on ``group``: each device's fit within 2% of llama.cpp's
+    allocation; the greedy output of one device over the group, in either order, with
+    ``--split-mode none`` and, over GPUs, by rows; reversing the order reverses the split;
+    a budget one device cannot meet is refused naming it."""
+    models = {"dense": ctx.dense, "hybrid": ctx.hybrid}
+    spawn = multiprocessing.get_context("spawn")
+    for name, capacity in GROUP_RUNS.items():
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            figures = pool.submit(_engine_against_fit, str(models[name]),
+                                  group.flag("--device") or "cpu", group.flag("--rpc"),
+                                  capacity, ctx.args.threads).result(timeout=900)
+        check.figures[f"{name}_fit_vs_allocated"] = figures
+        for member, f in figures.items():
+            check.require(abs(f["deviation"]) <= GROUP_TOLERANCE,
+                          f"{name}: {member} fitted {f['fitted_mib']} MiB, llama.cpp allocated "
+                          f"{f['allocated_mib']} MiB (within {GROUP_TOLERANCE:.0%})")
+        alone = _group_generate(ctx, models[name], capacity, *group.alone)
+        variants = {"group": group.args, "reversed": group.reversed_args,
+                    "split-mode none": (*group.args, "--split-mode", "none")}
+        if ctx.args.device == "cuda":
+            variants["split-mode row"] = (*group.args, "--split-mode", "row")
+        for label, args in variants.items():
+            tokens = _group_generate(ctx, models[name], capacity, *args)
+            check.require(isinstance(alone, list) and tokens == alone,
+                          f"{name}, {label}: the greedy output of {' '.join(group.alone) or 'cpu'}"
+                          + ("" if isinstance(tokens, list) else f" ({tokens})"))
+    budget = ("--budget-mib", str(GROUP_BUDGET_MIB))
+    first, last = group.offload[0], group.offload[-1]
+    forward = _group_fit(ctx, check, *group.args, *budget)
+    backward = _group_fit(ctx, check, *group.reversed_args, *budget)
+    if forward and backward:
+        check.figures["device_layers"] = {"forward": forward["details"]["device_layers"],
+                                          "reversed": backward["details"]["device_layers"]}
+        held = [{d["device"]: d["components"]["recurrent"] for d in r["devices"]}
+                for r in (forward, backward)]
+        check.require(held[0][first] > 0 == held[0][last] and held[1][last] > 0 == held[1][first],
+                      f"reversing the order moves the first layers (the recurrent ones) from "
+                      f"{first} to {last}")
+    none = _group_fit(ctx, check, *group.args, *budget, "--split-mode", "none")
+    if none:
+        layers = none["details"]["device_layers"]
+        check.require(layers[first] > 0 and not any(layers[d] for d in group.offload[1:]),
+                      f"--split-mode none: every layer on {first}")
+    starved = ",".join([str(GROUP_BUDGET_MIB)] * (len(group.members) - 1) + ["0.3"])
+    done = _specfleet("fit", "--model", str(ctx.hybrid), *_run_args(GROUP_RUNS["hybrid"]),
+                      "--fit-target-mib", "0", *group.args, "--budget-mib", starved)
+    check.figures["refused"] = done.stderr.strip()[-400:]
+    check.require(done.returncode == 2 and f"do not fit on {last}" in done.stderr,
+                  f"a budget {last} cannot meet is refused naming it")
+
+
+def check_device_group(ctx: Context, check: Check) -> None:
+    """One model over several devices (docs/fitter.md, "Device groups"): two GPUs where the
+    machine has them; on a CPU run the host and two RPC device processes, so the check's own
+    plumbing runs wherever the script is tested."""
+    if ctx.args.device == "cuda":
+        if len(ctx.gpus) < 2:
+            check.status = "skipped"
+            check.notes.append(f"needs two or more GPUs, NVML sees {len(ctx.gpus)}: the same "
+                               "checks run over RPC devices in a CPU run and in "
+                               "tests/multidevice")
+            return
+        a, b = (f"cuda:{g['index']}" for g in ctx.gpus[:2])
+        _run_group(ctx, check, Group(("--device", f"{a},{b}"), ("--device", f"{b},{a}"),
+                                     ("--device", a), (a, b)))
+        return
+    with local_rpc_devices(2, ctx.work, ctx.args.threads) as (a, b):
+        _run_group(ctx, check, Group(("--rpc", f"{a},{b}"), ("--rpc", f"{b},{a}"), (),
+                                     ("cpu", f"RPC0[{a}]", f"RPC0[{b}]")))
+
+
 CHECKS: dict[str, Callable[[Context, Check], None]] = {
     "environment": check_environment, "fit-vs-nvml": check_fit_vs_nvml,
     "pinning": check_pinning, "device-checkpoint": check_device_checkpoint,
     "sampling": check_sampling, "greedy": check_greedy, "deterministic": check_deterministic,
     "service": check_service, "decode-timing": check_decode_timing, "slots": check_slots,
-    "device-verify": check_device_verify,
+    "device-verify": check_device_verify, "device-group": check_device_group,
 }
 
 
@@ -458,7 +639,7 @@ def main() -> int:
         tiny = build_tiny_models(work)
         model = {"gemma": gemma_q4_path, "tiny": lambda: tiny.dense}.get(
             args.model, lambda: Path(args.model))()
-        ctx = Context(args, work, url, model, tiny.hybrid, gpus)
+        ctx = Context(args, work, url, model, tiny.hybrid, gpus, tiny.dense)
         for name, run in CHECKS.items():
             check = Check(name)
             checks.append(check)

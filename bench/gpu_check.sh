@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: build specfleet with CUDA in its own virtual env, then verify what only a machine
 # with an NVIDIA GPU can (bench/gpu_check.py: fitter vs NVML, device pinning, the device
-# checkpoint path, the service end to end, the multi-slot bench) and write a markdown report.
+# checkpoint path, the service end to end, the multi-slot bench, and with two or more GPUs one
+# model over a device group: per-device fit against allocation, split order, split-mode none
+# and row; skipped, saying so, on one GPU) and write a markdown report.
 #
 #   bench/gpu_check.sh [REPORT.md]        (default: bench/gpu-check-<UTC time>.md)
 #

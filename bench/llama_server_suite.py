@@ -18,9 +18,11 @@ to ``/v1`` (llama-server also serves OpenAI's API without the prefix), a missing
 names the tests send are model aliases of the served one.
 
 Classes: ``protocol`` (an incompatibility of ours: must be 0), ``unsupported`` (an OpenAI
-feature refused by name: tools, structured outputs), ``llama-server-only`` (its own endpoints
-and fields: ``/completion``, ``/tokenize``, ``/slots``, ``n_probs``, ``timings``, ...),
-``model-text`` (the tests' expected text and token counts of llama.cpp's 260K stories model).
+feature refused by name: image input), ``llama-server-only`` (its own endpoints and fields:
+``/completion``, ``/slots``, ``n_probs``, ``timings``, its embedding inputs, ...),
+``model-text`` (the tests' expected text, token ids and counts of llama.cpp's 260K stories
+model). The worker serves ``/v1/embeddings`` (``--embeddings``), so the embedding and
+tokenize modules run too.
 """
 
 from __future__ import annotations
@@ -46,10 +48,13 @@ SPECFLEET = str(ROOT / ".venv" / "bin" / "specfleet")
 MODEL_NAME = "tinyllama-2"
 #: The suite's OpenAI-shaped test modules.
 FILES = ("test_chat_completion.py", "test_completion.py", "test_compat_oai_responses.py",
-         "test_basic.py", "test_security.py", "test_stream.py")
+         "test_basic.py", "test_security.py", "test_stream.py", "test_embedding.py",
+         "test_tokenize.py")
+#: The worker's embedding context (``--embeddings``): the suite's longest input is ~260 tokens.
+EMBEDDING_TOKENS = 512
 
 #: llama-server's own endpoints (a request to one, printed by the harness) ...
-LLAMA_ENDPOINTS = re.compile(r"^suite-request \w+ /(completion|tokenize|detokenize|props|"
+LLAMA_ENDPOINTS = re.compile(r"^suite-request \w+ /(completion|props|"
                              r"slots|infill|apply-template|embedding|rerank|v1/stream|"
                              r"chat/completions/input_tokens)\b", re.M)
 #: ... and its own fields, sent (and refused by us as unknown) or read from an answer.
@@ -101,6 +106,34 @@ KNOWN: dict[str, tuple[str, str]] = {
         "llama-server-only", "its build number as system_fingerprint ('b...')"),
     "test_completion_with_openai_library": (
         "llama-server-only", "its build number as system_fingerprint ('b...')"),
+    "test_completion_with_response_format[response_format0": (
+        "llama-server-only", "its response_format json_object with a 'schema' (OpenAI's is "
+        "json_schema)"),
+    "test_completion_with_response_format[response_format1": (
+        "llama-server-only", "its response_format json_object with a 'schema' (OpenAI's is "
+        "json_schema)"),
+    "test_completion_with_response_format[response_format3": (
+        "model-text", "json_object on the tiny test vocabulary, which spells no '{'"),
+    "test_embedding_mixed_input[-False]": (
+        "llama-server-only", "it embeds an empty string; OpenAI refuses one"),
+    "test_embedding_mixed_input[input3": (
+        "llama-server-only", "text and token ids mixed in one input"),
+    "test_embedding_mixed_input[input5": (
+        "llama-server-only", "text and token-id inputs mixed in one list (OpenAI: one kind)"),
+    "test_embedding_mixed_input[input7": (
+        "llama-server-only", "text and token ids mixed in one input"),
+    "test_embedding_mixed_input[input8": (
+        "llama-server-only", "its multimodal prompt objects as inputs"),
+    "test_embedding_mixed_input[input9": (
+        "llama-server-only", "its multimodal prompt objects as inputs"),
+    "test_embedding_mixed_input[input10": (
+        "llama-server-only", "its multimodal prompt objects as inputs"),
+    "test_embedding_content_text_same_as_string": (
+        "llama-server-only", "its multimodal prompt objects as inputs"),
+    "test_embedding_pooling_none": (
+        "llama-server-only", "its --pooling none: a vector per token, or a 400 on /v1"),
+    "test_tokenize_with_bos": (
+        "model-text", "the stories model's BOS (id 1); the tiny model adds none"),
 }
 #: Our refusals of OpenAI features named in the issue as not supported yet.
 UNSUPPORTED = re.compile(r"tool and function calling|structured outputs|only text output")
@@ -190,7 +223,8 @@ def _start(args: argparse.Namespace, logs: Path, env: dict[str, str],
         model = write_dense_llama(logs / "tiny-chat.gguf", chat=True)
     worker = subprocess.Popen([SPECFLEET, "worker", "--model", str(model), "--model-name",
                                MODEL_NAME, "--name", "suite", "--threads", "1", "--ctx",
-                               str(args.ctx), "--slots", "2"], env=env,
+                               str(args.ctx), "--slots", "2", "--embeddings",
+                               str(EMBEDDING_TOKENS)], env=env,
                               stdout=(logs / "worker.log").open("wb"), stderr=subprocess.STDOUT)
     alias_args = [a for name in _aliases(args.tests) for a in ("--model-alias",
                                                                 f"{name}={MODEL_NAME}")]

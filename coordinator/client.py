@@ -25,7 +25,15 @@ from rq.serializers import JSONSerializer
 from coordinator.events import StreamCursor, follow
 from coordinator.models import ModelDirectory
 from coordinator.routing import choose_holder
-from coordinator.validation import SubmitError, check_admission, choose_tier, parse_request
+from coordinator.validation import (
+    SubmitError,
+    Task,
+    check_admission,
+    check_task_admission,
+    choose_tier,
+    parse_request,
+    task_tier,
+)
 from coordinator.waiting import WaitingRequests, WorkerWait
 from shared import doorbell, redis_faults
 from shared.cancel import request_cancel
@@ -33,8 +41,11 @@ from shared.event_stream import EventWriter
 from shared.logs import get_logger
 from shared.outage import ride_out
 from shared.protocol import (
+    EMBEDDING_FUNCTION,
     JOB_FUNCTION,
+    TOKENIZER_FUNCTION,
     AnyEvent,
+    EmbeddingRequest,
     FinalEvent,
     GenerationRequest,
     JobStatus,
@@ -188,7 +199,20 @@ class Coordinator:
         refused ``coming`` at once, for a caller that waits in its own way (the gateway, the
         batch pump). A declared model's alias is submitted as that model."""
         # The seed is fixed here, before queueing: a re-run of the job samples the same tokens.
-        req = parse_request(request).with_seed()
+        return self._queued(parse_request(request).with_seed(), job_id, wait_seconds)
+
+    def submit_task(self, request: Task, job_id: str | None = None, *,
+                    wait_seconds: float = 0.0) -> JobHandle:
+        """Validate and queue a task, an embedding or a tokenization
+        (``worker/service/tasks.py``), as :meth:`submit` queues a generation: admitted by
+        ``check_task_admission`` against the live workers, on the model's smallest context
+        tier (every worker of it takes from there). Its final event carries the answer
+        (``embeddings``; ``tokens``, ``text`` and ``pieces``)."""
+        return self._queued(request, job_id, wait_seconds)
+
+    def _queued(self, req: GenerationRequest | Task, job_id: str | None,
+                wait_seconds: float) -> JobHandle:
+        """Admit and queue one job: what :meth:`submit` and :meth:`submit_task` share."""
         job_id = job_id or uuid.uuid4().hex
         outage = self.settings.redis_outage_seconds
         req, workers = ride_out(lambda: self._admit(req, job_id, wait_seconds), outage,
@@ -203,13 +227,15 @@ class Coordinator:
             tried = True
             return self._enqueue(req, job_id, workers)
         queue = ride_out(enqueue, outage, "submit.enqueue")
+        fields = ({"priority": str(req.priority), "max_tokens": req.max_tokens,
+                   "seed": req.sampling.seed} if isinstance(req, GenerationRequest)
+                  else {"task": type(req).__name__})
         log.info("job.queued", job_id=job_id, model=req.model, attempt=0, queue=queue.name,
-                 priority=str(req.priority), max_tokens=req.max_tokens,
-                 seed=req.sampling.seed)
+                 **fields)
         return JobHandle(self, job_id)
 
-    def _admit(self, req: GenerationRequest, job_id: str,
-               wait_seconds: float) -> tuple[GenerationRequest, list[WorkerInfo]]:
+    def _admit(self, req: GenerationRequest | Task, job_id: str,
+               wait_seconds: float) -> tuple[GenerationRequest | Task, list[WorkerInfo]]:
         """The request (a declared alias resolved) and the live workers that may serve it,
         or ``SubmitError``. A coming model is waited for up to ``wait_seconds``. No live
         worker while some of the model's registrations have just lapsed (Redis restarted or
@@ -225,8 +251,12 @@ class Coordinator:
                     continue
                 state = self.models.state(req.model, workers)
                 try:
-                    check_admission(req, state, self.models.known,
-                                    self.settings.require_live_worker)
+                    if isinstance(req, GenerationRequest):
+                        check_admission(req, state, self.models.known,
+                                        self.settings.require_live_worker)
+                    else:
+                        check_task_admission(req, state, self.models.known,
+                                             self.settings.require_live_worker)
                 except SubmitError as exc:
                     if exc.reason == "coming" and wait_seconds > 0:
                         wait = wait or self.worker_wait(req.model, job_id, wait_seconds)
@@ -245,25 +275,30 @@ class Coordinator:
             if wait is not None:
                 wait.close()
 
-    def _enqueue(self, req: GenerationRequest, job_id: str,
+    def _enqueue(self, req: GenerationRequest | Task, job_id: str,
                  workers: list[WorkerInfo]) -> Queue:
-        """Queue the job (on its holder's own queue, or the shared one of its tier), list
-        the holder and ring the doorbell, in one transaction; returns the queue."""
-        tier = choose_tier(req, workers)
+        """Queue the job (a generation on its holder's own queue, or the shared one of its
+        tier; a task on the model's smallest tier), list the holder and ring the doorbell,
+        in one transaction; returns the queue."""
+        if isinstance(req, GenerationRequest):
+            tier = choose_tier(req, workers)
+            route = choose_holder(self.connection, self.keys, req, workers, tier)
+            priority, custom_id = req.priority, req.custom_id
+        else:  # no prefix to route by; every worker of the model takes from its smallest tier
+            tier, route, priority, custom_id = task_tier(workers), None, Priority.NORMAL, None
         if tier is not None:
             self._record_tier(req.model, tier)
-        shared = self.keys.queue(req.model, req.priority, tier)
-        route = choose_holder(self.connection, self.keys, req, workers, tier)
-        meta = {"model": req.model, "custom_id": req.custom_id}
+        shared = self.keys.queue(req.model, priority, tier)
+        meta = {"model": req.model, "custom_id": custom_id}
         if route is not None:  # recovery sends it back there if its holder dies or leaves
             meta["shared_queue"] = shared
         queue = self._queue(shared if route is None
-                            else self.keys.own_queue(req.model, route.worker, req.priority))
+                            else self.keys.own_queue(req.model, route.worker, priority))
         with self.connection.pipeline() as pipe:
             pipe.multi()  # the job, its holder's listing and its ring land together
             # Only what the request set travels: an unset speculative field means "the
             # worker's capacity" (shared/capacity.py), which a filled-in default would override.
-            queue.enqueue(JOB_FUNCTION, req.model_dump(mode="json", exclude_unset=True),
+            queue.enqueue(_function(req), req.model_dump(mode="json", exclude_unset=True),
                           job_id=job_id,
                           job_timeout=self.settings.job_timeout_seconds,
                           result_ttl=self.settings.result_ttl_seconds,
@@ -341,3 +376,10 @@ class Coordinator:
     def context_tiers(self, model: str) -> list[int]:
         """Every context tier a worker of ``model`` has served (``Keys.tiers``)."""
         return [int(text(t)) for t in self.connection.zrange(self.keys.tiers(model), 0, -1)]
+
+
+def _function(req: GenerationRequest | Task) -> str:
+    """The job function a request is queued under (what its worker runs)."""
+    if isinstance(req, GenerationRequest):
+        return JOB_FUNCTION
+    return EMBEDDING_FUNCTION if isinstance(req, EmbeddingRequest) else TOKENIZER_FUNCTION

@@ -89,6 +89,8 @@ class Tally:
     refusals: int = 0
     lost: int = 0
     host_fallbacks: Counter[str] = field(default_factory=Counter)
+    #: Host fallbacks by the device whose checkpoint share moved (one per device per event).
+    host_fallback_devices: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
     requeues: Counter[str] = field(default_factory=Counter)
 
@@ -126,6 +128,7 @@ class Tally:
             "recoveries": self.requeues.get("lost", 0), "lost": self.lost,
             "host_fallbacks": sum(self.host_fallbacks.values()),
             "host_fallbacks_by_reason": dict(sorted(self.host_fallbacks.items())),
+            "host_fallbacks_by_device": dict(sorted(self.host_fallback_devices.items())),
         }
 
 
@@ -143,6 +146,7 @@ def _apply(tally: Tally, record: dict[str, Any]) -> None:
         tally.add_telemetry(record["telemetry"])
     elif event == "checkpoint.fallback":
         tally.host_fallbacks[str(record.get("kind") or record.get("phase") or "unknown")] += 1
+        tally.host_fallback_devices.update(str(d) for d in record.get("devices") or ())
     elif event == "job.started":
         tally.jobs_started += 1
     elif event == "job.finished":
@@ -486,7 +490,7 @@ def records_of(event: AnyEvent, error_type: str | None = None) -> list[dict[str,
         return []
     worker = {"worker": event.worker or UNKNOWN, **base}
     records: list[dict[str, Any]] = []
-    if event.telemetry is not None:
+    if event.telemetry is not None and event.embeddings is None:  # an embedding's: usage
         records.append({"event": "generation.finished", **worker,
                         "telemetry": event.telemetry.model_dump(mode="json")})
     outcome: dict[str, Any] = {"event": _OUTCOMES[event.status], **worker}

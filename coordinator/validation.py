@@ -24,10 +24,24 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.models import ModelState, Standing
-from shared.admission import context_refusal, vocabulary_refusal
+from shared.admission import (
+    context_refusal,
+    embedding_refusal,
+    outside_vocabulary,
+    vocabulary_refusal,
+)
 from shared.capacity import CapacityError, within_capacity
 from shared.constraint import ConstraintError, check_constraint
-from shared.protocol import GenerationRequest, WorkerInfo, describe_validation_error
+from shared.protocol import (
+    EmbeddingRequest,
+    GenerationRequest,
+    TokenizerRequest,
+    WorkerInfo,
+    describe_validation_error,
+)
+
+#: A job that is no generation: an embedding or a tokenization (``worker/service/tasks.py``).
+Task = EmbeddingRequest | TokenizerRequest
 
 
 class SubmitError(ValueError):
@@ -84,23 +98,11 @@ def check_admission(request: GenerationRequest, state: ModelState,
     ``known_models`` is only asked for an unknown model's message. A coming model's requests
     are refused ``coming`` (the caller may wait for a worker) unless they surely exceed its
     declared contexts; with ``require_live_worker`` off, a model known or coming queues."""
-    model, workers = request.model, state.workers
-    if state.standing is Standing.UNKNOWN:
-        known = ", ".join(known_models()) or "none"
-        raise SubmitError(f"unknown model '{model}' (known models: {known}; declare one with "
-                          "specfleet models add)", "unknown_model", param="model", model=model)
     if state.standing is Standing.COMING:
         _check_declared_context(request, state)
-        if require_live_worker:
-            raise SubmitError(f"no live worker serves model '{model}' yet ({state.why_coming()})",
-                              "coming", param="model", model=model)
+    if not served(request.model, state, known_models, require_live_worker):
         return
-    if state.standing is Standing.KNOWN:
-        if require_live_worker:
-            raise SubmitError(f"no live worker serves model '{model}' "
-                              "(start one, or set SPECFLEET_REQUIRE_LIVE_WORKER=false to queue)",
-                              "no_worker", param="model", model=model)
-        return
+    workers = state.workers
     if request.messages is not None and not any(w.chat_template for w in workers):
         raise SubmitError(f"model '{request.model}' has no chat template: send a prompt, or "
                           "start its workers with SPECFLEET_CHAT_TEMPLATE", param="messages")
@@ -117,6 +119,85 @@ def check_admission(request: GenerationRequest, state: ModelState,
                    f"the largest context of model '{request.model}' workers")
 
 
+def served(model: str, state: ModelState, known_models: Callable[[], list[str]],
+           require_live_worker: bool) -> bool:
+    """Whether ``model`` (as ``state`` stands) has live workers to check a request against.
+    An unknown model is refused; a known or coming one without a live worker is refused
+    (``no_worker``; ``coming``, which a caller may wait out) unless ``require_live_worker``
+    is off: then False, and the request queues unchecked."""
+    if state.standing is Standing.UNKNOWN:
+        known = ", ".join(known_models()) or "none"
+        raise SubmitError(f"unknown model '{model}' (known models: {known}; declare one with "
+                          "specfleet models add)", "unknown_model", param="model", model=model)
+    if state.standing is Standing.COMING:
+        if require_live_worker:
+            raise SubmitError(f"no live worker serves model '{model}' yet ({state.why_coming()})",
+                              "coming", param="model", model=model)
+        return False
+    if state.standing is Standing.KNOWN:
+        if require_live_worker:
+            raise SubmitError(f"no live worker serves model '{model}' "
+                              "(start one, or set SPECFLEET_REQUIRE_LIVE_WORKER=false to queue)",
+                              "no_worker", param="model", model=model)
+        return False
+    return True
+
+
+def check_task_admission(request: Task, state: ModelState,
+                         known_models: Callable[[], list[str]], require_live_worker: bool) -> None:
+    """:func:`check_admission`'s rule for a task: the model is served (:func:`served`), and
+    every live worker of it can run the task (any of them may take it): an embedding's
+    workers serve embeddings, with every token-id input in their vocabularies and embedding
+    contexts (a text is tokenized and checked by its worker); a chat to tokenize has a
+    template; token ids to detokenize are in the vocabulary."""
+    if not served(request.model, state, known_models, require_live_worker):
+        return
+    workers = state.workers
+    if isinstance(request, EmbeddingRequest):
+        _check_embedding(request, workers)
+        return
+    if request.messages is not None:
+        if not any(w.chat_template for w in workers):
+            raise SubmitError(f"model '{request.model}' has no chat template: send text, or "
+                              "start its workers with SPECFLEET_CHAT_TEMPLATE", param="messages")
+        _check_names(request, workers)
+    _check_ids("tokens", request.tokens or [], request.model, workers)
+
+
+def _check_embedding(request: EmbeddingRequest, workers: list[WorkerInfo]) -> None:
+    blind = next((w for w in workers if w.embedding_tokens is None), None)
+    if blind is not None:
+        raise SubmitError(f"worker {blind.name} of model '{request.model}' serves no "
+                          "embeddings (start the model's workers with --embeddings)",
+                          param="model")
+    for i, given in enumerate(request.input):
+        if isinstance(given, list):
+            _check_ids(f"input.{i}", given, request.model, workers)
+    most = min(w.embedding_tokens or 0 for w in workers)
+    refusal = embedding_refusal(
+        [len(given) if isinstance(given, list) else None for given in request.input], most,
+        f"the smallest embedding context of model '{request.model}' workers")
+    if refusal is not None:
+        field, why = refusal
+        raise SubmitError(f"{field}: {why}", "context_length_exceeded", param=field)
+
+
+def _check_ids(field: str, ids: list[int], model: str, workers: list[WorkerInfo]) -> None:
+    """Token ids of a task's ``field`` in the smallest vocabulary of the workers that publish
+    theirs."""
+    sizes = [w.n_vocab for w in workers if w.n_vocab is not None]
+    why = outside_vocabulary(ids, min(sizes)) if sizes else None
+    if why is not None:
+        raise SubmitError(f"{field}: {why} of model '{model}'", param=field)
+
+
+def task_tier(workers: list[WorkerInfo]) -> int | None:
+    """The context tier a task queues on: the smallest per-slot context of a live worker,
+    which every worker of the model takes from (a task holds no context of a slot). None
+    (the untiered queue) when no worker is live."""
+    return min((w.n_ctx for w in workers), default=None)
+
+
 def _check_context(request: GenerationRequest, n_ctx: int, whose: str) -> None:
     lowest, _ = prompt_token_bounds(request)
     why = context_refusal(lowest, request.max_tokens, n_ctx, whose,
@@ -125,7 +206,8 @@ def _check_context(request: GenerationRequest, n_ctx: int, whose: str) -> None:
         raise SubmitError(why, "context_length_exceeded", param="max_tokens")
 
 
-def _check_names(request: GenerationRequest, workers: list[WorkerInfo]) -> None:
+def _check_names(request: GenerationRequest | TokenizerRequest,
+                 workers: list[WorkerInfo]) -> None:
     """A message's ``name`` only where every live worker's template renders it (any of them
     may take the job): elsewhere it would be dropped."""
     named = next((i for i, m in enumerate(request.messages or []) if m.name is not None), None)

@@ -1,5 +1,6 @@
 """Whether a request fits a worker: its token ids in the vocabulary, prompt + ``max_tokens`` in
-the context. Decided here once, for both sides of the wire.
+the context, an embedding's inputs in the embedding context. Decided here once, for both
+sides of the wire.
 
 The coordinator asks at submit against what the live workers publish (their smallest
 vocabulary, their largest context, with the prompt's length bounded when only a worker can
@@ -12,9 +13,9 @@ the rule and its message are these.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from shared.protocol import GenerationRequest
+from shared.protocol import MAX_EMBEDDING_TOKENS, GenerationRequest
 
 #: Ids named in a refusal, at most (a prompt of garbage would otherwise fill the message).
 SHOWN_IDS = 5
@@ -51,3 +52,19 @@ def context_refusal(prompt_tokens: int, max_tokens: int, n_ctx: int, whose: str,
     tokens = f"{prompt_tokens} token{'' if prompt_tokens == 1 else 's'}"
     what = f"prompt ({tokens})" if counted else f"prompt (at least {tokens})"
     return f"{what} + max_tokens ({max_tokens}) exceeds {whose} ({n_ctx} tokens)"
+
+
+def embedding_refusal(lengths: Sequence[int | None], most: int,
+                      whose: str) -> tuple[str, str] | None:
+    """The first input of an embedding (``input.N``) too long for ``whose`` embedding context
+    of ``most`` tokens, or the whole ``input`` past :data:`MAX_EMBEDDING_TOKENS`, and why;
+    None when they fit. ``lengths`` are the inputs' token counts (None: not counted yet, a text
+    only a worker can tokenize)."""
+    for i, n in enumerate(lengths):
+        if n is not None and n > most:
+            return f"input.{i}", f"{n} tokens, too large for {whose} ({most} tokens)"
+    total = sum(n for n in lengths if n is not None)
+    if total > MAX_EMBEDDING_TOKENS:
+        return "input", (f"{total} tokens in all, too large for one request (at most "
+                         f"{MAX_EMBEDDING_TOKENS})")
+    return None

@@ -167,8 +167,8 @@ class EventWriter:
     def progress(self, stage: str, **fields: Any) -> AnyEvent:
         return self.emit("progress", stage=stage, **fields)
 
-    def error(self, message: str, error_type: str) -> AnyEvent:
-        return self.emit("error", message=message, error_type=error_type)
+    def error(self, message: str, error_type: str, param: str | None = None) -> AnyEvent:
+        return self.emit("error", message=message, error_type=error_type, param=param)
 
     def final(self, **fields: Any) -> AnyEvent:
         return self.emit("final", **fields)

@@ -10,7 +10,7 @@ record shaped like a log line (``event``, ``timestamp``, ``level`` and the event
 - ``worker.lost``: a worker declared lost, the jobs it held and those requeued (by whichever
   process swept it, ``shared.recovery``);
 - ``worker.host_fallback``: device checkpoints moved to the host (at start-up, ``phase``
-  ``reserve``, or during a generation);
+  ``reserve``, or during a generation), with the ``devices`` they moved from;
 - ``worker.replays``: a generation that restored checkpoints and replayed tokens;
 - ``worker.requeued``: jobs a worker put back on their queues itself (its shutdown);
 - ``worker.refusal``: a job a worker refused (poisoned, foreign) or rejected at admission;

@@ -32,6 +32,11 @@ from shared.tool_calls import render_calls
 #: Import path of the job function every generation job names on its rq queue; workers run
 #: nothing else. Part of the wire contract: coordinator and workers both read it from here.
 JOB_FUNCTION = "worker.service.jobs.run_generation"
+#: The jobs a worker runs beside generations, each on its own function so rq's records say
+#: which it is (``worker/service/tasks.py``): an :class:`EmbeddingRequest` and a
+#: :class:`TokenizerRequest`.
+EMBEDDING_FUNCTION = "worker.service.tasks.run_embedding"
+TOKENIZER_FUNCTION = "worker.service.tasks.run_tokenizer"
 #: Hard cap on tokens one request may generate; larger budgets are a batch's job.
 MAX_TOKENS_CAP = 8192
 #: Hard cap on the prompt, in characters (text) and in token ids.
@@ -44,6 +49,9 @@ MAX_STOP_SEQUENCES = 8
 MAX_STOP_CHARS = 128
 #: Hard cap on the turns of a chat request.
 MAX_MESSAGES = 256
+#: OpenAI's limits on one embeddings request: inputs, and tokens over all of them.
+MAX_EMBEDDING_INPUTS = 2048
+MAX_EMBEDDING_TOKENS = 300_000
 
 
 class _Strict(BaseModel):
@@ -407,6 +415,49 @@ class GenerationRequest(_Strict):
         return self.model_copy(update={"sampling": sampling})  # marks it set
 
 
+#: One input of an embedding: text (tokenized by the worker, its special tokens added as for a
+#: prompt), or token ids.
+EmbeddingInput = (Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+                  | Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(min_length=1, max_length=MAX_PROMPT_TOKENS)])
+
+
+class EmbeddingRequest(_Strict):
+    """Embeddings of one or more inputs: each input's vector, pooled by the worker's embedding
+    context and scaled to unit length (docs/http.md, "Embeddings"). A worker batches the
+    inputs of every embedding job it holds into its embedding decodes."""
+
+    model: str = Field(min_length=1, max_length=128, pattern=MODEL_NAME_PATTERN)
+    input: list[EmbeddingInput] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+
+
+class TokenizerRequest(_Strict):
+    """The worker's tokenizer: ``text`` or chat ``messages`` (with ``tools``) to token ids, the
+    prompt a completion or chat would decode; or ``tokens`` back to text (control tokens
+    written as their text, as llama-server and vLLM write them)."""
+
+    model: str = Field(min_length=1, max_length=128, pattern=MODEL_NAME_PATTERN)
+    text: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1,
+                                               max_length=MAX_MESSAGES)
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tokens: list[Annotated[int, Field(ge=0)]] | None = Field(default=None,
+                                                             max_length=MAX_PROMPT_TOKENS)
+    add_special: bool = Field(
+        default=True, description="text: the special tokens the model adds to a prompt (BOS)")
+    pieces: bool = Field(default=False, description="also each token's bytes")
+
+    @model_validator(mode="after")
+    def _one_direction(self) -> TokenizerRequest:
+        if sum(x is not None for x in (self.text, self.messages, self.tokens)) != 1:
+            raise ValueError("exactly one of 'text', 'messages' or 'tokens' must be given")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("'tools' need 'messages' (a chat)")
+        if self.tokens is not None and self.pieces:
+            raise ValueError("'pieces' are of tokenized text: 'tokens' are the pieces")
+        return self
+
+
 class Summed(NamedTuple):
     """Marks a :class:`Telemetry` field that adds up over generations (a count, seconds, or a
     per-draft-position list summed position by position) and names its Prometheus series.
@@ -513,6 +564,9 @@ class Telemetry(_Strict):
         "checkpoint_host_fallbacks", "Device checkpoint failures that moved storage to the host",
         label="reason", label_field="host_fallback_reason")] = 0
     host_fallback_reason: str | None = None
+    #: The devices of the worker whose share of the slot's device checkpoint moved to the
+    #: host with that fallback (over a group: those holding recurrent layers).
+    host_fallback_devices: list[str] | None = None
     rollback_depth: int | None = None
     checkpoint_reservation_bytes: int | None = None
 
@@ -616,6 +670,9 @@ class ErrorEvent(_EventBase):
     message: str
     #: A :class:`Rejection`, or the worker's own failure (an exception's type name).
     error_type: str = "error"
+    #: The request field a rejection is about (``input.3``), where it names one: the 400's
+    #: ``param``.
+    param: str | None = None
 
 
 class FinalEvent(_EventBase):
@@ -630,6 +687,11 @@ class FinalEvent(_EventBase):
     seed: int | None = Field(default=None, description="the sampling seed the job ran with")
     logprobs: list[TokenLogprob] | None = Field(
         default=None, description="one per token in tokens (the request asked for logprobs)")
+    embeddings: list[str] | None = Field(
+        default=None, description="an embedding job's vectors, one per input: little-endian "
+                                  "float32, base64 (exact, and a third of a JSON list's size)")
+    pieces: list[list[int]] | None = Field(
+        default=None, description="a tokenizer job's: each token's bytes (it asked for pieces)")
 
 
 Event = Annotated[
@@ -707,6 +769,9 @@ class WorkerInfo(_Strict):
         default=None, description="which template renders chats: gguf, named:NAME "
         "(SPECFLEET_CHAT_TEMPLATE), architecture:NAME or default:NAME")
     n_vocab: int | None = Field(default=None, ge=1, description="the model's vocabulary size")
+    embedding_tokens: int | None = Field(
+        default=None, ge=1, description="the longest input its embedding context holds "
+        "(None: it serves no embeddings)")
     capacity: WorkerCapacity | None = None
     fit: FitReport | None = None
     metrics_port: int | None = Field(default=None, description="Prometheus port (None: off)")

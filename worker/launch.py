@@ -304,6 +304,8 @@ class WorkerOptions:
     deterministic: bool = False
     #: Greedy verify rows reduced on the device (EngineConfig.device_verify; None: on a GPU).
     device_verify: bool | None = None
+    #: Tokens of the embedding context (EngineConfig.embedding_tokens; 0: no embeddings).
+    embedding_tokens: int = 0
 
 
 def pin_device(device: DeviceRef | DeviceGroup) -> int:

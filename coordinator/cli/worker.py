@@ -64,6 +64,11 @@ def worker(
         "--device-verify", help="'on': greedy verify rows reduced to their top two on the "
         "device, no logits row read by Python; 'off': every row read; 'auto': on where the "
         "layers run on a GPU (docs/engine.md, 'Verify on the device')")] = "auto",
+    embeddings: Annotated[int, typer.Option(
+        "--embeddings", min=0, metavar="TOKENS", help="serve embeddings (/v1/embeddings) "
+        "from an embedding context of TOKENS (rounded up to a multiple of 64) beside the "
+        "target: the longest input, and what one embedding decode pools; fitted with the "
+        "rest (docs/http.md, 'Embeddings'); 0: none")] = 0,
     *,
     drafting: opt.Drafting,
 ) -> None:
@@ -101,7 +106,7 @@ def worker(
         prefix_cache=_on_off("--prefix-cache", prefix_cache),
         prefix_checkpoints=prefix_checkpoints, deterministic=deterministic,
         device_verify=None if device_verify == "auto" else _on_off(
-            "--device-verify", device_verify))
+            "--device-verify", device_verify), embedding_tokens=embeddings)
     # Pinned before the serving code is imported: it loads llama.cpp, which reads the
     # visible devices once (docs/architecture.md, "Processes").
     n_gpu_layers = pin_device(group)

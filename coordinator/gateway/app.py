@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from coordinator.batch import BatchStore
 from coordinator.client import Coordinator
 from coordinator.files import MAX_FILE_BYTES
-from coordinator.gateway import batches, console, errors, models, routes
+from coordinator.gateway import batches, console, errors, models, routes, tasks
 from coordinator.gateway.auth import ApiKeys, GatewaySettings
 from coordinator.gateway.cross_site import CrossSite, allowed_hosts
 from coordinator.gateway.errors import RETRY_OVERLOADED, APIError
@@ -43,8 +43,10 @@ from shared.settings import Settings
 ASYNC_CONNECTIONS = 32
 #: Threads for synchronous Redis work (submits, cancels, batch operations).
 SYNC_THREADS = 64
-#: The routes that start generations: what ``max_concurrent_requests`` counts.
-GENERATING = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+#: The routes that start jobs on workers (generations, and the tasks: embeddings, the
+#: tokenizer): what ``max_concurrent_requests`` counts.
+GENERATING = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                        "/v1/embeddings", "/tokenize", "/detokenize"})
 RESUME = "/v1/specfleet/streams/"
 
 log = get_logger("gateway")
@@ -178,6 +180,7 @@ def create_app(settings: Settings, gateway: GatewaySettings | None = None,
     app.include_router(routes.router, dependencies=auth)
     app.include_router(batches.router, dependencies=auth)
     app.include_router(models.router, dependencies=auth)  # /v1/models, declared models
+    app.include_router(tasks.router, dependencies=auth)  # /v1/embeddings, /tokenize, ...
     console.install(app, auth, keys_required=bool(gateway.keys()))  # GET /console
     app.add_middleware(BodyLimit, limit=gateway.max_request_bytes,
                        seconds=gateway.body_timeout_seconds)

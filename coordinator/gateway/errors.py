@@ -96,16 +96,18 @@ def from_submit(exc: SubmitError) -> APIError:
                     retry_after=RETRY_NO_WORKER if exc.reason in _NO_WORKER else None)
 
 
-def from_job(error: str | None, error_type: str | None) -> APIError:
+def from_job(error: str | None, error_type: str | None, param: str | None = None) -> APIError:
     """A failed job's error, answered or streamed: 400 when the worker refused the request
-    itself (a :class:`~shared.protocol.Rejection`; one too long for the worker's context is
-    ``context_length_exceeded`` naming ``max_tokens``, as at submit), else a 500."""
+    itself (a :class:`~shared.protocol.Rejection`, naming ``param`` where the worker named
+    the field; one too long for the worker's context is ``context_length_exceeded``, naming
+    ``max_tokens`` unless told, as at submit), else a 500."""
     message = error or "the job failed"
     rejection = Rejection.of(error_type)
     if rejection is Rejection.CONTEXT:
-        return APIError(400, message, param="max_tokens", code="context_length_exceeded")
+        return APIError(400, message, param=param or "max_tokens",
+                        code="context_length_exceeded")
     if rejection is not None:
-        return APIError(400, message, code="job_rejected")
+        return APIError(400, message, param=param, code="job_rejected")
     return APIError(500, message, "server_error", code="job_failed")
 
 

@@ -61,6 +61,7 @@ def _capacity(worker: WorkerInfo) -> dict[str, Any]:
     return {"name": worker.name, "device": worker.device, "n_ctx": worker.n_ctx,
             "slots": worker.slots, "chat_template": worker.chat_template,
             "chat_template_source": worker.chat_template_source, "n_vocab": worker.n_vocab,
+            "embedding_tokens": worker.embedding_tokens,
             "capacity": worker.capacity.model_dump(mode="json") if worker.capacity else None}
 
 

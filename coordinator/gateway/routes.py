@@ -180,10 +180,10 @@ def _check(endings: Sequence[Ending]) -> None:
     """The ``APIError`` of the first failed job (``errors.from_job``), if one failed."""
     for ending in endings:
         if ending.final.status is JobStatus.FAILED:
-            raise from_job(ending.final.error, ending.error_type)
+            raise from_job(ending.final.error, ending.error_type, ending.param)
 
 
-async def _finish(request: Request, job_ids: Sequence[str]) -> list[Ending] | JSONResponse:
+async def finish_jobs(request: Request, job_ids: Sequence[str]) -> list[Ending] | JSONResponse:
     """Every job's ending, or a 499 (with the jobs cancelled) when the client hung up."""
     coordinator = _coordinator(request)
     endings = await endings_or_disconnect(request.app.state.hub, coordinator.keys, job_ids,
@@ -257,7 +257,7 @@ async def _generate(request: Request, parsed: Parsed) -> Any:
     if parsed.stream:
         await _refused_early(request, job_ids)
         return _sse(request, stream(job_ids), job_ids)
-    endings = await _finish(request, job_ids)
+    endings = await finish_jobs(request, job_ids)
     if isinstance(endings, JSONResponse):
         return endings
     return replies.response_body(parsed, [e.final for e in endings])
@@ -281,7 +281,7 @@ async def responses(request: Request) -> Any:
     if parsed.stream:
         await _refused_early(request, [job_id])
         return _sse(request, stream([job_id]), [job_id])
-    endings = await _finish(request, [job_id])
+    endings = await finish_jobs(request, [job_id])
     if isinstance(endings, JSONResponse):
         return endings
     return response_object(job_id, parsed, body, created, endings[0].final)

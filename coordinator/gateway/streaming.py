@@ -77,6 +77,8 @@ class Ending:
 
     final: FinalEvent
     error_type: str | None = None
+    #: The request field the error names (a worker's rejection of it), where it names one.
+    param: str | None = None
 
 
 class Endings:
@@ -84,14 +86,16 @@ class Endings:
     explains, so the final's :class:`Ending` carries the last error's type."""
 
     def __init__(self) -> None:
-        self._error_type: str | None = None
+        self._error: ErrorEvent | None = None
 
     def see(self, event: AnyEvent) -> Ending | None:
         """The ending ``event`` is (a final event), else None."""
         if isinstance(event, ErrorEvent):
-            self._error_type = event.error_type
+            self._error = event
         elif isinstance(event, FinalEvent):
-            return Ending(event, self._error_type)
+            error = self._error
+            return Ending(event, error.error_type if error else None,
+                          error.param if error else None)
         return None
 
 
@@ -272,7 +276,7 @@ def interrupted(exc: Exception, job_ids: Sequence[str]) -> dict[str, Any]:
 def failure(ending: Ending) -> dict[str, Any]:
     """The error body of a failed job (in a stream, after which it ends): the one a
     non-streamed request gets (``errors.from_job``)."""
-    return from_job(ending.final.error, ending.error_type).body()
+    return from_job(ending.final.error, ending.error_type, ending.param).body()
 
 
 async def completion_sse(hub: StreamHub, keys: Keys, parsed: Parsed,

@@ -58,6 +58,10 @@ def test_the_forced_checkpoint_failure_is_one_host_fallback_and_host_mode(
     assert fit.details["checkpoint_fallback"] == "fault_injection"
     assert by_label(text, f"{P}checkpoint_host_fallbacks_total", "reason") \
         == {"fault_injection": 1.0}
+    # One device, the host of this CPU worker, held the checkpoint: it is the one named.
+    assert fit.details["checkpoint_fallback_devices"] == ["cpu"]
+    assert by_label(text, f"{P}checkpoint_device_host_fallbacks_total", "checkpoint_device") \
+        == {"cpu": 1.0}
     assert all(t.checkpoint_mode == "host" for t in live_run.telemetries())
     assert total(text, f"{P}checkpoint_mode", mode="host") == 1
     assert total(text, f"{P}checkpoint_mode", mode="device") == 0

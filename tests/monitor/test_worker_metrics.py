@@ -1,5 +1,6 @@
 """The worker's metrics endpoint itself: a free port when asked for 0, a clear error when the
-port is taken (the worker then stops with that one line)."""
+port is taken (the worker then stops with that one line); and a fallback counted on each
+device it left."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import socket
 import urllib.request
 
 import pytest
+from prometheus_client import generate_latest
 
+from shared.protocol import CheckpointMode, SpecMethod, Telemetry
 from worker.service.metrics import WorkerMetrics
+
+from .scrape import by_label
 
 
 def test_port_zero_serves_on_a_free_port_until_closed() -> None:
@@ -32,3 +37,20 @@ def test_a_taken_port_is_one_clear_error() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             WorkerMetrics("w", "m", "cpu").serve(port, addr="127.0.0.1")
+
+
+def test_a_generation_fallback_counts_once_on_each_device_it_left() -> None:
+    """A slot whose checkpoint spanned two RPC devices fell back during its generation: the
+    per-device counter has one on each of them (and nothing on the host), beside the
+    by-reason count."""
+    metrics = WorkerMetrics("w", "m", "cpu,RPC[a:1],RPC[b:2]")
+    metrics.job_started("j")
+    metrics.job_finished("j", Telemetry(
+        spec_method=SpecMethod.MTP, host_fallbacks=1, host_fallback_reason="short_write",
+        host_fallback_devices=["RPC0[a:1]", "RPC0[b:2]"], checkpoint_mode=CheckpointMode.HOST),
+        "finished")
+    text = generate_latest(metrics.registry).decode()
+    assert by_label(text, "specfleet:checkpoint_device_host_fallbacks_total",
+                    "checkpoint_device") == {"RPC0[a:1]": 1.0, "RPC0[b:2]": 1.0}
+    assert by_label(text, "specfleet:checkpoint_host_fallbacks_total", "reason") == {
+        "short_write": 1.0}

@@ -7,14 +7,20 @@ nothing else: routing and capacity read the fitted context as for any worker.
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from monitor.scrape import by_label
 from multidevice.devices import needs_rpc, rpc_devices
 
 from coordinator.client import Coordinator
-from shared.protocol import JobStatus, SpecSettings
+from coordinator.monitor import LogSummary
+from shared.fleet_events import decode
+from shared.protocol import JobStatus, SpecMethod, SpecSettings
+from shared.settings import Settings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 
 from .workers import CTX, MODEL_NAME, Fleet
@@ -63,3 +69,54 @@ def test_a_group_that_overlaps_a_live_workers_devices_is_refused(
     said = str(refused.value)
     assert f"RPC[{devices[0]}]" in said and "'first'" in said and f"RPC[{devices[1]}]" not in (
         said.split("already serve")[0])
+
+
+def test_a_start_up_fallback_names_the_group_device_that_held_the_checkpoints(
+        settings: Settings, coordinator: Coordinator, hybrid_model: Path, devices: list[str],
+        tmp_path: Path) -> None:
+    """The hybrid over the host and two RPC devices, compact rollback (D = 1 < N = 3), two
+    slots, device checkpoints failing for real from the start: both slots' reservations fall
+    back to the host, and the registration, the ``/metrics`` counter per device, the
+    ``checkpoint.fallback`` log events (and ``specfleet monitor``'s tally of them) and the
+    fleet's event stream all name the first RPC device, the one holding the recurrent
+    layers, and nothing else. The worker then serves with host checkpoints."""
+    fleet = Fleet(settings, hybrid_model, tmp_path)
+    holder = f"RPC0[{devices[0]}]"
+    try:
+        fleet.start("group", extra_env={"SPECFLEET_FAIL_DEVICE_CHECKPOINT": "1"},
+                    args=("--ctx", str(CTX), "--rpc", ",".join(devices), "--budget-mib", "64",
+                          "--fit-target-mib", "0", "--spec", "mtp", "--draft-max", "3",
+                          "--rollback-depth", "1", "--slots", "2", "--metrics-port", "0"))
+        info = coordinator.registry.registration("group")
+        assert info is not None and info.fit is not None and info.metrics_port
+        details = info.fit.details
+        assert details["checkpoint_mode"] == "host"
+        assert details["checkpoint_fallback"] == "fault_injection"
+        assert details["checkpoint_fallback_devices"] == [holder]
+        url = f"http://127.0.0.1:{info.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert by_label(text, "specfleet:checkpoint_device_host_fallbacks_total",
+                        "checkpoint_device") == {holder: 2.0}
+        result = coordinator.submit({"model": MODEL_NAME, "prompt_tokens": PROMPT,
+                                     "max_tokens": 24, "speculative": {
+                                         "method": "mtp", "draft_max": 3,
+                                         "rollback_depth": 1}}).result(timeout=60)
+        log = fleet.log("group")
+        stream = coordinator.connection.xrange(coordinator.keys.fleet_events())
+    finally:
+        fleet.stop_all()
+    events = [json.loads(line) for line in log.splitlines() if "checkpoint.fallback" in line]
+    assert [(e["phase"], e["devices"]) for e in events] == [("reserve", [holder])] * 2
+    summary = LogSummary()
+    for line in log.splitlines():
+        summary.feed(line)
+    assert summary.total.to_json()["host_fallbacks_by_device"] == {holder: 2}
+    records = [r for _, fields in stream or () if (r := decode(fields))]
+    [fallback] = [r for r in records if r["event"] == "worker.host_fallback"]
+    assert fallback["devices"] == [holder] and fallback["count"] == 2
+    assert result.status is JobStatus.FINISHED and result.telemetry is not None
+    assert result.telemetry.checkpoint_mode == "host" and result.telemetry.checkpoint_saves > 0
+    with SpeculativeEngine(EngineConfig(model_path=str(hybrid_model), n_ctx=CTX,
+                                        n_threads=1)) as engine:
+        expected = engine.generate(PROMPT, 24, SpecSettings(method=SpecMethod.NONE)).tokens
+    assert result.tokens == expected

@@ -30,6 +30,12 @@ PREFILL_CHUNK = TARGET_UBATCH
 #: not 256 (docs/engine.md, "Proposers"); the prompt catch-up simply takes more, smaller
 #: decodes.
 DRAFT_BATCH = 32
+#: Inputs one embedding decode may pool at most (its context's sequences): every sequence
+#: costs the output buffer a row of the vocabulary's width even when unused. The embedding
+#: context's tokens are a multiple of it: llama.cpp sizes the context's graphs for its
+#: tokens spread evenly over its sequences, and a remainder aborts the process (mean pooling
+#: then multiplies mismatched matrices).
+EMBEDDING_SEQS = 64
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,11 @@ class EngineConfig:
     #: lone slot's bit for bit; steps whose slots carry different row counts pay one weight
     #: pass per distinct count. Deterministic mode implies it.
     per_sequence_kv: bool = False
+    #: Tokens of the embedding context beside the target (0: none), rounded up to a multiple
+    #: of :data:`EMBEDDING_SEQS`: the longest input an embedding may have, and what one
+    #: embedding decode pools at most (:func:`embedding_spec`, ``worker/engine/embedding.py``).
+    #: Counted by the fitter as ``embeddings``.
+    embedding_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.deterministic and self.n_gpu_layers != 0:
@@ -150,3 +161,15 @@ def draft_spec(config: EngineConfig, draft_max: int) -> ContextSpec:
     return ContextSpec(n_ctx=config.n_ctx * config.slots, n_batch=draft_batch(config, draft_max),
                        n_ubatch=DRAFT_BATCH, n_seq_max=config.slots, n_outputs_max=config.slots,
                        n_threads=config.n_threads, mtp=True, kv_unified=unified_kv(config))
+
+
+def embedding_spec(config: EngineConfig) -> ContextSpec | None:
+    """The embedding context (None: the engine serves no embeddings): ``embedding_tokens``
+    (rounded up to a multiple of :data:`EMBEDDING_SEQS`) cells shared by up to
+    :data:`EMBEDDING_SEQS` inputs, decoded in one ubatch (a sequence's rows must be pooled
+    together, and a non-causal model attends over all of them at once)."""
+    if config.embedding_tokens <= 0:
+        return None
+    tokens = -(-config.embedding_tokens // EMBEDDING_SEQS) * EMBEDDING_SEQS
+    return ContextSpec(n_ctx=tokens, n_batch=tokens, n_ubatch=tokens, n_seq_max=EMBEDDING_SEQS,
+                       n_threads=config.n_threads, embeddings=True, kv_unified=True)

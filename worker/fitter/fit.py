@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Literal
 
 from shared.protocol import CheckpointMode, DeviceFit, FitReport
-from worker.engine.config import EngineConfig, model_spec
+from worker.engine.config import EMBEDDING_SEQS, EngineConfig, model_spec
 from worker.engine.plan import ModelFacts
 from worker.engine.prefix_cache import MemoryKind
 from worker.fitter.buffers import HOST, DeviceMap, split
@@ -51,7 +51,7 @@ from worker.launch import (
     EngineCapacity,
     parse_device_group,
 )
-from worker.llm import LlamaError
+from worker.llm import LlamaError, Model
 from worker.llm.placement import placed
 
 #: Context sizes are fitted in steps of this many tokens.
@@ -124,9 +124,14 @@ class _Sizer:
             self.model.close()
             raise FitError(str(exc)) from exc
         self._seen: dict[int, Breakdown] = {}
+        #: A group's model loaded for real (by :attr:`_real`), and the sizes measured on it.
+        self._loaded: Model | None = None
+        self._allocated: dict[int, Breakdown] = {}
 
     def close(self) -> None:
         self.model.close()
+        if self._loaded is not None:
+            self._loaded.close()
 
     @property
     def n_ctx_cap(self) -> int:
@@ -157,7 +162,10 @@ class _Sizer:
             state = measure_state(real, self.specs.target) if real.is_recurrent else None
             checkpoint = measure_prefix_checkpoint(real, self.specs.target) if prefix else 0
         finally:
-            real.close()
+            if self.group:  # kept for :meth:`allocated`, closed with the sizer
+                self._loaded = real
+            else:
+                real.close()
         return weights, state, checkpoint
 
     @property
@@ -195,13 +203,14 @@ class _Sizer:
         host = self.where.host
         return {host: self.state.host_checkpoint} if host != HOST else {}
 
-    def target(self, n_ctx: int, n_rs_seq: int | None = None) -> ContextMemory:
+    def target(self, n_ctx: int, n_rs_seq: int | None = None,
+               model: Model | None = None) -> ContextMemory:
         specs = self.specs.at(n_ctx)
         spec = specs.target if n_rs_seq is None else specs.target.with_(n_rs_seq=n_rs_seq)
         # Every slot verifies draft_max + 1 rows in the same decode; an MTP target hands over a
         # hidden row for every batch entry.
         hidden = spec.n_batch if specs.draft is not None else 0
-        return measure_context(self.model, spec, self.where,
+        return measure_context(model or self.model, spec, self.where,
                                self.slots * (specs.plan.draft_max + 1), hidden)
 
     def at(self, n_ctx: int) -> Breakdown:
@@ -210,11 +219,42 @@ class _Sizer:
             self._seen[n_ctx] = self._measure(n_ctx)
         return self._seen[n_ctx]
 
-    def _measure(self, n_ctx: int) -> Breakdown:
-        target = self.target(n_ctx)
+    def allocated(self, n_ctx: int) -> Breakdown:
+        """Every component at ``n_ctx`` as the engine will allocate it. Over a group the
+        contexts are created for real over the model loaded on the group: llama.cpp's no_alloc
+        compute estimate there is not its allocation (its size-only reservation resets the
+        scheduler after the graph is built, dropping the device llama.cpp pins each layer's
+        ``norm`` to, so the estimate splits the graph elsewhere: docs/fitter.md, "Device
+        groups"). On one device the estimate is the allocation. Raises FitError when the
+        group cannot allocate the contexts."""
+        if not self.group:
+            return self.at(n_ctx)
+        if n_ctx not in self._allocated:
+            self._real  # noqa: B018  (loads the group's model)
+            self._allocated[n_ctx] = self._measure(n_ctx, self._loaded)
+        return self._allocated[n_ctx]
+
+    @cached_property
+    def step_growth(self) -> dict[str, int]:
+        """Each device's growth over one context step, estimated at the smallest sizes."""
+        lo, hi = self.at(CTX_STEP), self.at(min(2 * CTX_STEP, self.n_ctx_cap))
+        return {d: hi.device_total(d) - lo.device_total(d) for d in self.where.devices}
+
+    @cached_property
+    def embedding(self) -> ContextMemory | None:
+        """The embedding context (the same at every target size), or None: every row of an
+        embedding decode is an output row."""
+        spec = self.specs.embedding
+        return (measure_context(self.model, spec, self.where, spec.n_batch)
+                if spec is not None else None)
+
+    def _measure(self, n_ctx: int, model: Model | None = None) -> Breakdown:
+        """The breakdown at ``n_ctx`` from contexts over ``model`` (default: the no_alloc
+        one, whose contexts allocate nothing)."""
+        target = self.target(n_ctx, model=model)
         draft_spec = self.specs.at(n_ctx).draft
-        draft = (measure_context(self.model, draft_spec, self.where, self.slots, self.slots)
-                 if draft_spec is not None else None)
+        draft = (measure_context(model or self.model, draft_spec, self.where, self.slots,
+                                 self.slots) if draft_spec is not None else None)
         group = self.state.group if self.state else 0
         live = self.slots * group
         snapshots = self.slots * self.specs.plan.n_rs_seq * group
@@ -223,7 +263,8 @@ class _Sizer:
         live_at, snapshots_at = split(live, layers), split(snapshots, layers)
         checkpoints = self.checkpoint_per_slot(layers)
         host = self.where.host
-        parts = [target, draft] if draft else [target]
+        embedding = self.embedding
+        parts = [p for p in (target, draft, embedding) if p is not None]
 
         def on(place: str) -> dict[str, int]:
             at_host = place == host
@@ -239,6 +280,9 @@ class _Sizer:
                 "checkpoint_reservation": self.slots * checkpoints.get(place, 0),
                 "lookup_cache": self.lookup_cache if at_host else 0,
                 "prefix_checkpoints": self.prefix_checkpoints if at_host else 0,
+                "embeddings": (embedding.kv[place] + embedding.compute[place]
+                               + (embedding.output_runtime if at_host else 0)
+                               ) if embedding else 0,
             }
 
         return Breakdown(
@@ -273,7 +317,8 @@ def fit_worker(model_path: str, device: str | DeviceRef | DeviceGroup = "cpu",
                n_ctx: int | None = None, allow_ctx_above_train: bool = False,
                prefix_cache: bool = True,
                prefix_checkpoints: int = DEFAULT_CHECKPOINTS,
-               deterministic: bool = False, device_verify: bool | None = None) -> FitResult:
+               deterministic: bool = False, device_verify: bool | None = None,
+               embedding_tokens: int = 0) -> FitResult:
     """Measure the model on ``device`` and fit the largest context that leaves the margin.
 
     ``device`` is ``cpu``, ``cuda:N`` or a device group (:class:`~worker.launch.DeviceGroup`:
@@ -301,7 +346,8 @@ def fit_worker(model_path: str, device: str | DeviceRef | DeviceGroup = "cpu",
     (per slot) size the prefix checkpoints of a sliding-window or recurrent model;
     ``deterministic`` measures the layout of deterministic mode (no repacked weights, a full
     sliding-window cache); ``device_verify`` the target with its sequences sampled on the
-    device (None: where the layers are on a GPU).
+    device (None: where the layers are on a GPU); ``embedding_tokens`` the embedding context
+    (``EngineConfig.embedding_tokens``; 0: none), at most the training context.
     """
     if slots != AUTO_SLOTS and not (isinstance(slots, int) and 1 <= slots <= MAX_SLOTS):
         raise FitError(f"slots must be at least 1 and at most {MAX_SLOTS} (or 'auto'), "
@@ -316,7 +362,8 @@ def fit_worker(model_path: str, device: str | DeviceRef | DeviceGroup = "cpu",
                           n_gpu_layers=-1 if group.offload else 0,
                           capacity=capacity or EngineCapacity(), checkpoint=checkpoint,
                           prefix_cache=prefix_cache, prefix_checkpoints=prefix_checkpoints,
-                          deterministic=deterministic, device_verify=device_verify)
+                          deterministic=deterministic, device_verify=device_verify,
+                          embedding_tokens=embedding_tokens)
     try:
         with placed(group) as placement:
             where = device_map(group, placement)
@@ -330,6 +377,7 @@ def fit_worker(model_path: str, device: str | DeviceRef | DeviceGroup = "cpu",
             config = replace(config, slots=slots)
             sizer = _Sizer(config, where)
             try:
+                _check_embedding(sizer)
                 source = "fitted" if n_ctx is None else "fixed"
                 if n_ctx is None:
                     n_ctx = _search(sizer, ctx_min, budget)
@@ -417,6 +465,12 @@ class _Budgets:
     def fits(self, breakdown: Breakdown) -> bool:
         return all(breakdown.device_total(b.memory.device) <= b.available for b in self.each)
 
+    def within_a_step(self, breakdown: Breakdown, step: dict[str, int]) -> bool:
+        """Whether every device's total, less one context step's growth there, is within its
+        budget: close enough to fitting to be worth allocating for real."""
+        return all(breakdown.device_total(b.memory.device) - step.get(b.memory.device, 0)
+                   <= b.available for b in self.each)
+
     def require_weights(self, weights: dict[str, int]) -> None:
         """The first comparison every fit makes: every device's margin leaves room, then
         every device holds its share of the weights."""
@@ -457,7 +511,9 @@ def _search(sizer: _Sizer, ctx_min: int, budget: _Budgets) -> int:
         raise FitError(f"--ctx-min {ctx_min} exceeds the model's training context "
                        f"({sizer.model.n_ctx_train} tokens, fitted in steps of {CTX_STEP})")
     budget.require_weights(sizer.weights)
-    budget.refuse(f"context {lo * CTX_STEP} (--ctx-min {ctx_min})", sizer.at(lo * CTX_STEP))
+    floor = lo * CTX_STEP
+    budget.refuse(f"context {floor} (--ctx-min {ctx_min})",
+                  _allocation(sizer, floor, budget) or sizer.at(floor))
     hi = sizer.n_ctx_cap // CTX_STEP
     while lo < hi:  # invariant: lo fits and the answer lies in [lo, hi]
         mid = (lo + hi + 1) // 2
@@ -465,7 +521,42 @@ def _search(sizer: _Sizer, ctx_min: int, budget: _Budgets) -> int:
             lo = mid
         else:
             hi = mid - 1
-    return lo * CTX_STEP
+    return _settle(sizer, lo * CTX_STEP, floor, budget)
+
+
+def _settle(sizer: _Sizer, n_ctx: int, floor: int, budget: _Budgets) -> int:
+    """The size the estimates found, moved onto what the engine will allocate (a group's
+    estimate is not its allocation: :meth:`_Sizer.allocated`): down while it does not fit,
+    then up while the next step does. The search's estimates are off by a few split inputs
+    at most, so this is a step or two of real contexts."""
+    if not sizer.group:
+        return n_ctx
+    while n_ctx > floor and not _fits(sizer, n_ctx, budget):
+        n_ctx -= CTX_STEP
+    while n_ctx < sizer.n_ctx_cap and _fits(sizer, n_ctx + CTX_STEP, budget):
+        n_ctx += CTX_STEP
+    return n_ctx
+
+
+def _allocation(sizer: _Sizer, n_ctx: int, budget: _Budgets) -> Breakdown | None:
+    """:meth:`_Sizer.allocated`, or None where it is not measured: the estimate is more than
+    a step beyond some device's budget (a real context far past the budgets could take memory
+    that is not there; the estimate decides such a size), or the group cannot allocate it."""
+    if not sizer.group:
+        return sizer.at(n_ctx)  # one device: the estimate is the allocation
+    if not budget.within_a_step(sizer.at(n_ctx), sizer.step_growth):
+        return None
+    try:
+        return sizer.allocated(n_ctx)
+    except FitError:
+        return None
+
+
+def _fits(sizer: _Sizer, n_ctx: int, budget: _Budgets) -> bool:
+    """Whether ``n_ctx`` fits every device as the engine will allocate it; a size the group
+    cannot allocate does not fit, whatever its budgets say."""
+    found = _allocation(sizer, n_ctx, budget)
+    return found is not None and budget.fits(found)
 
 
 def _most_slots(config: EngineConfig, where: DeviceMap, ctx_min: int, budget: _Budgets) -> int:
@@ -480,7 +571,7 @@ def _most_slots(config: EngineConfig, where: DeviceMap, ctx_min: int, budget: _B
     def fits(slots: int) -> bool:
         sizer = _Sizer(replace(config, slots=slots), where)
         try:
-            return n_ctx <= sizer.n_ctx_cap and budget.fits(sizer.at(n_ctx))
+            return n_ctx <= sizer.n_ctx_cap and _fits(sizer, n_ctx, budget)
         finally:
             sizer.close()
 
@@ -522,7 +613,17 @@ def _check_fixed(sizer: _Sizer, n_ctx: int, allow_above_train: bool, budget: _Bu
                 f"--ctx {n_ctx} does not fit: needs at least {mib(floor)} MiB "
                 f"({mib(at_cap.total)} MiB at {sizer.n_ctx_cap} tokens + {per_token:.1f} B of "
                 f"KV per token beyond), {where}")
-    budget.refuse(f"--ctx {n_ctx}", sizer.at(n_ctx))
+    budget.refuse(f"--ctx {n_ctx}", _allocation(sizer, n_ctx, budget) or sizer.at(n_ctx))
+
+
+def _check_embedding(sizer: _Sizer) -> None:
+    """An embedding context past the training context is refused (its positions would be
+    ones the model never saw)."""
+    spec, train = sizer.specs.embedding, sizer.model.n_ctx_train
+    if spec is not None and spec.n_batch > train:
+        raise FitError(f"--embeddings {sizer.config.embedding_tokens} ({spec.n_batch} tokens, "
+                       f"a multiple of {EMBEDDING_SEQS}) exceeds the model's training context "
+                       f"({train} tokens)")
 
 
 def _kv_bytes_per_token(sizer: _Sizer, n_ctx: int) -> float:
@@ -541,7 +642,7 @@ def _kv_bytes_per_token(sizer: _Sizer, n_ctx: int) -> float:
 
 def _report(sizer: _Sizer, n_ctx: int, budget: _Budgets, source: str,
             group: DeviceGroup) -> FitReport:
-    fitted = sizer.at(n_ctx)
+    fitted = sizer.allocated(n_ctx)
     details: dict[str, object] = {
         "memory_source": budget.source,
         "n_ctx_source": source,  # "fitted", or "fixed" by the operator (--ctx)
@@ -552,7 +653,8 @@ def _report(sizer: _Sizer, n_ctx: int, budget: _Budgets, source: str,
         "host_bytes": fitted.host_bytes,
         "runtime_growth_bytes": fitted.runtime_growth,
         "recurrent_reported_bytes": fitted.recurrent_reported,
-        "next_step_total_bytes": (sizer.at(n_ctx + CTX_STEP).total
+        "next_step_total_bytes": ((_allocation(sizer, n_ctx + CTX_STEP, budget)
+                                   or sizer.at(n_ctx + CTX_STEP)).total
                                   if n_ctx < sizer.n_ctx_cap else None),
         **_state_details(sizer, n_ctx, fitted),
         "prefix_checkpoints_per_slot": (sizer.config.prefix_checkpoints

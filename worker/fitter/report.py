@@ -25,6 +25,7 @@ COMPONENTS: dict[str, str] = {
     "checkpoint_reservation": "compact-rollback checkpoints (one per slot)",
     "lookup_cache": "suffix drafter's output cache (host memory)",
     "prefix_checkpoints": "prefix-reuse checkpoints (host memory)",
+    "embeddings": "embedding context, --embeddings (KV, compute, output)",
 }
 
 

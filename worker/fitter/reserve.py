@@ -7,7 +7,8 @@ the worker allocates it at start-up through the engine's own ``CheckpointStore``
 it against what the fit measured. A failure, a zero, or a reservation that differs from the
 measurement stops the worker with the fit's breakdown; a device allocation that fails falls
 back to host storage for the worker's life (the store logs ``checkpoint.fallback``), and the
-returned report says so.
+returned report says so. The rollback is told first which devices the fit put the checkpoint
+on, so a fallback, now or mid-run, names the devices of a group it moved off.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
     if engine.plan.slots != report.slots:
         raise FitError(f"the engine serves {engine.plan.slots} slots but the fit reserved "
                        f"{report.slots} ({breakdown})")
+    rollback.place(_checkpoint_devices(report))
     try:
         with capture_llama_log() as lines:
             reservation = rollback.reserve(engine.target)
@@ -76,9 +78,19 @@ def reserve_checkpoints(engine: SpeculativeEngine, fit: FitResult) -> FitReport:
     as_reserved = _as_reserved(report, mode, reserved)
     if mode is CheckpointMode.DEVICE:
         _check_devices(as_reserved, allocated, breakdown)
-    # Why a device reservation fell back (None: it did not), for the worker's metrics.
+    # Why a device reservation fell back (None: it did not) and the devices whose share moved
+    # to the host, for the worker's metrics.
     as_reserved.details["checkpoint_fallback"] = reservation.fallback_reason
+    as_reserved.details["checkpoint_fallback_devices"] = reservation.fallback_devices
     return as_reserved
+
+
+def _checkpoint_devices(report: FitReport) -> list[str]:
+    """The devices the fit put the device checkpoint on (those of the recurrent layers, in
+    the model's order); none when the checkpoints are host storage by configuration."""
+    if report.details.get("checkpoint_mode") != CheckpointMode.DEVICE.value:
+        return []
+    return [d.device for d in report.devices if d.components.get("checkpoint_reservation")]
 
 
 def _check_devices(report: FitReport, allocated: Buffers, breakdown: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from worker.engine.config import EngineConfig, draft_spec, target_spec
+from worker.engine.config import EngineConfig, draft_spec, embedding_spec, target_spec
 from worker.engine.plan import EnginePlan, ModelFacts, plan_engine
 from worker.llm import ContextSpec
 
@@ -22,6 +22,9 @@ class EngineSpecs:
     plan: EnginePlan
     target: ContextSpec
     draft: ContextSpec | None
+    #: The embedding context (``EngineConfig.embedding_tokens``; None: none), whatever the
+    #: target's size.
+    embedding: ContextSpec | None
     #: What the specs were derived from: :meth:`at` derives them again for another size.
     config: EngineConfig
 
@@ -45,4 +48,5 @@ def engine_specs(config: EngineConfig, model: ModelFacts) -> EngineSpecs:
 def _specs(plan: EnginePlan, config: EngineConfig) -> EngineSpecs:
     return EngineSpecs(plan, target_spec(config, plan.n_rs_seq, plan.draft_max,
                                          plan.device_verify),
-                       draft_spec(config, plan.draft_max) if plan.mtp else None, config)
+                       draft_spec(config, plan.draft_max) if plan.mtp else None,
+                       embedding_spec(config), config)

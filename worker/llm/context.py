@@ -62,6 +62,11 @@ class ContextSpec:
     #: repacked weights, which also turns tiled K-quant products off for the process
     #: (:func:`worker.llm.backend.require_width_invariant_kernels`).
     deterministic: bool = False
+    #: An embedding context (llama.cpp's embeddings mode): every decoded row is an output and
+    #: each sequence's rows are pooled into one vector (:meth:`Context.pooled`), by the
+    #: model's own pooling (:attr:`Model.pooling`). llama.cpp still computes the logits of
+    #: every row, so its compute and output buffers grow with the vocabulary times the batch.
+    embeddings: bool = False
 
     def with_(self, **changes: object) -> ContextSpec:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -84,6 +89,7 @@ class ContextSpec:
         p.offload_kqv = self.offload_kqv
         p.no_perf = True
         p.kv_unified = self.kv_unified
+        p.embeddings = self.embeddings
         if self.deterministic:
             p.kv_unified = False
             p.swa_full = True
@@ -104,6 +110,8 @@ class Context:
             # inside llama.cpp (GGML_ASSERT); refuse here instead.
             raise LlamaError("an MTP draft context needs the model loaded with load_mtp=True")
         params = spec.to_params()
+        if spec.embeddings:
+            params.pooling_type = model.pooling
         chains = {seq: _top2_chain() for seq in range(spec.n_seq_max)} if spec.device_top2 else {}
         if chains:
             configs = (llama_cpp.llama_sampler_seq_config * len(chains))(
@@ -253,6 +261,16 @@ class Context:
         a, b = (0, 1) if (logits[0], -ids[0]) >= (logits[1], -ids[1]) else (1, 0)
         found = self._top2[row] = (int(ids[a]), float(logits[a] - logits[b]))
         return found
+
+    # -- pooled embeddings (an embedding context) -------------------------------------------
+    def pooled(self, seq: int) -> np.ndarray:
+        """The pooled vector of sequence ``seq`` in the last decode of an embedding context
+        (``n_embd_out`` floats, a view; copy to keep)."""
+        ptr = llama_cpp.llama_get_embeddings_seq(self.ptr, seq)
+        if not ptr:
+            raise LlamaError(f"no pooled embedding for sequence {seq}: not an embedding "
+                             "context, or the sequence was not in the last decode")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_embd_out,))
 
     # -- hidden states (MTP hand-over) -----------------------------------------------------
     def expose_hidden(self, masked: bool) -> None:

@@ -93,6 +93,31 @@ class Model:
         return int(llama_cpp.llama_model_n_embd(self.ptr))
 
     @property
+    def n_embd_out(self) -> int:
+        """Width of the model's output embedding: a pooled vector's dimension."""
+        return int(llama_cpp.llama_model_n_embd_out(self.ptr))
+
+    @property
+    def pooling(self) -> int:
+        """How an embedding context pools a sequence's rows (a ``LLAMA_POOLING_TYPE_*``):
+        the pooling the GGUF declares (an embedding model's mean, CLS or last token), else
+        the mean. A generative model declares none; llama-server then refuses
+        ``/v1/embeddings`` (no pooling), where the mean of the final hidden states is the
+        usual sentence embedding (sentence-transformers' default)."""
+        declared = self._meta(f"{self._meta('general.architecture')}.pooling_type")
+        pooled = (llama_cpp.LLAMA_POOLING_TYPE_MEAN, llama_cpp.LLAMA_POOLING_TYPE_CLS,
+                  llama_cpp.LLAMA_POOLING_TYPE_LAST)
+        if declared.isdigit() and int(declared) in pooled:
+            return int(declared)
+        return llama_cpp.LLAMA_POOLING_TYPE_MEAN
+
+    def _meta(self, key: str) -> str:
+        """A GGUF metadata value as text ('' when the file has no such key)."""
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n > 0 else ""
+
+    @property
     def n_layer(self) -> int:
         return int(llama_cpp.llama_model_n_layer(self.ptr))
 

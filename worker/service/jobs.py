@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import structlog
 from pydantic import ValidationError
@@ -27,10 +27,13 @@ from shared.keys import Keys
 from shared.logs import get_logger
 from shared.outage import ride_out
 from shared.protocol import (
+    EmbeddingRequest,
     FinishReason,
     GenerationRequest,
     JobStatus,
     Rejection,
+    Telemetry,
+    TokenizerRequest,
     TokenLogprob,
     WorkerCapacity,
     describe_validation_error,
@@ -42,10 +45,14 @@ from worker.service.events import TokenChunker
 
 if TYPE_CHECKING:
     from worker.engine.constraint.matcher import CompiledGrammar
+    from worker.engine.embedding import Embedder
     from worker.engine.engine import SpeculativeEngine
     from worker.service.metrics import WorkerMetrics
 
 log = get_logger("job")
+
+#: The requests of the jobs a worker runs (``JOB_FUNCTION`` and ``worker/service/tasks.py``).
+Request = TypeVar("Request", GenerationRequest, EmbeddingRequest, TokenizerRequest)
 
 
 class Interruption(StrEnum):
@@ -86,6 +93,8 @@ class WorkerRuntime:
     interrupt: threading.Event = field(default_factory=threading.Event)
     #: Set by the heartbeat when this worker finds it was declared lost.
     lost: threading.Event = field(default_factory=threading.Event)
+    #: The embedding context beside the engine (None: this worker serves no embeddings).
+    embedder: Embedder | None = None
 
     @property
     def keys(self) -> Keys:
@@ -149,13 +158,7 @@ class JobRun:
     def open(cls, rt: WorkerRuntime, job_id: str, request: Any) -> JobRun:
         """Start an attempt: count it, say so, validate the request against the protocol and
         this worker. Raises ``RequestRejected`` (already on the job's stream)."""
-        attempt = rt.next_attempt(job_id)
-        writer = rt.writer(job_id, attempt)
-        logger = log.bind(job_id=job_id, attempt=attempt, worker=rt.worker_name,
-                          model=rt.model_name)
-        logger.info("job.started")
-        rt.metrics.job_started(job_id)
-        writer.progress("started", worker=rt.worker_name)
+        writer, logger = begin_attempt(rt, job_id)
         req, prompt = _admit(rt, writer, logger, request)
         # done/total for progress bars; each token event's ``index`` then advances ``done``.
         writer.progress("generating", done=0, total=req.max_tokens, worker=rt.worker_name)
@@ -192,7 +195,7 @@ class JobRun:
     def reject(self, message: str, error_type: Rejection = Rejection.REQUEST) -> NoReturn:
         """The engine refused the request at admission (a prompt it cannot hold, a setting
         beyond its capacity, ...)."""
-        _reject(self.rt, self.writer, self.log, message, error_type)
+        reject_attempt(self.rt, self.writer, self.log, message, error_type)
 
     def finish(self, result: GenerationResult) -> dict[str, Any]:
         """The final event of a finished (or cancelled) generation; rq's result.
@@ -200,13 +203,8 @@ class JobRun:
         Raises ``JobInterrupted`` when the worker itself stopped it (shutdown, lost)."""
         rt = self.rt
         self._chunker.flush()
-        if result.finish_reason is FinishReason.CANCELLED and (rt.interrupt.is_set()
-                                                               or rt.lost.is_set()):
-            reason = Interruption.SHUTDOWN if rt.interrupt.is_set() else Interruption.LOST
-            self.writer.progress("interrupted", worker=rt.worker_name)
-            self.log.warning("job.interrupted", reason=str(reason))
-            rt.metrics.job_finished(self.job_id, result.telemetry, "interrupted")
-            raise JobInterrupted(reason)
+        if result.finish_reason is FinishReason.CANCELLED:
+            stand_down_if_interrupted(rt, self.writer, self.log, result.telemetry)
         self.writer.emit("telemetry", telemetry=result.telemetry)
         cancelled = result.finish_reason is FinishReason.CANCELLED
         final = self.writer.final(
@@ -225,11 +223,7 @@ class JobRun:
 
     def fail(self, exc: BaseException) -> None:
         """The engine failed under this job: say so on its stream (rq records it after)."""
-        message = str(exc) or repr(exc)
-        self.writer.error(message, error_type=type(exc).__name__)
-        self.writer.final(status=JobStatus.FAILED, worker=self.rt.worker_name, error=message)
-        self.log.error("job.failed", error_type=type(exc).__name__, error=str(exc))
-        self.rt.metrics.job_finished(self.job_id, None, "failed")
+        fail_attempt(self.rt, self.writer, self.log, exc)
 
     def close(self) -> None:
         self.rt.cancels.end(self.job_id)
@@ -243,38 +237,91 @@ def refuse(rt: WorkerRuntime, job_id: str, reason: str) -> None:
     writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=reason)
 
 
-def _reject(rt: WorkerRuntime, writer: EventWriter,
-            logger: structlog.typing.FilteringBoundLogger, message: str,
-            error_type: Rejection) -> NoReturn:
-    writer.error(message, error_type=error_type)
+def begin_attempt(rt: WorkerRuntime,
+                  job_id: str) -> tuple[EventWriter, structlog.typing.FilteringBoundLogger]:
+    """Count a new attempt of ``job_id`` and say it started (its stream, the log, the
+    metrics); its event writer and its logger, bound to the job's fields."""
+    attempt = rt.next_attempt(job_id)
+    writer = rt.writer(job_id, attempt)
+    logger = log.bind(job_id=job_id, attempt=attempt, worker=rt.worker_name,
+                      model=rt.model_name)
+    logger.info("job.started")
+    rt.metrics.job_started(job_id)
+    writer.progress("started", worker=rt.worker_name)
+    return writer, logger
+
+
+def stand_down_if_interrupted(rt: WorkerRuntime, writer: EventWriter,
+                              logger: structlog.typing.FilteringBoundLogger,
+                              telemetry: Telemetry | None) -> None:
+    """A stopped attempt that the worker itself stopped (a second SIGTERM, or it was
+    declared lost) stands down: it says so and raises :class:`JobInterrupted` (the job runs
+    again). One stopped by its own cancel returns, to end cancelled."""
+    if not (rt.interrupt.is_set() or rt.lost.is_set()):
+        return
+    reason = Interruption.SHUTDOWN if rt.interrupt.is_set() else Interruption.LOST
+    writer.progress("interrupted", worker=rt.worker_name)
+    logger.warning("job.interrupted", reason=str(reason))
+    rt.metrics.job_finished(writer.job_id, telemetry, "interrupted")
+    raise JobInterrupted(reason)
+
+
+def fail_attempt(rt: WorkerRuntime, writer: EventWriter,
+                 logger: structlog.typing.FilteringBoundLogger, exc: BaseException) -> None:
+    """The worker failed under a job: an error and a failed final event on its stream (rq
+    records the failure after), logged and counted."""
+    message = str(exc) or repr(exc)
+    writer.error(message, error_type=type(exc).__name__)
+    writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=message)
+    logger.error("job.failed", error_type=type(exc).__name__, error=str(exc))
+    rt.metrics.job_finished(writer.job_id, None, "failed")
+
+
+def reject_attempt(rt: WorkerRuntime, writer: EventWriter,
+                   logger: structlog.typing.FilteringBoundLogger, message: str,
+                   error_type: Rejection, param: str | None = None) -> NoReturn:
+    """The request cannot run here: an error (naming the field at fault, ``param``) and a
+    failed final event on its stream (the client hears a 400), logged; raises
+    :class:`RequestRejected`."""
+    writer.error(message, error_type=error_type, param=param)
     writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=message)
     logger.warning("job.failed", error_type=error_type, error=message)
     rt.metrics.job_finished(writer.job_id, None, "rejected", reason=str(error_type))
     raise RequestRejected(message)
 
 
+def admit_request(rt: WorkerRuntime, writer: EventWriter,
+                  logger: structlog.typing.FilteringBoundLogger, kind: type[Request],
+                  request: Any) -> Request:
+    """``request`` as a ``kind`` of this worker's model, or rejected naming the field."""
+    try:
+        req = kind.model_validate(request)
+    except ValidationError as exc:
+        errors = exc.errors()
+        param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+        reject_attempt(rt, writer, logger, f"invalid request: {describe_validation_error(exc)}",
+                       Rejection.VALIDATION, param or None)
+    if req.model != rt.model_name:
+        reject_attempt(rt, writer, logger,
+                       f"this worker serves model '{rt.model_name}', not '{req.model}'",
+                       Rejection.WRONG_MODEL, "model")
+    return req
+
+
 def _admit(rt: WorkerRuntime, writer: EventWriter, logger: structlog.typing.FilteringBoundLogger,
            request: Any) -> tuple[GenerationRequest, list[int]]:
     """Validate the request against the protocol and this worker; returns it and its prompt."""
-    try:
-        req = GenerationRequest.model_validate(request)
-    except ValidationError as exc:
-        _reject(rt, writer, logger, f"invalid request: {describe_validation_error(exc)}",
-                Rejection.VALIDATION)
-    if req.model != rt.model_name:
-        _reject(rt, writer, logger,
-                f"this worker serves model '{rt.model_name}', not '{req.model}'",
-                Rejection.WRONG_MODEL)
+    req = admit_request(rt, writer, logger, GenerationRequest, request)
     refusal = vocabulary_refusal(req, rt.engine.model.n_vocab)
     if refusal is not None:
         field, why = refusal
-        _reject(rt, writer, logger, f"{field}: {why}", Rejection.VALIDATION)
+        reject_attempt(rt, writer, logger, f"{field}: {why}", Rejection.VALIDATION)
     from worker.engine.prompt import PromptError, build_prompt  # loads llama.cpp: worker only
     try:
         prompt = build_prompt(rt.engine.model, req, rt.settings.chat_template)
     except PromptError as exc:  # no chat template, a template that fails to render
-        _reject(rt, writer, logger, str(exc), Rejection.PROMPT)
+        reject_attempt(rt, writer, logger, str(exc), Rejection.PROMPT)
     too_long = context_refusal(len(prompt), req.max_tokens, rt.n_ctx, "the worker's context")
     if too_long is not None:
-        _reject(rt, writer, logger, too_long, Rejection.CONTEXT)
+        reject_attempt(rt, writer, logger, too_long, Rejection.CONTEXT)
     return req, prompt

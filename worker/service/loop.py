@@ -1,4 +1,5 @@
-"""The serving loop: the engine's slots fed from the worker's queues, stepped together.
+"""The serving loop: the engine's slots fed from the worker's queues, stepped together, and
+the worker's embedding and tokenizer jobs (``tasks.py``) served between the steps.
 
 specfleet's own loop, not rq's ``Worker.work``: it takes each job atomically into the
 worker's in-flight list (``intake.py``), refuses and quarantines entries it cannot run, and
@@ -28,7 +29,7 @@ from shared.capacity import CapacityError
 from shared.constraint import ConstraintError, sandbox
 from shared.logs import get_logger
 from shared.outage import RedisOutage, ride_out
-from shared.protocol import Rejection
+from shared.protocol import JOB_FUNCTION, TOKENIZER_FUNCTION, Rejection
 from shared.recovery import requeue_front
 from worker.engine.constraint.matcher import CompiledGrammar, GrammarCompile, compile_off_thread
 from worker.engine.slot import GenerationResult, Slot
@@ -51,6 +52,7 @@ from worker.service.rq_state import (
     mark_finished,
     mark_started,
 )
+from worker.service.tasks import EmbeddingRun, tokenize_job
 
 log = get_logger("worker")
 
@@ -98,14 +100,25 @@ class _Running:
     slot: Slot
 
 
+@dataclass
+class _Embedding:
+    """An embedding job whose inputs wait for (or are in) the embedding decodes."""
+
+    job: Job
+    execution: Execution
+    run: EmbeddingRun
+
+
 class ServingLoop:
     """Feeds the engine's slots from the worker's queues and steps them all together.
 
     Each pass takes jobs while a slot is free (blocking only when the worker is idle), opens
     a :class:`JobRun` for each and admits it to the engine, then runs ONE engine step for
     every active slot and hands each slot's tokens and result to its run. A finished slot is
-    refilled at the next pass (continuous batching). A poisoned entry, a rejected request or
-    a failing job never stops the others.
+    refilled at the next pass (continuous batching). A tokenizer job is answered when taken;
+    the pending inputs of every embedding job are pooled, one embedding decode a pass,
+    before the step. A poisoned entry, a rejected request or a failing job never stops the
+    others.
     """
 
     def __init__(self, runtime: WorkerRuntime, intake: JobIntake,
@@ -120,21 +133,23 @@ class ServingLoop:
         self._running: dict[int, _Running] = {}
         #: Jobs whose constraint is compiling; each holds a slot (free_slots counts them).
         self._compiling: list[_Starting] = []
+        #: Embedding jobs with inputs still to pool, in the order taken; each holds a slot.
+        self._embedding: list[_Embedding] = []
         #: Signals received and not yet logged (see :meth:`request_stop`).
         self._signals: list[tuple[int, bool]] = []
 
     @property
     def current_jobs(self) -> list[str]:
         """The jobs in the engine's slots right now, in slot order, then those whose
-        constraint is compiling."""
+        constraint is compiling, then the embedding jobs."""
         return ([r.job.id for _, r in sorted(self._running.items())]
-                + [s.job.id for s in self._compiling])
+                + [s.job.id for s in self._compiling] + [e.job.id for e in self._embedding])
 
     def _free_slots(self) -> int:
-        return self.runtime.engine.free_slots - len(self._compiling)
+        return self.runtime.engine.free_slots - len(self._compiling) - len(self._embedding)
 
     def _busy(self) -> bool:
-        return bool(self._running or self._compiling)
+        return bool(self._running or self._compiling or self._embedding)
 
     def run(self) -> None:
         """Serve until asked to stop and every slot is done; raises :class:`RedisOutage` past
@@ -149,11 +164,13 @@ class ServingLoop:
                     break
                 self._start(taken)
             self._admit_compiled()
+            if self._embedding:
+                self._embed()
             if self._running:
                 self._step()
-            elif self._compiling:
+            elif self._compiling and not self._embedding:
                 self._wait_compiles()
-            elif self.runtime.lost.is_set():
+            elif self.runtime.lost.is_set() and not self._busy():
                 self.runtime.lost.clear()  # every stale run has stood down
         self._log_signals()
 
@@ -164,7 +181,7 @@ class ServingLoop:
         be writing a log line under the stream's (non-reentrant) lock, and a log call here
         then waits for that lock forever (a SIGTERM that never drained, seen in the suite).
         The serving loop logs the signal at its next pass."""
-        interrupt = self.stopping.is_set() and bool(self._running)
+        interrupt = self.stopping.is_set() and bool(self._running or self._embedding)
         self._signals.append((signum, interrupt))
         if interrupt:
             self.runtime.interrupt.set()
@@ -199,6 +216,9 @@ class ServingLoop:
         execution = self._ride(lambda: mark_started(conn, job, rt.rq_name, ttl),
                                "job.start")
         self._set_state(WorkerStatus.BUSY)
+        if job.func_name != JOB_FUNCTION:
+            self._start_task(job, execution, request)
+            return
         try:
             run = JobRun.open(rt, job.id, request)
         except RedisOutage:
@@ -212,6 +232,64 @@ class ServingLoop:
             return
         starting.grammar = compile_off_thread(run.req.constraint, rt.engine.model)
         self._compiling.append(starting)
+
+    def _start_task(self, job: Job, execution: Execution, request: object) -> None:
+        """A tokenizer job, answered now; an embedding job, admitted to the pending ones."""
+        rt = self.runtime
+        try:
+            if job.func_name == TOKENIZER_FUNCTION:
+                final = tokenize_job(rt, job.id, request)
+                self._end(job, lambda pipe: mark_finished(pipe, job, execution, final,
+                                                          rt.settings.result_ttl_seconds,
+                                                          rt.rq_name))
+                if not self._busy():
+                    self._set_state(WorkerStatus.IDLE)
+                return
+            run = EmbeddingRun.open(rt, job.id, request)
+        except RedisOutage:
+            raise
+        except Exception as exc:  # rejected or failed: already on its stream
+            self._failed_start(job, execution, None, exc)
+            return
+        self._embedding.append(_Embedding(job, execution, run))
+
+    def _embed(self) -> None:
+        """One decode of the embedding context over the pending inputs of every embedding
+        job, in the order taken (``Embedder.embed_next``: as many as it holds); a job stopped
+        meanwhile ends first, a job whose inputs are all pooled ends after."""
+        rt = self.runtime
+        for e in [e for e in self._embedding if e.run.should_stop()]:
+            self._end_embedding(e)
+        pending = [(e, tokens) for e in self._embedding for tokens in e.run.pending]
+        if not pending:
+            return
+        embedder = rt.embedder
+        assert embedder is not None  # EmbeddingRun.open refuses every job without one
+        try:
+            vectors = embedder.embed_next([tokens for _, tokens in pending])
+        except Exception as exc:  # the decode failed: the context is suspect, every
+            for e in list(self._embedding):  # embedding job this worker holds fails
+                e.run.fail(exc)
+                self._close(e, partial(mark_failed, job=e.job, execution=e.execution,
+                                       error=exc, worker_name=rt.rq_name))
+            self._log_crash(None, exc)
+            return
+        for (e, _), vector in zip(pending, vectors, strict=False):
+            e.run.pooled([vector])
+        for e in [e for e in self._embedding if e.run.done]:
+            self._end_embedding(e)
+
+    def _end_embedding(self, e: _Embedding) -> None:
+        """An embedding job done or stopped: its final event, or handed back when the worker
+        itself stopped it."""
+        rt = self.runtime
+        try:
+            final = e.run.finish()
+        except JobInterrupted as exc:
+            self._hand_back(e, exc.reason)
+            return
+        self._close(e, lambda pipe: mark_finished(pipe, e.job, e.execution, final,
+                                                  rt.settings.result_ttl_seconds, rt.rq_name))
 
     def _compile_budget(self) -> float:
         return sandbox().seconds * WORKER_COMPILE_FACTOR
@@ -263,7 +341,7 @@ class ServingLoop:
         if run is not None:
             run.close()
         self._log_crash(job.id, exc)
-        if not self._running and not self._compiling:
+        if not self._busy():
             self._set_state(WorkerStatus.IDLE)
 
     # -- one engine step for every slot ----------------------------------------------------
@@ -300,27 +378,34 @@ class ServingLoop:
         try:
             final = r.run.finish(result)
         except JobInterrupted as exc:
-            # A shutdown hands its runs back. A worker declared lost hands back only what is
-            # still in its in-flight list: the sweep took (and requeued) what was there when
-            # it claimed the name, so a job still listed was taken after it, and nobody else
-            # will ever run it (the soak's lost job behind a stalled worker's resume).
-            shutdown = exc.reason is Interruption.SHUTDOWN
-            self._close(r, lambda pipe: end_execution(pipe, r.job, r.execution),
-                        release=shutdown)
-            if shutdown or self._ride(lambda: self.intake.release(r.job.id), "intake.release"):
-                self._requeue(r.job.id, exc.reason)
+            self._hand_back(r, exc.reason)
             return
         self._close(r, lambda pipe: mark_finished(pipe, r.job, r.execution, final,
                                                   rt.settings.result_ttl_seconds,
                                                   rt.rq_name))
 
-    def _close(self, r: _Running, record: Callable[[Pipeline], None],
+    def _hand_back(self, r: _Running | _Embedding, reason: Interruption) -> None:
+        """A run the worker itself stopped goes back to its queue's front. A shutdown hands
+        its runs back. A worker declared lost hands back only what is still in its in-flight
+        list: the sweep took (and requeued) what was there when it claimed the name, so a
+        job still listed was taken after it, and nobody else will ever run it (the soak's
+        lost job behind a stalled worker's resume)."""
+        shutdown = reason is Interruption.SHUTDOWN
+        self._close(r, lambda pipe: end_execution(pipe, r.job, r.execution), release=shutdown)
+        if shutdown or self._ride(lambda: self.intake.release(r.job.id), "intake.release"):
+            self._requeue(r.job.id, reason)
+
+    def _close(self, r: _Running | _Embedding, record: Callable[[Pipeline], None],
                release: bool = True) -> None:
-        """A slot's run is over: its outcome into rq's records, the slot and flag freed."""
+        """A run is over: its outcome into rq's records, its slot (or place among the
+        pending embeddings) and flag freed."""
         self._end(r.job, record, release)
         r.run.close()
-        del self._running[r.slot.seq]
-        if not self._running:
+        if isinstance(r, _Running):
+            del self._running[r.slot.seq]
+        else:
+            self._embedding.remove(r)
+        if not self._busy():
             self._set_state(WorkerStatus.IDLE)
 
     def _log_crash(self, job_id: str | None, exc: BaseException) -> None:

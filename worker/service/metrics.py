@@ -104,6 +104,10 @@ class WorkerMetrics:
         self.redis_fault_seconds = counter("redis_fault_seconds", "Seconds this worker's "
                                            "operations waited on a refusing Redis, by kind",
                                            (*_BASE, "kind"))
+        self.device_fallbacks = counter(
+            "checkpoint_device_host_fallbacks", "Slots whose device checkpoint share on one "
+            "device of the worker moved to the host, by that device (over a group: each device "
+            "holding recurrent layers)", (*_SPEC, "checkpoint_device"))
         self.checkpoint_mode = gauge("checkpoint_mode",
                                      "1 for the checkpoint storage in force, 0 for the other",
                                      (*_BASE, "mode"))
@@ -148,7 +152,15 @@ class WorkerMetrics:
             reason = str(details.get("checkpoint_fallback") or "reserve")
             count = fit.slots if fit else 1
             self.summed["host_fallbacks"].labels(*self._base, method, reason).inc(count)
-            self._report("worker.host_fallback", phase="reserve", reason=reason, count=count)
+            devices = details.get("checkpoint_fallback_devices")
+            self._fell_back((*self._base, method), devices, count)
+            self._report("worker.host_fallback", phase="reserve", reason=reason, count=count,
+                         devices=devices)
+
+    def _fell_back(self, spec: tuple[str, ...], devices: object, count: int) -> None:
+        """``count`` slots' device checkpoints moved to the host from each of ``devices``."""
+        for device in devices if isinstance(devices, list) else ():
+            self.device_fallbacks.labels(*spec, str(device)).inc(count)
 
     def _set_checkpoint(self, mode: str, reserved: object) -> None:
         """The storage in force, and its reservation where it lives (device or ``host``)."""
@@ -200,8 +212,10 @@ class WorkerMetrics:
                          replay_events=telemetry.replay_events,
                          replay_tokens=telemetry.replay_tokens)
         if telemetry.host_fallbacks:
+            self._fell_back(spec, telemetry.host_fallback_devices, telemetry.host_fallbacks)
             self._report("worker.host_fallback", job_id=job_id, phase="generation",
-                         reason=telemetry.host_fallback_reason, count=telemetry.host_fallbacks)
+                         reason=telemetry.host_fallback_reason, count=telemetry.host_fallbacks,
+                         devices=telemetry.host_fallback_devices)
         if clock is not None and clock.first_token is not None:
             self.ttft.labels(*spec).observe(clock.first_token - clock.started)
             self.e2e.labels(*spec).observe((clock.last_token or clock.first_token)

@@ -31,8 +31,11 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from shared.protocol import JOB_FUNCTION
+from shared.protocol import EMBEDDING_FUNCTION, JOB_FUNCTION, TOKENIZER_FUNCTION
 from shared.redis_faults import classify
+
+#: The job functions a worker runs (``job.func_name`` tells the serving loop which).
+FUNCTIONS = (JOB_FUNCTION, EMBEDDING_FUNCTION, TOKENIZER_FUNCTION)
 
 
 class PoisonedJob(Exception):
@@ -61,8 +64,8 @@ def load_job(connection: Redis, job_id: str) -> tuple[Job, Any]:
             raise
         raise PoisonedJob("payload is not a JSON job (pickled, corrupt or malformed)",
                           job) from None
-    if func_name != JOB_FUNCTION:
-        raise PoisonedJob(f"function {func_name!r} is not {JOB_FUNCTION!r}", job)
+    if func_name not in FUNCTIONS:
+        raise PoisonedJob(f"function {func_name!r} is none of {', '.join(FUNCTIONS)}", job)
     if not isinstance(args, list | tuple) or len(args) != 1 or kwargs:
         raise PoisonedJob("the job must carry exactly one argument, the request", job)
     return job, args[0]

@@ -28,7 +28,7 @@ from shared.cancel import request_cancel
 from shared.fleet_events import FleetReporter
 from shared.logs import get_logger
 from shared.outage import RedisOutage
-from shared.protocol import FitReport, WorkerCapacity, WorkerInfo
+from shared.protocol import WorkerCapacity, WorkerInfo
 from shared.recovery import RecoveryMonitor, hand_back
 from shared.redis_client import connect
 from shared.registry import FleetRegistry
@@ -52,7 +52,7 @@ from worker.service.rq_presence import (
     check_devices_free,
     check_name_free,
 )
-from worker.service.startup import load_engine
+from worker.service.startup import LoadedWorker, load_engine
 from worker.threads import current_wait
 
 log = get_logger("worker")
@@ -82,25 +82,26 @@ def serve(options: WorkerOptions, settings: Settings, device: DeviceRef | Device
         # Loading takes seconds to minutes: meanwhile requests for the model wait for it.
         with StartingRecord(connection, keys, options.model_name, name,
                             settings.worker_ttl_seconds, settings.heartbeat_seconds):
-            engine, fit = load_engine(options, n_gpu_layers, settings)
+            loaded = load_engine(options, n_gpu_layers, settings)
         try:
-            _serve_loaded(options, settings, connection, registry, name, device.name, engine,
-                          fit)
+            _serve_loaded(options, settings, connection, registry, name, device.name, loaded)
         finally:
-            engine.close()
+            loaded.close()
 
 
 def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
-                  registry: FleetRegistry, name: str, device: str, engine: SpeculativeEngine,
-                  fit: FitReport | None) -> None:
+                  registry: FleetRegistry, name: str, device: str,
+                  loaded: LoadedWorker) -> None:
     keys = settings.keys
+    engine, fit, embedder = loaded.engine, loaded.fit, loaded.embedder
     metrics = start_worker_metrics(name, options.model_name, device, options.metrics_port)
     metrics.fleet = FleetReporter(connection, keys, name, options.model_name)
     stop_listening = redis_faults.listen(metrics)
     runtime = WorkerRuntime(engine=engine, connection=connection, settings=settings,
                             worker_name=name, model_name=options.model_name,
                             n_ctx=engine.config.n_ctx, cancels=CancelWatch(connection, keys),
-                            capacity=loaded_capacity(engine), metrics=metrics)
+                            capacity=loaded_capacity(engine), metrics=metrics,
+                            embedder=embedder)
     template = choose_template(engine.model, settings.chat_template)
     info = WorkerInfo(
         name=name, model_name=options.model_name, model_path=options.model_path,
@@ -112,7 +113,8 @@ def _serve_loaded(options: WorkerOptions, settings: Settings, connection: Redis,
         chat_template_source=template.source, chat_template_names=reads_names(template.text),
         threads=options.threads, thread_wait=current_wait(),
         metrics_port=metrics.port, prefix_cache=engine.config.prefix_cache,
-        deterministic=engine.config.deterministic)
+        deterministic=engine.config.deterministic,
+        embedding_tokens=embedder.max_tokens if embedder is not None else None)
     metrics.worker_loaded(runtime.n_ctx, fit, str(engine.method), options.checkpoint)
     monitor = RecoveryMonitor(connection, registry, settings, sweeper=name)
     tiers = ContextTiers(connection, keys, options.model_name, runtime.n_ctx, name)

@@ -47,6 +47,8 @@ class RollbackStats:
     checkpoint_reservation_bytes: int | None = None
     #: Direct rollback snapshots (None: a pure-attention model, trimmed instead).
     rollback_depth: int | None = None
+    #: The devices whose share of the sequence's device checkpoint fell back to the host.
+    host_fallback_devices: list[str] | None = None
 
     def _counts(self, other: RollbackStats, sign: int) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) + sign * getattr(other, f.name)

@@ -18,6 +18,13 @@ restored with the matching flags.
 Every slot (sequence) owns one store: llama.cpp keeps one ON_DEVICE checkpoint per sequence
 and they coexist, and the fallback is sticky per store, so one slot's failed device save
 moves only that slot to the host.
+
+Over a device group a slot's device checkpoint lives on every device that holds recurrent
+layers (llama.cpp copies each layer's rows into a buffer on that layer's device), and one
+save or restore call covers them all: a failed save moves the slot's share on each of those
+devices to the host together. The store names them (:attr:`CheckpointStore.devices`, set by
+the start-up reservation), so the fallback's log event and telemetry say which devices of
+the group fell back, not only that the worker did.
 """
 
 from __future__ import annotations
@@ -81,6 +88,11 @@ class CheckpointStore:
         self.fallbacks = 0
         #: ``kind`` of the latest fallback (a store falls back at most once: it is sticky).
         self.fallback_reason: str | None = None
+        #: The devices holding this slot's device checkpoint, in the model's order (the
+        #: reservation sets them from the fit; empty: not known, no fit placed them), and
+        #: those whose share the fallback moved to the host (None: no fallback).
+        self.devices: tuple[str, ...] = ()
+        self.fallback_devices: list[str] | None = None
         #: Device payload bytes the start-up reservation pinned.
         self._device_reserved = 0
         self._buffers: dict[CheckpointMode, ctypes.Array] = {}
@@ -193,5 +205,6 @@ class CheckpointStore:
         self.mode = CheckpointMode.HOST
         self.fallbacks += 1
         self.fallback_reason = failure.kind
+        self.fallback_devices = list(self.devices)
         log.warning("checkpoint.fallback", reason=str(failure), kind=failure.kind, phase=phase,
-                    to="host", seq=self.seq)
+                    to="host", seq=self.seq, devices=self.fallback_devices)

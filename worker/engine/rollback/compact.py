@@ -49,8 +49,10 @@ class Reservation:
 
     mode: CheckpointMode
     bytes_per_slot: int
-    #: Why the device reservation fell back to host storage (None: it did not).
+    #: Why the device reservation fell back to host storage (None: it did not), and the
+    #: devices whose checkpoint share moved to the host.
     fallback_reason: str | None
+    fallback_devices: list[str] | None
 
 
 class CompactRollback:
@@ -72,6 +74,12 @@ class CompactRollback:
         self._pending: list[_Replay] = []
         self._replay = Batch(slots * (draft_max + 1))
 
+    def place(self, devices: Sequence[str]) -> None:
+        """Name the devices every slot's device checkpoint lives on (the fit's, before
+        :meth:`reserve`), for the fallback's event and telemetry."""
+        for store in self.stores:
+            store.devices = tuple(devices)
+
     def reserve(self, target: Context) -> Reservation:
         """Allocate every slot's checkpoint storage up front (the fitter calls this at worker
         start); returns the mode and the bytes reserved per slot.
@@ -90,8 +98,10 @@ class CompactRollback:
                     sizes[i] = store.reserve(target)
         if len(set(sizes)) != 1:
             raise RollbackError(f"the slots' checkpoint reservations differ: {sizes} bytes")
-        reason = next((st.fallback_reason for st in self.stores if st.fallback_reason), None)
-        return Reservation(self.stores[0].mode, sizes[0], reason)
+        failed = next((st for st in self.stores if st.fallback_reason), None)
+        return Reservation(self.stores[0].mode, sizes[0],
+                           failed.fallback_reason if failed else None,
+                           failed.fallback_devices if failed else None)
 
     def prepare(self, target: Context, seq: int, n_draft: int) -> None:
         """Checkpoint the state before a verify only when its draft is longer than D: any
@@ -143,6 +153,7 @@ class CompactRollback:
             replay_events=self.replay_events[seq], replay_tokens=self.replay_tokens[seq],
             checkpoint_saves=store.saves, host_fallbacks=store.fallbacks,
             checkpoint_mode=store.mode, host_fallback_reason=store.fallback_reason,
+            host_fallback_devices=store.fallback_devices,
             checkpoint_reservation_bytes=store.reserved_bytes(), rollback_depth=self.n_rs_seq)
 
     def close(self) -> None:
