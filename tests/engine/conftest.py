@@ -21,7 +21,7 @@ from shared.protocol import SpecMethod, Telemetry
 from worker.engine.drafting.curve import CostCurve
 from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
 from worker.launch import EngineCapacity
-from worker.testmodels import write_qwen35_hybrid
+from worker.testmodels import write_dense_llama, write_qwen35_hybrid
 from worker.testmodels.recipe import Strengths
 
 TOKENS = 200
@@ -79,6 +79,16 @@ def soft_hybrid_mtp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Subjec
     path = write_qwen35_hybrid(tmp_path_factory.mktemp("soft") / "soft-qwen35-mtp.gguf",
                                strengths=Strengths(logit_scale=SOFT_LOGIT_SCALE))
     yield from subject(path, SpecMethod.MTP)
+
+
+@pytest.fixture(scope="module")
+def byte_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The dense and the MTP hybrid tiny models, with the byte-level vocabulary."""
+    d = tmp_path_factory.mktemp("byte-vocab")
+    return {"dense": write_dense_llama(d / "dense-bytes.gguf", byte_vocab=True),
+            "hybrid": write_qwen35_hybrid(d / "hybrid-bytes.gguf", byte_vocab=True),
+            "soft": write_qwen35_hybrid(d / "soft-bytes.gguf", byte_vocab=True,
+                                        strengths=Strengths(logit_scale=8.0))}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -43,8 +43,6 @@ from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngi
 from worker.engine.slot import SlotRequest
 from worker.launch import EngineCapacity
 from worker.llm import Model, ModelSpec
-from worker.testmodels import write_dense_llama, write_qwen35_hybrid
-from worker.testmodels.recipe import Strengths
 
 from .schedule import Arrival, run_schedule
 from .test_constraints import _homogeneity
@@ -68,15 +66,6 @@ def json_schema(schema: dict[str, Any]) -> Constraint:
 
 
 JSON_OBJECT = Constraint(kind=ConstraintKind.JSON_OBJECT)
-
-
-@pytest.fixture(scope="module")
-def byte_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("close-bytes")
-    return {"dense": write_dense_llama(d / "dense-bytes.gguf", byte_vocab=True),
-            "hybrid": write_qwen35_hybrid(d / "hybrid-bytes.gguf", byte_vocab=True),
-            "soft": write_qwen35_hybrid(d / "soft-bytes.gguf", byte_vocab=True,
-                                        strengths=Strengths(logit_scale=8.0))}
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,6 @@ from worker.engine.proposers.none import NoDraft
 from worker.engine.slot import SlotRequest
 from worker.engine.verify import Verifier
 from worker.launch import EngineCapacity
-from worker.testmodels import write_dense_llama, write_qwen35_hybrid
-from worker.testmodels.recipe import Strengths
 
 from .schedule import Arrival, run_schedule
 
@@ -79,16 +77,6 @@ LARK = Constraint(kind=ConstraintKind.LARK, grammar='start: "<" item "," item ("
 
 def schema(name: str) -> Constraint:
     return Constraint(kind=ConstraintKind.JSON_SCHEMA, json_schema=SCHEMAS[name])
-
-
-@pytest.fixture(scope="module")
-def byte_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The dense and the MTP hybrid tiny models, with the byte-level vocabulary."""
-    d = tmp_path_factory.mktemp("byte-vocab")
-    return {"dense": write_dense_llama(d / "dense-bytes.gguf", byte_vocab=True),
-            "hybrid": write_qwen35_hybrid(d / "hybrid-bytes.gguf", byte_vocab=True),
-            "soft": write_qwen35_hybrid(d / "soft-bytes.gguf", byte_vocab=True,
-                                        strengths=Strengths(logit_scale=8.0))}
 
 
 def open_engine(model: Path, method: SpecMethod, slots: int = 1,
