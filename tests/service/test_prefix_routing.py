@@ -24,6 +24,8 @@ from coordinator.client import Coordinator, JobHandle
 from coordinator.routing import choose_holder
 from shared.prefix_digest import BUSY_FIELD, request_digests
 from shared.protocol import (
+    MAX_EMBEDDING_INPUTS,
+    EmbeddingRequest,
     GenerationRequest,
     JobStatus,
     Priority,
@@ -269,3 +271,37 @@ def test_own_queues_keep_priorities(fleet: Fleet, coordinator: Coordinator) -> N
     assert sorted(starts, key=starts.__getitem__) == ["own_high", "shared_high", "own_normal"]
     for h in (own_normal, shared_high, own_high, long):
         assert coordinator.handle(h.job_id).result(timeout=60).status is JobStatus.FINISHED
+
+
+def test_a_slot_held_by_an_embedding_job_counts_as_taken(fleet: Fleet,
+                                                         coordinator: Coordinator) -> None:
+    """An embedding job holds a slot outside the engine: the published load counts it, so a
+    generation whose prefix the worker holds is not routed there to wait behind it, and is
+    routed there again once the embedding job ended."""
+    fleet.start("w0", step_delay=STEP_DELAY,
+                args=("--ctx", "512", "--slots", "2", "--embeddings", "64"))
+    first = coordinator.submit(_request(PREFIX)).result(timeout=60)
+    long = coordinator.submit(_request(PREFIX, max_tokens=200))  # ~10 s in one slot
+    _busy_until_first_token(long)
+    # 32 two-token inputs a decode, a decode a pass, a pass >= STEP_DELAY: seconds held
+    inputs = [[a, b] for a in range(10, 100) for b in range(10, 33)][:MAX_EMBEDDING_INPUTS]
+    embedding = coordinator.submit_task(EmbeddingRequest(model=MODEL_NAME, input=inputs))
+    conn, keys = coordinator.connection, coordinator.keys
+    follow = GenerationRequest(model=MODEL_NAME, prompt_tokens=PREFIX + first.tokens)
+    workers = coordinator.registry.live_workers(MODEL_NAME)
+
+    def busy() -> int:
+        return int(conn.hget(keys.prefix_blocks(MODEL_NAME, "w0"), BUSY_FIELD) or 0)
+
+    deadline = time.monotonic() + 30
+    while busy() < 2:
+        assert time.monotonic() < deadline, "the embedding job's slot was never counted"
+        time.sleep(0.01)
+    assert choose_holder(conn, keys, follow, workers, None) is None
+    assert embedding.result(timeout=60).status is JobStatus.FINISHED
+    while busy() > 1:  # published just after the final event
+        assert time.monotonic() < deadline, "the embedding job's slot stayed counted"
+        time.sleep(0.01)
+    route = choose_holder(conn, keys, follow, workers, None)
+    assert route is not None and route.worker == "w0"
+    assert coordinator.handle(long.job_id).result(timeout=60).status is JobStatus.FINISHED

@@ -148,6 +148,12 @@ class ServingLoop:
     def _free_slots(self) -> int:
         return self.runtime.engine.free_slots - len(self._compiling) - len(self._embedding)
 
+    def _publish_held(self) -> None:
+        """Routing's load figure counts the slots held outside the engine too (constraints
+        compiling, embedding jobs): a generation routed here would wait behind them."""
+        held = len(self._compiling) + len(self._embedding)
+        self._ride(lambda: self.prefixes.holding(held), "prefix.publish")
+
     def _busy(self) -> bool:
         return bool(self._running or self._compiling or self._embedding)
 
@@ -232,6 +238,7 @@ class ServingLoop:
             return
         starting.grammar = compile_off_thread(run.req.constraint, rt.engine.model)
         self._compiling.append(starting)
+        self._publish_held()
 
     def _start_task(self, job: Job, execution: Execution, request: object) -> None:
         """A tokenizer job, answered now; an embedding job, admitted to the pending ones."""
@@ -252,6 +259,7 @@ class ServingLoop:
             self._failed_start(job, execution, None, exc)
             return
         self._embedding.append(_Embedding(job, execution, run))
+        self._publish_held()
 
     def _embed(self) -> None:
         """One decode of the embedding context over the pending inputs of every embedding
@@ -303,6 +311,7 @@ class ServingLoop:
             if grammar.future.done() or grammar.overdue(self._compile_budget()):
                 self._compiling.remove(starting)
                 self._admit(starting)
+                self._publish_held()
 
     def _wait_compiles(self) -> None:
         """Nothing to decode, only constraints compiling: wait for one to end (at most a
@@ -405,6 +414,7 @@ class ServingLoop:
             del self._running[r.slot.seq]
         else:
             self._embedding.remove(r)
+            self._publish_held()
         if not self._busy():
             self._set_state(WorkerStatus.IDLE)
 
