@@ -46,6 +46,7 @@ Everything expires ``SPECFLEET_RESULT_TTL_SECONDS`` after the batch's last chang
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -68,6 +69,7 @@ from coordinator.files import (
     jsonl_lines,
     result_file_id,
 )
+from coordinator.openai_api import embeddings as embeddings_api
 from coordinator.openai_api import replies, requests
 from coordinator.openai_api.fields import Metadata, RequestError
 from coordinator.tenancy import ANONYMOUS, OPERATOR, StoreError, Tenant, listing
@@ -507,12 +509,19 @@ class BatchStore:
         if isinstance(parsed, str):
             self._fail_line(batch_id, number, custom_id, parsed)
             return
-        job_id, choice = _job_id(batch_id, number), parsed.choices[0]
-        record = {"custom_id": custom_id, "job_id": None, "model": parsed.model,
-                  "echo": choice.echo, "tool_calls": choice.tool_calls}
+        job_id = _job_id(batch_id, number)
+        record: dict[str, Any] = {"custom_id": custom_id, "job_id": None, "model": parsed.model}
+        if isinstance(parsed, embeddings_api.Embeddings):
+            record["encoding_format"] = parsed.encoding_format
+            submit = functools.partial(self.coordinator.submit_task, parsed.request,
+                                       job_id=job_id)
+        else:
+            choice = parsed.choices[0]
+            record.update(echo=choice.echo, tool_calls=choice.tool_calls)
+            submit = functools.partial(self.coordinator.submit, choice.request, job_id=job_id)
         self._register(batch_id, number, record)
         try:
-            self.coordinator.submit(choice.request, job_id=job_id)
+            submit()
         except SubmitError as exc:
             if exc.reason in ("no_worker", "coming"):  # known or coming: it waits
                 raise _NoWorker(str(exc), exc.model or parsed.model, job_id) from None
@@ -661,9 +670,10 @@ def _job_id(batch_id: str, number: int) -> str:
 
 
 def _parse_line(endpoint: str, number: int, raw: bytes, model: str | None,
-                aliases: dict[str, str]) -> tuple[str | None, requests.Parsed | str]:
-    """``(custom_id, the body read)`` for a line that can be submitted, else
-    ``(custom_id or None, "line N: why")``."""
+                aliases: dict[str, str],
+                ) -> tuple[str | None, requests.Parsed | embeddings_api.Embeddings | str]:
+    """``(custom_id, the body read)`` for a line that can be submitted (an embeddings
+    line's body is a task's), else ``(custom_id or None, "line N: why")``."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -679,6 +689,8 @@ def _parse_line(endpoint: str, number: int, raw: bytes, model: str | None,
     if model is not None:
         body.setdefault("model", model)
     try:
+        if endpoint == requests.EMBEDDINGS:
+            return line.custom_id, embeddings_api.parse(body, aliases)
         parsed = requests.parse_body(endpoint, body, aliases)
     except RequestError as exc:
         return line.custom_id, f"line {number}: {exc}"
@@ -697,10 +709,13 @@ def _output_line(endpoint: str, number: int, record: dict[str, Any], final: Fina
     line: dict[str, Any] = {"id": f"batch_req_{final.job_id}",
                             "custom_id": record.get("custom_id"), "line": number}
     if final.status is JobStatus.FINISHED:
-        parsed = requests.Parsed(endpoint, record.get("model") or "",
-                                 [requests.Choice({}, echo=record.get("echo", ""),
-                                                  tool_calls=record.get("tool_calls", False))])
-        body = replies.response_body(parsed, [final])
+        model = record.get("model") or ""
+        if endpoint == requests.EMBEDDINGS:
+            body = embeddings_api.reply(model, record.get("encoding_format", "float"), final)
+        else:
+            parsed = requests.Parsed(endpoint, model, [requests.Choice(
+                {}, echo=record.get("echo", ""), tool_calls=record.get("tool_calls", False))])
+            body = replies.response_body(parsed, [final])
         return {**line, "response": {"status_code": 200, "request_id": job_id, "body": body},
                 "error": None}
     if job_id is None:

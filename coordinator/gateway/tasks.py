@@ -40,7 +40,8 @@ async def embeddings(request: Request) -> Response:
     final = await _run(request, parsed.request)
     if isinstance(final, Response):
         return final
-    return await _json(functools.partial(embeddings_api.reply, parsed, final))
+    return await _json(functools.partial(embeddings_api.reply, parsed.model,
+                                         parsed.encoding_format, final))
 
 
 @router.post("/tokenize")

@@ -117,14 +117,15 @@ def _token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def reply(parsed: Embeddings, final: FinalEvent) -> dict[str, Any]:
-    """OpenAI's answer: one ``embedding`` object per input, in order, and the tokens read."""
-    base64_out = parsed.encoding_format == "base64"
+def reply(model: str, encoding_format: str, final: FinalEvent) -> dict[str, Any]:
+    """OpenAI's answer (to the gateway's request, or a batch line's): one ``embedding``
+    object per input, in order, and the tokens read; ``model`` as the client named it."""
+    base64_out = encoding_format == "base64"
     data = [{"object": "embedding", "index": i,
              "embedding": vector if base64_out else floats(vector)}
             for i, vector in enumerate(final.embeddings or [])]
     tokens = final.telemetry.prompt_tokens if final.telemetry is not None else 0
-    return {"object": "list", "data": data, "model": parsed.model,
+    return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

@@ -61,7 +61,9 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 #: Our own request shape in a batch line (the old ``specfleet batch`` files).
 NATIVE = "/v1/specfleet/generate"
-ENDPOINTS = (COMPLETIONS, CHAT, NATIVE)
+#: Embeddings (``coordinator.openai_api.embeddings``): a task, not a generation.
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS = (COMPLETIONS, CHAT, NATIVE, EMBEDDINGS)
 
 
 def _bounds(name: str) -> dict[str, Any]:

@@ -4,7 +4,10 @@ driven with the real ``openai`` client."""
 from __future__ import annotations
 
 import base64
+import io
+import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 
+from worker.engine.embedding import SHARED_INPUT_TOKENS
 from worker.llm.model import Model, ModelSpec
 
 from .conftest import Deployment, deployed, deployment_settings
@@ -90,17 +94,65 @@ def test_token_ids_embed_as_their_text_does(embedding_fleet: Deployment,
     assert one.usage.prompt_tokens == len(ids[1])
 
 
-def test_a_text_keeps_its_vector_in_another_batch(embedding_fleet: Deployment) -> None:
-    """The same input alone, twice (the same vector), and pooled in one decode with other
-    inputs of other lengths in another position: the cosine stays >= 0.999."""
+def test_a_text_keeps_its_vector_in_another_batch(embedding_fleet: Deployment,
+                                                  tokenizer: Model) -> None:
+    """A short and a longer input, each alone, twice, and among inputs of other lengths in
+    other positions: the same float32 vector every time (worker/engine/embedding.py)."""
     client = embedding_fleet.client()
-    alone = [_vectors(client.embeddings.create(model=MODEL_NAME, input=TEXTS[2],
-                                               encoding_format="float"))[0] for _ in range(2)]
-    assert (alone[0] == alone[1]).all()
-    crowd = ["x " * 40, "some other words", TEXTS[2], "and one more"]
+    short, longer = "a few words", f"{TEXTS[2]}, and {TEXTS[1]}"
+    lengths = [len(tokenizer.tokenize(text)) for text in (short, longer)]
+    assert lengths[0] < SHARED_INPUT_TOKENS <= lengths[1]
+    crowd = ["x " * 40, "some", short, "other words", longer, "and one more"]
     mixed = _vectors(client.embeddings.create(model=MODEL_NAME, input=crowd,
-                                              encoding_format="float"))[2]
-    assert float(alone[0] @ mixed) >= 0.999
+                                              encoding_format="float"))
+    for text in (short, longer):
+        for _ in range(2):
+            alone = _vectors(client.embeddings.create(model=MODEL_NAME, input=text,
+                                                      encoding_format="float"))[0]
+            assert (alone == mixed[crowd.index(text)]).all(), text
+
+
+def test_a_batch_runs_embedding_lines(embedding_fleet: Deployment) -> None:
+    """OpenAI's Batch API with url /v1/embeddings: every line an embedding job, its output
+    line the answer /v1/embeddings gives (float by default, base64 when asked), and a bad
+    line failed alone, naming its field."""
+    client = embedding_fleet.client()
+    bodies = [{"model": MODEL_NAME, "input": TEXTS},
+              {"model": MODEL_NAME, "input": TEXTS[1], "encoding_format": "base64"},
+              {"model": MODEL_NAME, "input": ["fine", ""]}]
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
+                         "body": body}) for i, body in enumerate(bodies)]
+    upload = client.files.create(file=("embed.jsonl", io.BytesIO("\n".join(lines).encode())),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                  completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (batch := client.batches.retrieve(batch.id)).status not in (
+            "completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.endpoint == "/v1/embeddings"
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert batch.output_file_id is not None and batch.error_file_id is not None
+    out = [json.loads(line)
+           for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [line["custom_id"] for line in out] == ["r0", "r1"]
+    direct = client.embeddings.create(model=MODEL_NAME, input=TEXTS, encoding_format="float")
+    body = out[0]["response"]["body"]
+    assert out[0]["response"]["status_code"] == 200 and out[0]["error"] is None
+    assert body["object"] == "list" and body["model"] == MODEL_NAME
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    assert [d["embedding"] for d in body["data"]] == [d.embedding for d in direct.data]
+    assert body["usage"] == {"prompt_tokens": direct.usage.prompt_tokens,
+                             "total_tokens": direct.usage.total_tokens}
+    encoded = base64.b64decode(out[1]["response"]["body"]["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(encoded) // 4}f", encoded)) == direct.data[1].embedding
+    [error] = [json.loads(line)
+               for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "r2" and error["response"]["status_code"] == 400
+    message = error["error"]["message"]
+    assert message.startswith("line 3: ") and "input.1" in message
 
 
 @pytest.mark.parametrize(("body", "param"), [
