@@ -100,6 +100,10 @@ class Keys:
         """Counter of started attempts of a job (crash recovery increments it)."""
         return f"{self.prefix}:job:{job_id}:attempts"
 
+    def attempt_tokens(self, job_id: str) -> str:
+        """Which number each start of a job was given (a retried count keeps its number)."""
+        return f"{self.prefix}:job:{job_id}:attempt-tokens"
+
     def superseded(self, job_id: str) -> str:
         """The newest attempt of a job that recovery took away from a lost worker: a final or
         error event of that attempt or an older one is dropped (a stalled worker that wakes

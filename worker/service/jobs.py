@@ -12,6 +12,7 @@ shows it.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -110,13 +111,30 @@ class WorkerRuntime:
         return EventWriter.for_job(self.connection, self.settings, job_id, attempt)
 
     def next_attempt(self, job_id: str) -> int:
-        """Count one more attempt of ``job_id`` (shared by every worker that runs it)."""
+        """Count one more attempt of ``job_id`` (shared by every worker that runs it), once
+        however often the write is retried through an outage (:data:`_ATTEMPT_LUA`)."""
+        token = uuid.uuid4().hex
+        count = self.connection.register_script(_ATTEMPT_LUA)
+        keys = [self.keys.attempts(job_id), self.keys.attempt_tokens(job_id)]
+
         def incr() -> int:
-            pipe = self.connection.pipeline(transaction=False)
-            pipe.incr(self.keys.attempts(job_id))
-            pipe.expire(self.keys.attempts(job_id), self.settings.stream_ttl_seconds)
-            return int(pipe.execute()[0])
+            return int(count(keys=keys, args=[token, self.settings.stream_ttl_seconds]))
         return ride_out(incr, self.settings.redis_outage_seconds, "job.attempt")
+
+
+#: One start of a job counted once: an INCR that Redis ran but whose reply an outage cut was
+#: retried and counted the attempt twice (a 10 s outage mid-batch: a job that ran once said
+#: ``attempts: 2``). Each start carries a token; its retries get the number it was given.
+_ATTEMPT_LUA = """
+local n = redis.call('HGET', KEYS[2], ARGV[1])
+if not n then
+  n = redis.call('INCR', KEYS[1])
+  redis.call('HSET', KEYS[2], ARGV[1], n)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return tonumber(n)
+"""
 
 
 def run_generation(request: Any) -> None:
