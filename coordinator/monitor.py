@@ -55,6 +55,8 @@ FLEET_SOURCE = "redis:fleet-events"
 LIVE_SOURCE = "redis:live"
 #: How long a stopping :class:`LiveFeed` waits for one more message before its last summary.
 DRAIN_SECONDS = 0.2
+#: How long :class:`LiveFeed` waits for Redis to confirm its subscription.
+SUBSCRIBE_SECONDS = 10.0
 #: Records held per source until its worker is known (a start-up is a few dozen lines).
 _PENDING_MAX = 10_000
 
@@ -504,8 +506,19 @@ class LiveFeed:
     fed to a :class:`LogSummary` as the records they stand for (see the module docstring)."""
 
     def __init__(self, connection: Redis, keys: Keys) -> None:
-        self._pubsub = connection.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = connection.pubsub()
         self._pubsub.psubscribe(keys.channel("*"))
+        # Only once Redis confirms the pattern does a published event reach this feed: a job
+        # started between the command and its confirmation was missed (a loaded CI machine:
+        # one job.started of three).
+        deadline = time.monotonic() + SUBSCRIBE_SECONDS
+        while (left := deadline - time.monotonic()) > 0:
+            message = self._pubsub.get_message(timeout=left)
+            if message is not None and message.get("type") == "psubscribe":
+                break
+        else:
+            raise ConnectionError(f"Redis did not confirm the subscription to the jobs' "
+                                  f"channels within {SUBSCRIBE_SECONDS:.0f} s")
         #: Per job, the type of its last error event (its final event says only "failed").
         self._errors: dict[str, str] = {}
 
