@@ -5,6 +5,7 @@ decode's fixed cost."""
 from __future__ import annotations
 
 from shared.protocol import SpecMethod
+from worker.engine.core.distribution import Distribution
 from worker.engine.core.draft import Draft
 from worker.engine.core.telemetry import SpecCounters
 from worker.engine.drafting.budget import FIRST_GUESS, plan_widths, reach
@@ -94,3 +95,20 @@ def test_a_slot_whose_drafts_the_budget_keeps_cutting_stops_asking_its_drafter_f
     assert skipped.width() == 0 and skipped.width() == 8
     skipped.granted(asked=8, width=3)
     assert skipped.width() == 8
+
+
+def test_a_sampled_draft_the_budget_keeps_whole_never_backs_its_slot_off() -> None:
+    """A sampled draft keeps its width whatever the budget says (which positions are drafts
+    decides its tokens), so its slot's drafter is asked at every step even where the budget
+    would have cut a greedy one."""
+    dear = _planner(CostCurve({1: 1.0, 8: 8.0, 64: 64.0}), 8)
+    policies = [dear.policy(8, adaptive=False) for _ in range(8)]
+    counters = SpecCounters()
+    for _ in range(5):
+        asked = [dear.width(p, room=8) for p in policies]
+        assert asked == [8] * 8
+        drafts = [Draft([7] * w, dists=[Distribution.point(7)] * w, confidences=[0.9] * w)
+                  for w in asked]
+        kept = dear.plan([Proposed(d, 0, counters, SpecMethod.MTP, p)
+                          for d, p in zip(drafts, policies, strict=True)])
+        assert [len(d.tokens) for d in kept] == [8] * 8

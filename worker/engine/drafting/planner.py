@@ -127,7 +127,8 @@ class DraftPlanner:
                        for p in proposed]
             widths = plan_widths(chances, self.steps.seconds, self.bar.level)
             for p, w in zip(proposed, widths, strict=True):
-                p.policy.granted(len(p.draft.tokens) - p.forced, max(w - p.forced, 0))
+                if p.draft.dists is None:  # a sampled draft keeps its width: never cut
+                    p.policy.granted(len(p.draft.tokens) - p.forced, max(w - p.forced, 0))
         return [p.draft.cut(max(w, p.forced)) if p.draft.dists is None else p.draft
                 for p, w in zip(proposed, widths, strict=True)]
 
