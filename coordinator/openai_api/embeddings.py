@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError, field_validator
 
-from coordinator.openai_api.fields import RequestError, Strict, from_validation, screen
-from coordinator.openai_api.requests import check_model_name, resolve
+from coordinator.openai_api.fields import RequestError, Strict, from_validation, read_body
+from coordinator.openai_api.requests import served_model
 from shared.protocol import (
     MAX_EMBEDDING_INPUTS,
     EmbeddingInput,
@@ -69,12 +69,8 @@ class Embeddings:
 
 def parse(body: Mapping[str, Any], aliases: Mapping[str, str] | None = None) -> Embeddings:
     """Our request for an OpenAI embeddings ``body`` (``RequestError`` naming the bad field)."""
-    try:
-        parsed = EmbeddingsBody.model_validate(screen(body, EmbeddingsBody.model_fields))
-    except ValidationError as exc:
-        raise from_validation(exc) from None
-    served = resolve(parsed.model, aliases or {}) or parsed.model
-    check_model_name(parsed.model, served)
+    parsed = read_body(EmbeddingsBody, body)
+    served = served_model(parsed.model, aliases)
     try:
         request = EmbeddingRequest(model=served, input=inputs(parsed.input))
     except ValidationError as exc:  # what the checks above let through, named by the wire

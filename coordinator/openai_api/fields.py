@@ -14,7 +14,7 @@ silently does nothing.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -168,3 +168,15 @@ def from_validation(exc: ValidationError, arms: Collection[str] = ()) -> Request
     first = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
     return RequestError(describe_validation_error(errors, subject="body") or "invalid request",
                         param=first or None)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def read_body(kind: type[Body], body: Mapping[str, Any], arms: Collection[str] = ()) -> Body:
+    """``body`` as ``kind``: its fields screened (:func:`screen`), a ``RequestError`` naming
+    the first bad one (:func:`from_validation`)."""
+    try:
+        return kind.model_validate(screen(body, kind.model_fields))
+    except ValidationError as exc:
+        raise from_validation(exc, arms=arms) from None

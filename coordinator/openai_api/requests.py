@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from coordinator.openai_api.fields import RequestError, from_validation, screen
+from coordinator.openai_api.fields import RequestError, read_body
 from coordinator.openai_api.fields import Strict as _Strict
 from coordinator.openai_api.structured import (
     GrammarSyntax,
@@ -386,11 +386,14 @@ _SERVED_NAME = re.compile(next(rule.pattern for rule in
                                if getattr(rule, "pattern", None)))
 
 
-def check_model_name(sent: str, served: str) -> None:
-    """A name no worker can serve (``org/model``, not an alias) is an unknown model (404),
-    not a malformed request."""
+def served_model(sent: str, aliases: Mapping[str, str] | None) -> str:
+    """The served model a request's ``model`` names (an alias resolved). A name no worker
+    can serve (``org/model``, not an alias) is an unknown model (404), not a malformed
+    request."""
+    served = resolve(sent, aliases or {}) or sent
     if not _SERVED_NAME.match(served):
         raise RequestError(f"unknown model '{sent}'", param="model", code="model_not_found")
+    return served
 
 
 def parse_body(endpoint: str, body: dict[str, Any],
@@ -399,13 +402,10 @@ def parse_body(endpoint: str, body: dict[str, Any],
     bad field)."""
     if endpoint == NATIVE:
         return Parsed(endpoint, str(body.get("model", "")), [Choice(body)])
-    model_type = CompletionRequest if endpoint == COMPLETIONS else ChatRequest
-    try:
-        parsed = model_type.model_validate(screen(body, model_type.model_fields))
-    except ValidationError as exc:
-        raise from_validation(exc) from None
-    served = resolve(parsed.model, aliases or {}) or parsed.model
-    check_model_name(parsed.model, served)
+    parsed: CompletionRequest | ChatRequest = (read_body(CompletionRequest, body)
+                                               if endpoint == COMPLETIONS
+                                               else read_body(ChatRequest, body))
+    served = served_model(parsed.model, aliases)
     prompts = parsed.jobs(served)
     if len(prompts) * parsed.n > MAX_CHOICES:
         raise RequestError(f"n ({parsed.n}) x prompts ({len(prompts)}) exceeds "

@@ -24,12 +24,11 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from coordinator.openai_api.fields import RequestError, from_validation, screen
+from coordinator.openai_api.fields import RequestError, read_body
 from coordinator.openai_api.replies import extension, obfuscation, read_calls, response_usage
 from coordinator.openai_api.requests import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -38,9 +37,8 @@ from coordinator.openai_api.requests import (
     Parsed,
     Sampled,
     _Strict,
-    check_model_name,
     reads_tool_calls,
-    resolve,
+    served_model,
 )
 from coordinator.openai_api.structured import (
     NamedFunction,
@@ -251,15 +249,11 @@ class ResponsesRequest(Sampled):
 def parse_responses(body: dict[str, Any], aliases: dict[str, str]) -> tuple[Parsed,
                                                                             ResponsesRequest]:
     """The chat job of a Responses API body, and the body read (echoed in the response)."""
-    try:
-        request = ResponsesRequest.model_validate(screen(body, ResponsesRequest.model_fields))
-    except ValidationError as exc:
-        raise from_validation(exc, arms=_ITEMS) from None
+    request = read_body(ResponsesRequest, body, arms=_ITEMS)
     turns = request.turns()
     if not turns:
         raise RequestError("input: must hold at least one message", param="input")
-    served = resolve(request.model, aliases) or request.model
-    check_model_name(request.model, served)
+    served = served_model(request.model, aliases)
     job = {**request.base_request(served, request.max_output_tokens or DEFAULT_CHAT_MAX_TOKENS,
                                   request.text_format().response_format(),
                                   request.tool_fields(), format_param="text.format"),

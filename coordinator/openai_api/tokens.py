@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 
-from coordinator.openai_api.fields import RequestError, Strict, from_validation, screen
-from coordinator.openai_api.requests import Message, check_model_name, resolve
+from coordinator.openai_api.fields import RequestError, Strict, from_validation, read_body
+from coordinator.openai_api.requests import Message, served_model
 from shared.protocol import (
     MAX_PROMPT_TOKENS,
     MAX_TOOLS,
@@ -60,7 +60,6 @@ class DetokenizeBody(Strict):
     tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_PROMPT_TOKENS)
 
 
-Body = TypeVar("Body", TokenizeBody, DetokenizeBody)
 
 
 @dataclass(frozen=True)
@@ -72,22 +71,11 @@ class Tokenize:
     token_strs: bool
 
 
-def _read(kind: type[Body], body: Mapping[str, Any],
-          aliases: Mapping[str, str] | None) -> tuple[Body, str]:
-    """``body`` as ``kind``, and the served model it names (an alias resolved)."""
-    try:
-        parsed = kind.model_validate(screen(body, kind.model_fields))
-    except ValidationError as exc:
-        raise from_validation(exc) from None
-    served = resolve(parsed.model, aliases or {}) or parsed.model
-    check_model_name(parsed.model, served)
-    return parsed, served
-
-
 def parse_tokenize(body: Mapping[str, Any],
                    aliases: Mapping[str, str] | None = None) -> Tokenize:
     """Our request for a tokenize ``body`` (``RequestError`` naming the bad field)."""
-    parsed, served = _read(TokenizeBody, body, aliases)
+    parsed = read_body(TokenizeBody, body)
+    served = served_model(parsed.model, aliases)
     given = [name for name in ("content", "prompt", "messages")
              if getattr(parsed, name) is not None]
     if len(given) != 1:
@@ -132,7 +120,8 @@ def parse_tokenize(body: Mapping[str, Any],
 def parse_detokenize(body: Mapping[str, Any],
                      aliases: Mapping[str, str] | None = None) -> TokenizerRequest:
     """Our request for a detokenize ``body`` (``RequestError`` naming the bad field)."""
-    parsed, served = _read(DetokenizeBody, body, aliases)
+    parsed = read_body(DetokenizeBody, body)
+    served = served_model(parsed.model, aliases)
     return TokenizerRequest(model=served, tokens=parsed.tokens)
 
 
