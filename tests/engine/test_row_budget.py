@@ -112,3 +112,28 @@ def test_a_sampled_draft_the_budget_keeps_whole_never_backs_its_slot_off() -> No
         kept = dear.plan([Proposed(d, 0, counters, SpecMethod.MTP, p)
                           for d, p in zip(drafts, policies, strict=True)])
         assert [len(d.tokens) for d in kept] == [8] * 8
+
+
+def test_a_drafter_that_proposes_nothing_is_asked_less_often_until_it_proposes_again() -> None:
+    """One slot (no row budget) whose drafter finds nothing worth drafting: it is asked after
+    1, 2, then 4 skipped steps while it stays empty; the first step it proposes a draft it is
+    asked at every step again. A step it was not asked in does not count as empty."""
+    planner = DraftPlanner(CostCurve({1: 1.0, 8: 2.0, 64: 8.0}), 1, draft_max=8,
+                           replays=False, budget=True, shape=False)
+    policy = planner.policy(8, adaptive=False)
+    counters = SpecCounters()
+
+    def step(finds: bool) -> int:
+        width = planner.width(policy, room=8)
+        draft = Draft([7] * width if finds else [], confidences=[0.9] * width if finds else [])
+        planner.plan([Proposed(draft, 0, counters, SpecMethod.SUFFIX, policy)])
+        return width
+
+    asked = [step(finds=False) for _ in range(30)]
+    assert [i for i, w in enumerate(asked) if w] == [0, 2, 5, 10, 15, 20, 25]
+    assert step(finds=True) == 8  # asked again after the last skip: it proposes
+    assert [step(finds=True) for _ in range(5)] == [8] * 5
+    # The grammar's forced run is not the drafter's: a draft of forced tokens alone is empty.
+    forced = Draft([3, 4], confidences=[1.0, 1.0])
+    planner.plan([Proposed(forced, 2, counters, SpecMethod.SUFFIX, policy)])
+    assert planner.width(policy, room=8) == 0

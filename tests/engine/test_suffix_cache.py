@@ -95,6 +95,15 @@ def test_the_index_finds_every_context_where_a_search_of_the_tokens_does() -> No
     index = TokenIndex(tokens[:150])
     for i in range(150, 400, 7):
         index.extend(tokens[i:i + 7])
+    # Appended unindexed (a cached output is indexed when it is looked up), in runs of one
+    # to 40 tokens between lookups: indexed one by one and in numpy alike.
+    appended, at = TokenIndex(), 0
+    while at < len(tokens):
+        step = rng.choice((1, 2, 3, 40))
+        appended.append(tokens[at:at + step])
+        at += step
+        if rng.random() < 0.3:
+            appended.catch_up()
     for end in (3, 40, 130, 399):
         seq = tokens[:end + 1]
         keys = tail_keys(seq)
@@ -106,6 +115,7 @@ def test_the_index_finds_every_context_where_a_search_of_the_tokens_does() -> No
             tail = seq[-n:]
             found = [s + n for s in range(len(tokens) - n) if tokens[s:s + n] == tail]
             assert index.occurrences(order, keys[order])[:5] == found[::-1][:5], (end, n)
+            assert appended.occurrences(order, keys[order])[:5] == found[::-1][:5], (end, n)
 
 
 def test_entry_bound_and_an_output_larger_than_the_cache() -> None:

@@ -8,6 +8,8 @@ draft can ever pay).
 
 from __future__ import annotations
 
+import copy
+import random
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from shared.protocol import SpecMethod
 from worker.engine.drafting.costs import (
     FLOOR,
+    REFIT_SHIFT,
     RESIDUAL_RATE,
     WIDER_FROM,
     RowCosts,
@@ -184,3 +187,25 @@ def test_a_wide_width_is_never_priced_dearer_a_row_than_the_ladder_s_base() -> N
     assert all(capped[r] <= capped[r + 1] for r in range(1, top))
     short = [0.0, 1.0, 3.0, 2.5, 4.0]
     assert cap_wide(short) == [0.0, 1.0, 2.5, 2.5, 4.0]
+
+
+def test_row_costs_between_refits_stay_within_the_refit_shift_of_the_exact_table() -> None:
+    """The whole table is recomputed only when the load's line moved by REFIT_SHIFT or every
+    REFIT_EVERY verifies; in between every price stays within REFIT_SHIFT of what a refit
+    on every verify gives, the observed width's own entry exactly follows its residual, and
+    ``floor_from`` is always the cheapest price from each width on."""
+    rng = random.Random(5)
+    idle = [0.0] + [10.0 + 2.0 * r + (3.0 if r % 8 == 1 else 0.0) for r in range(1, 41)]
+    costs = RowCosts(idle)
+    for step in range(2000):
+        rows = rng.choice((1, 1, 1, 2, 5, 9, 17, 33, 40))
+        load = 3.0 if step > 1000 else 0.0
+        costs.observe(rows, idle[rows] * rng.uniform(0.97, 1.05) + load + 0.2 * rows)
+        exact = copy.deepcopy(costs)
+        exact._refit(*exact.load())
+        assert costs.seconds[rows] == pytest.approx(
+            exact.seconds[rows], rel=REFIT_SHIFT, abs=REFIT_SHIFT * idle[1])
+        for r in range(1, len(idle)):
+            assert costs.seconds[r] == pytest.approx(
+                exact.seconds[r], rel=REFIT_SHIFT, abs=REFIT_SHIFT * idle[1]), (step, r)
+            assert costs.floor_from[r] == min(costs.seconds[r:]), (step, r)

@@ -118,6 +118,8 @@ class DraftPlanner:
         keeps its width: which positions are drafts decides its tokens, and they must not
         depend on the neighbours'; forced tokens stay: the grammar allows nothing else)."""
         drafts = [p.draft for p in proposed]
+        for p in proposed:
+            p.policy.proposed(len(p.draft.tokens) - p.forced)
         if self.steps is None or len(proposed) < 2:
             return drafts
         if self.bar.probe(len(proposed)):

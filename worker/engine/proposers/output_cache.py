@@ -116,7 +116,7 @@ class OutputCache:
                 fragile[len(index) + i] = level
                 if level == NEAR_TIE and rows is not None:
                     shapes[len(index) + i] = (i, rows)
-        index.extend(tokens)
+        index.append(tokens)  # indexed when looked up (holding)
         self._bytes[entry] = index.nbytes() + BYTES_PER_FRAGILE * (len(fragile) + len(shapes))
         self._entries.move_to_end(entry)
         if self._bytes[entry] > self.max_bytes:
@@ -138,8 +138,13 @@ class OutputCache:
         dict probe per output: the drafter then builds occurrence lists only where there are
         some (building one for every output at every order cost ~55 calls a draft step at
         eight slots)."""
-        return [(k, index) for k, index in reversed(self._entries.items())
-                if key in index.ends[order] and k != entry]
+        found: list[tuple[int, TokenIndex]] = []
+        for k, index in reversed(self._entries.items()):
+            if k != entry:
+                index.catch_up()
+                if key in index.ends[order]:
+                    found.append((k, index))
+        return found
 
     def answers(self, entry: int | None, prompt: int) -> Iterator[tuple[int, TokenIndex]]:
         """Every cached output except ``entry`` written for a prompt of hash ``prompt``,

@@ -61,7 +61,7 @@ class TokenIndex:
         self._prefix: array[int] = array("Q", [0])
         #: Per order: each context's hash -> its most recent end position. ``key in
         #: ends[order]`` is the cheapest "did it occur" (the output cache asks it of every
-        #: cached output at every draft step).
+        #: cached output at every draft step, after :meth:`catch_up`).
         self.ends: list[dict[int, int]] = [{} for _ in ORDERS]
         self._prev: list[array[int]] = [array("q") for _ in ORDERS]
         self.extend(tokens)
@@ -72,7 +72,23 @@ class TokenIndex:
     def extend(self, tokens: Iterable[int]) -> None:
         """Append ``tokens`` and index every context that now has a follower (a prompt's
         worth at once in numpy, :meth:`_extend_many`; a verify's few one by one)."""
-        tokens = list(tokens)
+        self.append(tokens)
+        self.catch_up()
+
+    def append(self, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` to :attr:`tokens` now and index them when the index is next
+        read (:meth:`catch_up`): a cached output is written at every step and read only
+        when another generation looks it up, so its index is mostly built in numpy, many
+        tokens at once (at one slot never before its request ends: its own lookups skip it)."""
+        self.tokens += tokens
+
+    def catch_up(self) -> None:
+        """Index what :meth:`append` left unindexed."""
+        indexed = len(self._prefix) - 1
+        if indexed == len(self.tokens):
+            return
+        tokens = self.tokens[indexed:]
+        del self.tokens[indexed:]
         if len(tokens) >= BULK:
             self._extend_many(tokens)
             return
@@ -134,6 +150,7 @@ class TokenIndex:
     def occurrences(self, order: int, key: int) -> list[int]:
         """Follower positions (end + 1) of the most recent occurrences of context ``key`` of
         length ``ORDERS[order]``, newest first."""
+        self.catch_up()
         end = self.ends[order].get(key, -1)
         chain = self._prev[order]
         found: list[int] = []
@@ -145,6 +162,7 @@ class TokenIndex:
     def tail_keys(self) -> list[int | None]:
         """The hash of the sequence's last ``n`` tokens per order (None where it is
         shorter): what a drafter looks up, in this index and in others."""
+        self.catch_up()
         prefix, size = self._prefix, len(self.tokens)
         return [(prefix[size] - prefix[size - n] * power) & MASK if n <= size else None
                 for _, n, power in _ORDER_POWERS]
