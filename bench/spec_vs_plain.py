@@ -28,7 +28,8 @@ prefill excluded). Progress goes to stderr, the JSON summary (medians, ratios to
 plain and to specfleet plain) to stdout, and ``--markdown`` adds a table.
 
     ./.venv/bin/python bench/spec_vs_plain.py [--reps 3] [--tokens 200] [--threads 2]
-        [--llama-server PATH] [--deterministic] [--gpu] [--model GGUF] [--markdown]
+        [--llama-server PATH] [--deterministic] [--gpu] [--model GGUF]
+        [--device-verify auto|on|off] [--markdown]
 
 ``--deterministic`` loads the engine in deterministic mode (docs/engine.md, "Deterministic
 mode"); its rates against a default run are the mode's cost.
@@ -178,11 +179,17 @@ def run_server(url: str, ids: list[int], tokens: int) -> Run:
 # -- specfleet -----------------------------------------------------------------------------
 def run_ours(engine: SpeculativeEngine, ids: list[int], tokens: int,
              spec: SpecSettings) -> Run:
+    read0 = engine.target.rows_read
     out = engine.generate(ids, tokens, spec)
     t = out.telemetry
     return ({"tokens_per_second": t.effective_tokens_per_second,
              "generated": t.generated_tokens, "acceptance": t.acceptance,
-             "tokens_per_verify": t.tokens_per_verify}, out.tokens)
+             "tokens_per_verify": t.tokens_per_verify,
+             # The step's wall time but the target's decode, a committed token
+             # (Telemetry.host_seconds_per_token), and the logits rows Python read a token.
+             "host_ms_per_token": 1000 * t.host_seconds_per_token,
+             "rows_read_per_token": (engine.target.rows_read - read0) / max(1, len(out.tokens))},
+            out.tokens)
 
 
 def cold_then_warm(run: Callable[[], Run]) -> tuple[Result, Result]:
@@ -217,6 +224,8 @@ def main() -> None:
                          "beside it runs with its own build's defaults")
     ap.add_argument("--model", help="Gemma 3 270M Q4_K_M GGUF (default: the demo extra's "
                     "package; a path for a host that cannot install it)")
+    ap.add_argument("--device-verify", choices=("auto", "on", "off"), default="auto",
+                    help="greedy verify rows reduced on the device (auto: on a GPU only)")
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = ap.parse_args()
 
@@ -230,7 +239,9 @@ def main() -> None:
                                             n_gpu_layers=-1 if args.gpu else 0,
                                             capacity=EngineCapacity(SpecMethod.SUFFIX,
                                                                     CAPACITY),
-                                            deterministic=args.deterministic))
+                                            deterministic=args.deterministic,
+                                            device_verify={"auto": None, "on": True,
+                                                           "off": False}[args.device_verify]))
     assert engine.suffix is not None
     print(f"row costs (x one row): {engine.suffix.costs.relative()}", file=sys.stderr)
     texts = {k: v for k, v in workloads().items() if k in args.workloads.split(",")}
@@ -241,6 +252,8 @@ def main() -> None:
         results[workload].setdefault(name, []).append(r)
         print(f"[rep {rep + 1}/{args.reps}] {workload:12s} {name:22s} "
               f"{r['tokens_per_second']:7.1f} tok/s  acc {r.get('acceptance', 0):.2f}"
+              + (f"  host {r['host_ms_per_token']:.3f} ms/tok" if "host_ms_per_token" in r
+                 else "")
               + (f"  kept the cold text: {r[KEPT]:.0f}" if KEPT in r else ""),
               file=sys.stderr, flush=True)
 
@@ -329,6 +342,12 @@ def markdown(summary: dict[str, object], names: list[str]) -> str:
                   lambda r: f"{r['median']:.2f} ({r['rounds_ahead']:.0f}/{r['rounds']:.0f} "
                             f"rounds, {r['min']:.2f}-{r['max']:.2f})")
               for phase in ("cold", "warm") if (key := f"default_vs_ngram_mod_{phase}") in first]
+    ours = [config for config in first if "host_ms_per_token" in first[config]]
+    lines += ["| " + f"{config} host ms a token (x plain's) | " + " | ".join(
+        f"{e[config]['host_ms_per_token']:.3f} "
+        f"({e[config]['host_ms_per_token'] / e['specfleet_plain']['host_ms_per_token']:.2f}x, "
+        f"rows read {e[config]['rows_read_per_token']:.2f})" for e in tables) + " |"
+        for config in ours]
     kept = [config for config in first if KEPT in first[config]]
     if kept:
         lines.append("| warm kept its cold text, rounds (" + " / ".join(
