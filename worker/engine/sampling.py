@@ -19,12 +19,19 @@ sampling draws from the same uniform, whatever was drafted. So with plain, n-gra
 drafting the same seed gives the same tokens as plain sampling, whatever the widths and the
 batching; with MTP drafts (sampled from the head's distribution) the same seed gives the same
 tokens for the same widths. Greedy is the temperature-0 case and stays token-exact.
+
+Where the engine verifies on the device (docs/engine.md, "Verify on the device"), a request
+that samples from the temperature alone draws there too (:class:`DeviceRandomSampler`): each
+verify row draws plain sampling's token with the same keyed uniform, in float32 on the
+device, so a point-mass draft is accepted exactly when it equals that draw and no logits row
+reaches Python (docs/sampling.md, "Sampling on the device").
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
@@ -216,30 +223,6 @@ class GreedySampler(_RequestSampler):
             n += 1
 
 
-class DeviceGreedySampler(GreedySampler):
-    """Greedy verification from each row's top two, reduced on the device
-    (:meth:`~worker.llm.Context.sample_top2`): no logits row reaches Python. Only for a
-    request :func:`verifies_on_device` (its target is the raw logits' argmax, unmasked, and it
-    asks for no logprobs), so each row's choice is its argmax, as :class:`GreedySampler`'s."""
-
-    def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
-               draft: Draft, mask: SlotConstraint) -> tuple[int, int]:
-        tokens = draft.tokens
-        for n, drafted in enumerate(tokens):
-            best, _ = ctx.top2(row0 + n)
-            if best != drafted:
-                return n, best
-        return len(tokens), ctx.top2(row0 + len(tokens))[0]
-
-
-def verifies_on_device(params: SamplingParams, logprobs: int | None,
-                       constrained: bool) -> bool:
-    """Whether a request's verify can be read from the device's top two of each row: greedy
-    on the raw logits (no bias, no penalties), no grammar mask, no logprobs. Every other
-    request reads its rows' logits (a distribution, a mask, alternatives need the row)."""
-    return params.greedy and not params.adjusted and logprobs is None and not constrained
-
-
 class RandomSampler(_RequestSampler):
     """Temperature > 0: draws from :func:`target_distribution` with keyed uniforms, and
     verifies drafts by rejection sampling (:func:`accept_or_resample`)."""
@@ -278,9 +261,89 @@ class RandomSampler(_RequestSampler):
         raise AssertionError("unreachable: the loop returns at the bonus row")
 
 
-def make_sampler(params: SamplingParams, n_prompt: int, on_device: bool = False) -> Sampler:
+class _DeviceVerify:
+    """Verification from the token each row chose on the device: drafts are kept while they
+    equal it, and the first that does not (or the bonus row) gives the next token. No logits
+    row reaches Python."""
+
+    def _choice(self, ctx: Context, row: int) -> int:
+        raise NotImplementedError
+
+    def verify(self, ctx: Context, row0: int, pos0: int, history: Sequence[int],
+               draft: Draft, mask: SlotConstraint) -> tuple[int, int]:
+        if draft.dists is not None:
+            raise ValueError("drafts sampled from a distribution need their rows read: "
+                             "verifies_on_device keeps their requests on the host")
+        tokens = draft.tokens
+        for n, drafted in enumerate(tokens):
+            choice = self._choice(ctx, row0 + n)
+            if choice != drafted:
+                return n, choice
+        return len(tokens), self._choice(ctx, row0 + len(tokens))
+
+
+class DeviceGreedySampler(_DeviceVerify, GreedySampler):
+    """Greedy verification from each row's top two, reduced on the device
+    (:meth:`~worker.llm.Context.sample_on_device`). Only for a request
+    :func:`verifies_on_device` gives True (its target is the raw logits' argmax, unmasked, and
+    it asks for no logprobs), so each row's choice is its argmax, as :class:`GreedySampler`'s."""
+
+    def _choice(self, ctx: Context, row: int) -> int:
+        return ctx.top2(row)[0]
+
+
+@dataclass(frozen=True)
+class KeyedDraws:
+    """A sampled request's draws on the device (:class:`~worker.llm.device_sampling.Draws`):
+    its temperature and the keyed uniform of each position, the very ones
+    :meth:`RandomSampler.verify` uses."""
+
+    seed: int
+    temperature: float
+
+    def uniforms(self, positions: Sequence[int]) -> list[float]:
+        return [keyed_uniform(self.seed, p, Stream.TARGET) for p in positions]
+
+
+class DeviceRandomSampler(_DeviceVerify, RandomSampler):
+    """Sampled verification from each row's keyed draw on the device (:class:`KeyedDraws`).
+    Only for a request :func:`verifies_on_device` gives draws to: temperature alone on the
+    raw logits, unmasked, no logprobs, point-mass drafts. Such a draft is accepted by
+    :func:`accept_or_resample` exactly when plain sampling with the row's uniform draws it,
+    and a rejected row's token is that draw: so the row's draw decides both, and the output
+    is plain sampling's, as :class:`RandomSampler`'s (to the float32 rounding of the
+    device's cumulative sum: docs/sampling.md, "Sampling on the device")."""
+
+    def _choice(self, ctx: Context, row: int) -> int:
+        return ctx.sampled(row)
+
+
+def verifies_on_device(params: SamplingParams, logprobs: int | None, constrained: bool,
+                       head_drafts: bool = False) -> bool | KeyedDraws:
+    """How a request's verify rows can be reduced on the device: True (greedy on the raw
+    logits: each row's top two), its :class:`KeyedDraws` (sampled from the temperature alone:
+    each row's keyed draw; the seed is fixed here, drawn when the request has none), or False
+    (read on the host). Neither with a grammar mask or logprobs (they need the row), nor with
+    a bias or penalties. Sampled requests also not with top-k, top-p or min-p cuts (the draw
+    on the device is inverse CDF over every id), nor when the draft head drafts for them
+    (``head_drafts``: its drafts are sampled from its own distribution, and their test needs
+    both distributions' values at the draft)."""
+    if params.adjusted or logprobs is not None or constrained:
+        return False
+    if params.greedy:
+        return True
+    if head_drafts or params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
+        return False
+    seed = params.seed if params.seed is not None else draw_seed()
+    return KeyedDraws(seed, params.temperature)
+
+
+def make_sampler(params: SamplingParams, n_prompt: int,
+                 on_device: bool | KeyedDraws = False) -> Sampler:
     """The sampler of one request; ``n_prompt`` tokens of its history are the prompt;
-    ``on_device``: its sequence is sampled on the device (:func:`verifies_on_device`)."""
+    ``on_device``: how its sequence is sampled on the device (:func:`verifies_on_device`)."""
+    if isinstance(on_device, KeyedDraws):
+        return DeviceRandomSampler(params, on_device.seed, n_prompt)
     seed = params.seed if params.seed is not None else draw_seed()
     if on_device:
         return DeviceGreedySampler(params, seed, n_prompt)

@@ -9,15 +9,22 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp_ext
 
+from shared.logs import get_logger
 from worker.llm.backend import LlamaError, note_decode
 from worker.llm.batch import Batch
+from worker.llm.device_sampling import Draws, KeyedChain
 from worker.llm.model import Model
+
+#: How a sequence's rows are reduced on the device (:meth:`Context.sample_on_device`).
+_How = TypeVar("_How", bound=bool | Draws)
+
+log = get_logger("llm")
 
 
 @dataclass(frozen=True)
@@ -33,9 +40,10 @@ class ContextSpec:
     #: compute buffer from ubatch x vocab (hundreds of MiB on a 262k vocab) to a few MiB.
     n_outputs_max: int = 0
     #: Output rows of one sequence per ubatch where a sequence is sampled on the device
-    #: (:meth:`Context.sample_top2`: llama.cpp refuses a decode past it; 0: n_outputs_max).
+    #: (:meth:`Context.sample_on_device`: llama.cpp refuses a decode past it; 0:
+    #: n_outputs_max).
     n_outputs_max_per_seq: int = 0
-    #: Every sequence is sampled on the device from creation (:meth:`Context.sample_top2`):
+    #: Every sequence is sampled on the device from creation (:meth:`Context.sample_on_device`):
     #: its chains are given to llama.cpp with the context, so the compute buffers they need
     #: are reserved (and measured by the fitter) then, not grown at a later decode.
     device_top2: bool = False
@@ -142,6 +150,12 @@ class Context:
         #: rows of them said, read once each (:meth:`top2`).
         self._chains: dict[int, Any] = chains
         self._top2: dict[int, tuple[int, float]] = {}
+        #: Sequences that draw on the device (their keyed chain), and the last decode's rows
+        #: of them (batch indices: they have a sampled id and no logits).
+        self._keyed: dict[int, KeyedChain] = {}
+        self._keyed_rows: set[int] = set()
+        #: Whether the output device runs a draw's ops (None: not known until an attach).
+        self._draws_run: bool | None = None
         #: Logits rows read into Python (what the device path exists to avoid: a verify row of
         #: a 262k vocabulary is a megabyte copied off a GPU and reduced on the host).
         self.rows_read = 0
@@ -154,15 +168,34 @@ class Context:
     def decode(self, batch: Batch) -> None:
         note_decode()
         self._top2.clear()
+        self._keyed_rows.clear()
         pads = batch.pad_even() if self.spec.deterministic else []
         try:
+            if self._keyed:
+                self._stage_draws(batch)
             rc = llama_cpp.llama_decode(self.ptr, batch.raw)
             if rc != 0:
                 raise LlamaError(f"llama_decode failed with code {rc} ({batch.n_tokens} tokens)")
+            for keyed in self._keyed.values():
+                keyed.settle()
         finally:
             for seq, pos in pads:
                 llama_cpp.llama_memory_seq_rm(self.mem, seq, pos, -1)
             batch.drop(len(pads))
+
+    def _stage_draws(self, batch: Batch) -> None:
+        """Give each sequence that draws on the device the uniforms of its output rows in this
+        batch: row at position p draws the token at p + 1."""
+        raw = batch.raw
+        positions: dict[int, list[int]] = {seq: [] for seq in self._keyed}
+        outputs = np.ctypeslib.as_array(raw.logits, shape=(batch.n_tokens,))
+        for row in np.flatnonzero(outputs).tolist():
+            mine = positions.get(raw.seq_id[row][0])
+            if mine is not None:
+                mine.append(raw.pos[row] + 1)
+                self._keyed_rows.add(row)
+        for seq, keyed in self._keyed.items():
+            keyed.stage(positions[seq])
 
     def synchronize(self) -> None:
         """Wait until the last decode has finished on the device.
@@ -175,7 +208,7 @@ class Context:
 
     def logits(self, row: int) -> np.ndarray:
         """Logits of output row ``row`` of the last decode (a view; copy to keep). Never a row
-        of a sequence sampled on the device (:meth:`sample_top2`): llama.cpp hands back its
+        of a sequence sampled on the device (:meth:`sample_on_device`): llama.cpp hands back its
         sampled buffer there, of which only the top two are valid."""
         ptr = llama_cpp.llama_get_logits_ith(self.ptr, row)
         if not ptr:
@@ -206,7 +239,10 @@ class Context:
         (``tokens[i]`` at row ``row0 + i``; negative where another token led). Two max passes
         over slices of the view per row, no copy (0.04 ms a token on a 262k vocabulary); a
         row sampled on the device answers from its top two (:meth:`top2`: the committed token
-        of such a row is its argmax)."""
+        of such a row is its argmax); rows that drew on the device (:meth:`sampled`) have no
+        logits here, so none is known (an empty list)."""
+        if row0 in self._keyed_rows:
+            return []
         out = []
         for i, token in enumerate(tokens):
             if row0 + i in self._top2:
@@ -221,29 +257,69 @@ class Context:
         return out
 
     # -- device sampling ---------------------------------------------------------------------
-    def sample_top2(self, seq: int, on: bool) -> None:
-        """Have every output row of ``seq`` reduced to its two best tokens on the device
-        (llama.cpp's backend sampling: a fresh ``top_k(2)`` chain, nothing after it), or no
-        longer (``on`` False). Then no logits row of ``seq`` is copied to the host or read by
-        Python: :meth:`top2` answers. A change costs the next decode a graph rebuild (~18 ms
-        on a 2-core CPU), so a sequence keeps its chain while its requests can use it.
+    def sample_on_device(self, seq: int, how: _How) -> _How | Literal[False]:
+        """How every output row of ``seq`` is reduced on the device from the next decode on:
+        ``True``: to its two best tokens (llama.cpp's backend sampling with a fresh ``top_k(2)``
+        chain: :meth:`top2` answers); a :class:`~worker.llm.device_sampling.Draws`: to the
+        token its uniforms draw (:meth:`sampled` answers); ``False``: not at all. Then no
+        logits row of ``seq`` is copied to the host or read by Python. Returns ``how``, or
+        False where the output device cannot run a draw's ops (the rows are then read).
 
-        llama.cpp aborts on a chain attached twice or a bare sampler, and never frees one:
-        each attach builds its own chain, which is freed once detached."""
-        chain = self._chains.pop(seq, None)
-        if on and chain is not None:
+        A change of kind costs the next decode a graph rebuild (~18 ms on a 2-core CPU), so a
+        sequence keeps its chain while its requests can use it (new draws for a sequence
+        that draws already are only new inputs). llama.cpp aborts on a chain attached twice
+        or a bare sampler, and never frees one: each attach builds its own chain, which is
+        freed once detached."""
+        if how is True and seq in self._chains:
+            return how
+        keyed = self._keyed.get(seq)
+        if not isinstance(how, bool) and keyed is not None:
+            keyed.draws = how
+            return how
+        self._detach(seq)
+        if how is False or (self._draws_run is False and not isinstance(how, bool)):
+            return False
+        if isinstance(how, bool):
+            chain = _top2_chain()
+            if not llama_cpp.llama_set_sampler(self.ptr, seq, chain):
+                llama_cpp.llama_sampler_free(chain)
+                raise LlamaError(f"llama.cpp refused a device sampler for sequence {seq}")
             self._chains[seq] = chain
-            return
-        if chain is not None:
-            llama_cpp.llama_set_sampler(self.ptr, seq, None)
-            llama_cpp.llama_sampler_free(chain)
-        if not on:
-            return
-        chain = _top2_chain()
-        if not llama_cpp.llama_set_sampler(self.ptr, seq, chain):
-            llama_cpp.llama_sampler_free(chain)
+            return how
+        keyed = KeyedChain(how)
+        if not llama_cpp.llama_set_sampler(self.ptr, seq, keyed.chain):
+            keyed.free()
             raise LlamaError(f"llama.cpp refused a device sampler for sequence {seq}")
-        self._chains[seq] = chain
+        self._keyed[seq] = keyed
+        self._draws_run = keyed.supported
+        if keyed.supported:
+            return how
+        self._detach(seq)
+        keyed.settle()  # a failed probe is raised, not taken for a missing op
+        log.warning("device_sampling.unsupported", seq=seq,
+                    reason="the output device lacks an op of the keyed draw: sampled rows "
+                           "are read on the host")
+        return False
+
+    def _detach(self, seq: int) -> None:
+        """Take ``seq``'s chain (either kind) off the context, and free it."""
+        chain = self._chains.pop(seq, None)
+        keyed = self._keyed.pop(seq, None)
+        if chain is None and keyed is None:
+            return
+        llama_cpp.llama_set_sampler(self.ptr, seq, None)
+        if chain is not None:
+            llama_cpp.llama_sampler_free(chain)
+        if keyed is not None:
+            keyed.free()
+
+    def sampled(self, row: int) -> int:
+        """The token output row ``row`` drew on the device (a sequence given
+        :class:`~worker.llm.device_sampling.Draws`)."""
+        token = int(llama_cpp.llama_get_sampled_token_ith(self.ptr, row))
+        if row not in self._keyed_rows or token < 0:
+            raise LlamaError(f"output row {row} did not draw on the device")
+        return token
 
     def top2(self, row: int) -> tuple[int, float]:
         """The argmax of output row ``row`` of a sequence sampled on the device, and its lead
@@ -339,6 +415,9 @@ class Context:
             for chain in self._chains.values():  # llama.cpp never frees an attached chain
                 llama_cpp.llama_sampler_free(chain)
             self._chains.clear()
+            for keyed in self._keyed.values():
+                keyed.free()
+            self._keyed.clear()
 
     def __enter__(self) -> Context:
         return self

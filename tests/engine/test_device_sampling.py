@@ -1,0 +1,303 @@
+"""Sampling on the device: a request that samples from the temperature alone draws each verify
+row's token on the device with the keyed uniform of its position (``Context.sample_on_device``
+with ``KeyedDraws``), and no logits row reaches Python.
+
+Run on the CPU backend with device verify forced on (``EngineConfig.device_verify``), on the
+soft-output F32 tiny dense model: lookup speculation (n-gram, suffix) gives plain sampling's
+very tokens seed for seed, one slot and several; plain sampling on the device gives the host's
+tokens seed for seed (its 256 ids leave float32 rounding no boundary to tip), row by row
+whatever the decode before; speculation on the device keeps the target distribution (a
+chi-square that catches a verify accepting every draft); no logits row is read; and requests
+the device cannot draw for (cuts, penalties, bias, logprobs, a grammar, the MTP head's
+sampled drafts, a device without the draw's ops) still read their rows on the host.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from helpers import PROMPT
+
+from shared.constraint import Constraint
+from shared.protocol import SamplingParams, SpecMethod, SpecSettings
+from worker.engine import sampling
+from worker.engine.core.constraint import SlotConstraint
+from worker.engine.core.draft import Draft
+from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.sampling import (
+    DeviceRandomSampler,
+    KeyedDraws,
+    RandomSampler,
+    target_distribution,
+    verifies_on_device,
+)
+from worker.engine.slot import SlotRequest
+from worker.launch import EngineCapacity
+from worker.llm import Batch, Context, ContextSpec, Model, ModelSpec, device_sampling
+from worker.testmodels import write_dense_llama
+from worker.testmodels.recipe import Strengths
+
+from .conftest import CHEAP_ROWS, SOFT_LOGIT_SCALE
+from .test_device_verify import _run
+from .test_sampling import (
+    HOT,
+    P_FLOOR,
+    SAMPLES,
+    compare,
+    describe,
+    first_tokens,
+    homogeneity,
+    marginal,
+    p_value,
+)
+from .test_slots import N_CTX, prompt
+
+PLAIN = SpecSettings(method=SpecMethod.NONE)
+NGRAM = SpecSettings(method=SpecMethod.NGRAM, draft_max=6)
+SUFFIX = SpecSettings(method=SpecMethod.SUFFIX, draft_max=6)
+#: Temperature alone: what the device draws for.
+WARM = SamplingParams(temperature=0.7)
+SEEDS = range(16)
+TOKENS = 60
+
+
+def _engine(model: Path, slots: int = 1, device: bool = True,
+            method: SpecMethod = SpecMethod.SUFFIX) -> SpeculativeEngine:
+    """Loaded for the suffix drafter (it serves n-gram and plain requests too), one KV cache
+    for every slot (device sampling needs it with several), rows priced cheap so drafts are
+    verified."""
+    return SpeculativeEngine(EngineConfig(
+        str(model), n_ctx=N_CTX, n_threads=1, slots=slots,
+        capacity=EngineCapacity(method=method, draft_max=7), row_costs=CHEAP_ROWS,
+        row_budget=False, device_verify=device))
+
+
+def _seeded(seed: int, params: SamplingParams = WARM) -> SamplingParams:
+    return params.model_copy(update={"seed": seed})
+
+
+@pytest.fixture(scope="module")
+def soft_dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dense_llama(tmp_path_factory.mktemp("device-sampling") / "soft-dense.gguf",
+                             strengths=Strengths(logit_scale=SOFT_LOGIT_SCALE))
+
+
+@pytest.fixture(scope="module")
+def device(soft_dense: Path) -> Iterator[SpeculativeEngine]:
+    with _engine(soft_dense) as engine:
+        assert engine.plan.device_verify
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def host(soft_dense: Path) -> Iterator[SpeculativeEngine]:
+    with _engine(soft_dense, device=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def copy_prompt(host: SpeculativeEngine) -> list[int]:
+    """The prompt and its greedy continuation: text that repeats, so the lookup drafters
+    draft from the first position on."""
+    return [*PROMPT, *host.generate(PROMPT, 40, PLAIN).tokens]
+
+
+@pytest.fixture(scope="module")
+def plain_on_device(device: SpeculativeEngine, copy_prompt: list[int]) -> list[list[int]]:
+    """Plain sampling on the device, one continuation per seed of :data:`SEEDS`."""
+    return [device.generate(copy_prompt, TOKENS, PLAIN, sampling=_seeded(s)).tokens
+            for s in SEEDS]
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_lookup_speculation_on_the_device_samples_plain_samplings_tokens(
+        soft_dense: Path, copy_prompt: list[int], spec: SpecSettings,
+        plain_on_device: list[list[int]]) -> None:
+    """A point-mass draft is kept exactly when it is the row's own keyed draw, so every seed
+    gives plain sampling's tokens, drafts rejected and accepted alike; and no logits row was
+    read, the suffix drafter's margins included. (An engine of its own: what the suffix
+    drafter learnt from other requests decides how far it drafts.)"""
+    accepted = rejected = 0
+    with _engine(soft_dense) as engine:
+        for seed, plain in zip(SEEDS, plain_on_device, strict=True):
+            run = engine.generate(copy_prompt, TOKENS, spec, sampling=_seeded(seed))
+            assert run.tokens == plain, f"seed {seed}"
+            accepted += run.telemetry.accepted
+            rejected += run.telemetry.drafted - run.telemetry.accepted
+        assert engine.target.rows_read == 0
+    assert accepted > 0 and rejected > 0, "the drafts were never both kept and turned down"
+
+
+@pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+def test_several_slots_on_the_device_sample_plain_samplings_tokens(
+        soft_dense: Path, copy_prompt: list[int], spec: SpecSettings) -> None:
+    """Three sampled slots share every decode, three requests at a time: each request's
+    tokens are those of the same requests sampled plainly three at a time, and no row was
+    read. (Against plain sampling in three slots, not one: in one KV cache a row's logits
+    move in their last bits with what the other slots hold, and seed 5 of these draws its
+    18th token within 6e-6 of a boundary of the cumulative distribution, on the host too.)"""
+    def three_at_a_time(engine: SpeculativeEngine, how: SpecSettings) -> list[list[int]]:
+        requests = [SlotRequest(copy_prompt, TOKENS, how, _seeded(s)) for s in SEEDS[:9]]
+        return [r.tokens for i in range(0, len(requests), 3)
+                for r in _run(engine, requests[i:i + 3])]
+    with _engine(soft_dense, slots=3) as engine:
+        assert engine.plan.device_verify
+        plain = three_at_a_time(engine, PLAIN)
+        assert three_at_a_time(engine, spec) == plain
+        assert engine.telemetry().accepted > 0
+        assert engine.target.rows_read == 0
+
+
+def test_plain_sampling_on_the_device_draws_the_hosts_tokens(
+        host: SpeculativeEngine, copy_prompt: list[int],
+        plain_on_device: list[list[int]]) -> None:
+    """Seed for seed, plain sampling on the device (float32 softmax and cumulative sum on the
+    device) gives the host's tokens (float64 cumulative sum): a uniform would have to land
+    within ~1e-6 of a boundary of the cumulative distribution to tell them apart, which none
+    of these draws does (docs/sampling.md, "Sampling on the device")."""
+    rows = host.target.rows_read
+    on_host = [host.generate(copy_prompt, TOKENS, PLAIN, sampling=_seeded(s)).tokens
+               for s in SEEDS]
+    assert host.target.rows_read - rows >= len(SEEDS) * TOKENS  # the host read every row
+    assert plain_on_device == on_host
+    assert len({tuple(t) for t in on_host}) == len(SEEDS)  # the seeds really sample
+
+
+def test_every_row_draws_the_hosts_token_whatever_the_decode_before(soft_dense: Path) -> None:
+    """A context whose three sequences draw on the device, decoding rows spread over them
+    differently each time, against a context that reads the same rows: every row's draw is
+    the host's draw from its logits and uniform. (ggml's allocator reuses the last graph's
+    buffer offsets node by node for a graph of as many nodes: a tensor shared by one
+    sequence's rows was overwritten once its rows moved to another sequence.)"""
+    layouts = [(6, 1, 1), (1, 6, 1), (1, 1, 6), (2, 3, 2), (3, 2, 2)]
+    spec = ContextSpec(n_ctx=3 * N_CTX, n_batch=32, n_ubatch=32, n_seq_max=3,
+                       n_outputs_max=24, n_outputs_max_per_seq=8, n_threads=1)
+    draws = [KeyedDraws(seed, WARM.temperature) for seed in range(3)]
+    with Model(ModelSpec(str(soft_dense))) as model, Context(model, spec) as device, \
+            Context(model, spec) as host, Batch(32) as batch:
+        for seq, d in enumerate(draws):
+            assert device.sample_on_device(seq, d) is d
+        pos = [0, 0, 0]
+        for step, layout in enumerate(layouts):
+            batch.clear()
+            rows = []
+            for seq, n in enumerate(layout):
+                row0 = batch.add([(7 * step + 3 * seq + i) % 256 for i in range(n)], pos[seq],
+                                 True, seq=seq)
+                rows += [(row0 + i, seq, pos[seq] + i + 1) for i in range(n)]
+                pos[seq] += n
+            device.decode(batch)
+            host.decode(batch)
+            for row, seq, at in rows:
+                u = draws[seq].uniforms([at])[0]
+                want = target_distribution(host.logits(row), WARM, [], 0).pick(u)
+                assert device.sampled(row) == want, f"decode {step} {layout}, row {row}"
+        assert device.rows_read == 0
+
+
+@pytest.fixture(scope="module")
+def plain_sample(host: SpeculativeEngine, copy_prompt: list[int]) -> Counter[tuple[int, ...]]:
+    """Plain sampling's first two tokens on the HOST over the reference seeds (test_sampling's
+    comparison: its speculative sample takes other seeds, so the two are independent)."""
+    return first_tokens(host, copy_prompt, PLAIN, HOT, range(SAMPLES))
+
+
+def test_speculation_on_the_device_keeps_the_target_distribution(
+        device: SpeculativeEngine, copy_prompt: list[int],
+        plain_sample: Counter[tuple[int, ...]]) -> None:
+    """N-gram speculation drawing on the device against plain sampling on the host: the first
+    token, the second and the pair are homogeneous."""
+    results = compare(device, copy_prompt, NGRAM, HOT, lambda params: plain_sample)
+    assert min(p for *_, p in results) > P_FLOOR, f"not the target's: {describe(results)}"
+
+
+def test_a_verify_that_keeps_every_draft_is_caught(
+        device: SpeculativeEngine, copy_prompt: list[int],
+        plain_sample: Counter[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison has the power to see a broken acceptance: a device verify that keeps
+    every draft whatever the row drew makes the first token the copy's (too few bins left
+    for the pair: the first token's homogeneity alone is tested)."""
+    def keep_all(self: DeviceRandomSampler, ctx: Context, row0: int, pos0: int,
+                 history: Sequence[int], draft: Draft,
+                 mask: SlotConstraint) -> tuple[int, int]:
+        n = len(draft.tokens)
+        return n, self._choice(ctx, row0 + n)
+    monkeypatch.setattr(DeviceRandomSampler, "verify", keep_all)
+    spec_run = first_tokens(device, copy_prompt, NGRAM, HOT, range(10**6, 10**6 + SAMPLES))
+    stat, df = homogeneity(marginal(plain_sample, 0), marginal(spec_run, 0))
+    assert p_value(stat, df) < P_FLOOR, f"missed it: chi2 = {stat:.1f} on {df} df"
+
+
+@pytest.mark.parametrize(("params", "logprobs", "grammar"), [
+    (SamplingParams(temperature=0.9, top_p=0.9), None, None),
+    (SamplingParams(temperature=0.9, top_k=20), None, None),
+    (SamplingParams(temperature=0.9, min_p=0.05), None, None),
+    (SamplingParams(temperature=0.9, presence_penalty=0.5), None, None),
+    (SamplingParams(temperature=0.9, logit_bias={7: 2.0}), None, None),
+    (WARM, 2, None),
+    (WARM, None, "[0-9a-f]{1,40}"),
+], ids=["top_p", "top_k", "min_p", "penalty", "bias", "logprobs", "grammar"])
+def test_requests_the_device_cannot_draw_for_read_their_rows(
+        device: SpeculativeEngine, host: SpeculativeEngine, params: SamplingParams,
+        logprobs: int | None, grammar: str | None) -> None:
+    """Each is verified on the host: its sampler is the host's, its rows are read, and its
+    tokens are an engine's without device verify, seed for seed."""
+    request = SlotRequest(prompt(7, 12), 30, NGRAM, _seeded(3, params), logprobs=logprobs,
+                          constraint=Constraint(kind="regex", grammar=grammar) if grammar
+                          else None)
+    rows = device.target.rows_read
+    slot = device.admit(request)
+    device.cancel(slot)
+    device.step()
+    assert type(slot.sampler) is RandomSampler
+    assert _run(device, [request])[0].tokens == _run(host, [request])[0].tokens
+    assert device.target.rows_read > rows
+
+
+def test_a_device_without_the_draws_ops_keeps_the_request_on_the_host(
+        soft_dense: Path, host: SpeculativeEngine, copy_prompt: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the output device lacks an op of the draw (llama.cpp asks the sampler at attach),
+    the sequence is not left with a sampler that samples nothing: it reads its rows, and the
+    request samples as on the host."""
+    monkeypatch.setattr(device_sampling, "device_supports_draws", lambda buft: False)
+    request = SlotRequest(copy_prompt, 30, NGRAM, _seeded(2))
+    with _engine(soft_dense) as engine:
+        slot = engine.admit(request)
+        assert type(slot.sampler) is RandomSampler
+        engine.cancel(slot)
+        engine.step()
+        assert _run(engine, [request])[0].tokens == _run(host, [request])[0].tokens
+        assert engine.target.rows_read > 0
+
+
+def test_the_heads_sampled_drafts_are_verified_on_the_host(hybrid_model: Path) -> None:
+    """A sampled request the MTP head drafts for reads its rows (its drafts carry the head's
+    distribution); a plain one on the same engine draws on the device and reads none."""
+    with _engine(hybrid_model, method=SpecMethod.MTP) as engine:
+        assert engine.plan.device_verify
+        mtp = engine.generate(PROMPT, 30, SpecSettings(method=SpecMethod.MTP, draft_max=4),
+                              sampling=_seeded(1))
+        rows = engine.target.rows_read
+        assert rows > 0 and mtp.telemetry.drafted > 0
+        engine.generate(PROMPT, 30, PLAIN, sampling=_seeded(1))
+        assert engine.target.rows_read == rows
+
+
+def test_which_requests_draw_on_the_device() -> None:
+    """The one decision, its seed fixed there: a seeded request keeps its seed, an unseeded
+    one is given one that its sampler then uses."""
+    draws = verifies_on_device(_seeded(42), None, False)
+    assert draws == KeyedDraws(42, WARM.temperature)
+    assert verifies_on_device(SamplingParams(), None, False) is True
+    assert verifies_on_device(WARM, None, False, head_drafts=True) is False
+    assert verifies_on_device(SamplingParams(), None, False, head_drafts=True) is True
+    unseeded = verifies_on_device(WARM, None, False)
+    assert isinstance(unseeded, KeyedDraws)
+    sampler = sampling.make_sampler(WARM, 4, unseeded)
+    assert isinstance(sampler, DeviceRandomSampler) and sampler.seed == unseeded.seed
+    assert draws.uniforms([5, 6]) == [sampling.keyed_uniform(42, p, sampling.Stream.TARGET)
+                                      for p in (5, 6)]

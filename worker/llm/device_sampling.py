@@ -1,0 +1,288 @@
+"""Keyed draws on the device: a llama.cpp backend sampler, written here, that draws each output
+row's token by inverse CDF in token-id order from a uniform the caller chose.
+
+llama.cpp's own ``dist`` sampler draws on the device from its own generator; a request whose
+draws are keyed on (seed, position) (``worker/engine/sampling.py``) cannot use it. This one has
+the same graph with OUR uniforms as its inputs: per row, ``softmax(logits / T)``, its
+cumulative sum in id order, and the number of ids whose cumulative probability is still at or
+below ``u x total``. That index is the token plain host sampling draws with ``u``
+(``Distribution.pick``), up to float32 rounding (docs/sampling.md, "Sampling on the device").
+
+The cumulative sum is taken in two levels (within blocks of :data:`BLOCK` ids, then over the
+block totals): ggml's CPU ``cumsum`` adds one float32 at a time, and past a running sum near
+1 it drops the ~10^5 tail probabilities of a 262k vocabulary under half an ulp each, shifting
+later boundaries by up to 4e-4 (numpy emulation of a Gemma-like row); in blocks the error stays
+under 5e-7.
+
+The sampler is a ``llama_sampler_i`` whose callbacks are Python (ctypes CFUNCTYPEs) calling
+ggml through ctypes (``libggml-base``; llama-cpp-python binds ``llama.h`` only). llama.cpp
+builds a sampled graph by calling ``backend_apply`` once per output row of the sequence (and
+once on a dummy row while the sequence has none in a ubatch), and calls ``backend_set_input``
+once per ubatch before it runs (a reused graph gets only that call): the rows' uniforms are
+staged before the decode (:meth:`KeyedChain.stage`) and handed out in row order, across the
+ubatches of a decode. Each row's graph has inputs of its own, none shared with another row:
+ggml's allocator reuses the previous graph's buffer offsets, node by node index, for a graph
+of as many nodes of no larger sizes, so a tensor shared by a sequence's rows (one temperature
+input) lived as long as the previous graph's layout said, and was overwritten when the rows
+moved to another sequence (3 slots: rows 6,1,1 then 1,6,1 drew id n-1 from the second row
+on). llama.cpp aborts on a bare sampler given to a sequence, so it sits alone in a chain; the
+chain owns it, and is freed by whoever detaches it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections import deque
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import llama_cpp
+
+from worker.llm.backend import LlamaError
+
+_LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
+_P = ctypes.c_void_p
+_F32 = ctypes.c_float
+_I64 = ctypes.c_int64
+#: ggml_type (ggml.h).
+_GGML_TYPE_F32, _GGML_TYPE_I32 = 0, 26
+#: Ids per block of the two-level cumulative sum.
+BLOCK = 512
+#: The logits width llama.cpp probes a sampler's graph with (``llama_sampler_backend_probe``):
+#: the same for our own check of the device's ops.
+_PROBE_WIDTH = 128 * 1024
+#: Tensors one row's graph creates, with room to spare (the probe context's size).
+_PROBE_TENSORS = 64
+
+
+class Draws(Protocol):
+    """What a sequence sampled on the device draws with: its temperature (> 0), and the
+    uniform in [0, 1) that decides the token at each position."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    def uniforms(self, positions: Sequence[int]) -> list[float]:
+        """The uniform deciding the token at each of ``positions``."""
+        ...
+
+
+class _InitParams(ctypes.Structure):
+    """``struct ggml_init_params``."""
+
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _P), ("no_alloc", ctypes.c_bool)]
+
+
+@cache
+def _ggml() -> ctypes.CDLL:
+    """``libggml-base`` (tensors, ops, backend buffers) with the signatures used here; llama.cpp
+    loaded it already."""
+    lib = ctypes.CDLL(str(_LIB_DIR / "libggml-base.so"))
+    unary = [_P, _P]
+    binary = [_P, _P, _P]
+    for name, args, result in (
+        ("ggml_init", [_InitParams], _P),
+        ("ggml_free", [_P], None),
+        ("ggml_tensor_overhead", [], ctypes.c_size_t),
+        ("ggml_new_tensor_1d", [_P, ctypes.c_int, _I64], _P),
+        ("ggml_set_input", [_P], None),
+        ("ggml_nelements", [_P], _I64),
+        ("ggml_reshape_1d", [_P, _P, _I64], _P),
+        ("ggml_reshape_2d", [_P, _P, _I64, _I64], _P),
+        ("ggml_view_1d", [_P, _P, _I64, ctypes.c_size_t], _P),
+        ("ggml_pad", [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int], _P),
+        ("ggml_div", binary, _P),
+        ("ggml_add", binary, _P),
+        ("ggml_sub", binary, _P),
+        ("ggml_mul", binary, _P),
+        ("ggml_get_rows", binary, _P),
+        ("ggml_soft_max", unary, _P),
+        ("ggml_cumsum", unary, _P),
+        ("ggml_sum_rows", unary, _P),
+        ("ggml_sum", unary, _P),
+        ("ggml_step", unary, _P),
+        ("ggml_clamp", [_P, _P, _F32, _F32], _P),
+        ("ggml_scale_bias", [_P, _P, _F32, _F32], _P),
+        ("ggml_cast", [_P, _P, ctypes.c_int], _P),
+        ("ggml_backend_tensor_set", [_P, _P, ctypes.c_size_t, ctypes.c_size_t], None),
+        ("ggml_backend_buft_get_device", [_P], _P),
+        ("ggml_backend_dev_supports_op", [_P, _P], ctypes.c_bool),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib
+
+
+def draw_graph(ctx: int, logits: int, candidates: int | None, temperature: int,
+               uniform: int) -> tuple[int, list[int]]:
+    """The graph of one row's draw in ggml context ``ctx``: ``logits`` (a row of n floats),
+    the ``temperature`` and ``uniform`` input tensors (one float each), and ``candidates``
+    (the ids behind the logits' entries; None: entry i is id i). Returns the sampled id (an
+    I32 tensor of one) and every tensor made, for a check of the device's ops.
+
+    The index is n' - #{i : cdf[i] > u x total} over the padded n' = m x BLOCK entries,
+    clamped to [0, n - 1]: the first id whose cumulative probability exceeds ``u x total``,
+    as ``Distribution.pick`` (``searchsorted(..., side="right")``)."""
+    g = _ggml()
+    n = int(g.ggml_nelements(logits))
+    block = min(BLOCK, n)
+    m = math.ceil(n / block)
+    padded = m * block
+    made: list[int] = []
+
+    def keep(t: int) -> int:
+        made.append(t)
+        return t
+
+    probs = keep(g.ggml_soft_max(ctx, keep(g.ggml_div(ctx, logits, temperature))))
+    if padded > n:
+        probs = keep(g.ggml_pad(ctx, probs, padded - n, 0, 0, 0))
+    blocks = keep(g.ggml_reshape_2d(ctx, probs, block, m))
+    within = keep(g.ggml_cumsum(ctx, blocks))
+    totals = keep(g.ggml_reshape_1d(ctx, keep(g.ggml_sum_rows(ctx, blocks)), m))
+    ends = keep(g.ggml_cumsum(ctx, totals))
+    starts = keep(g.ggml_reshape_2d(ctx, keep(g.ggml_sub(ctx, ends, totals)), 1, m))
+    cdf = keep(g.ggml_add(ctx, within, starts))
+    total = keep(g.ggml_view_1d(ctx, ends, 1, (m - 1) * ctypes.sizeof(_F32)))
+    target = keep(g.ggml_mul(ctx, uniform, total))
+    above = keep(g.ggml_sum(ctx, keep(g.ggml_step(ctx, keep(g.ggml_sub(ctx, cdf, target))))))
+    above = keep(g.ggml_clamp(ctx, above, float(padded - n + 1), float(padded)))
+    index = keep(g.ggml_cast(ctx, keep(g.ggml_scale_bias(ctx, above, -1.0, float(padded))),
+                             _GGML_TYPE_I32))
+    if candidates:
+        ids = keep(g.ggml_reshape_2d(ctx, candidates, 1, n))
+        index = keep(g.ggml_get_rows(ctx, ids, index))
+    return index, made
+
+
+def _input(ctx: int) -> int:
+    """A new one-float input tensor of ``ctx``."""
+    g = _ggml()
+    t = g.ggml_new_tensor_1d(ctx, _GGML_TYPE_F32, 1)
+    g.ggml_set_input(t)
+    return int(t)
+
+
+def device_supports_draws(buft: int | None) -> bool:
+    """Whether the device behind buffer type ``buft`` runs every op of a row's draw (no
+    device: the CPU's, which runs them all), checked on a probe graph as llama.cpp checks its
+    own samplers'."""
+    g = _ggml()
+    device = g.ggml_backend_buft_get_device(buft) if buft else None
+    if not device:
+        return True
+    ctx = g.ggml_init(_InitParams(_PROBE_TENSORS * g.ggml_tensor_overhead(), None, True))
+    if not ctx:
+        raise LlamaError("ggml could not create a probe context")
+    try:
+        logits = g.ggml_new_tensor_1d(ctx, _GGML_TYPE_F32, _PROBE_WIDTH)
+        _, made = draw_graph(ctx, logits, None, _input(ctx), _input(ctx))
+        return all(g.ggml_backend_dev_supports_op(device, t) for t in made)
+    finally:
+        g.ggml_free(ctx)
+
+
+class KeyedChain:
+    """One sequence's chain of a single keyed-draw sampler, and the Python state behind it.
+
+    ``draws`` may be replaced between requests (a sequence keeps its chain: an attach costs
+    the next decode a graph rebuild); the temperature is an input, so it changes nothing in
+    the graph. The callbacks never raise into llama.cpp: a failure is kept and raised by
+    :meth:`settle` after the decode."""
+
+    _NAME = ctypes.create_string_buffer(b"specfleet-keyed-dist")
+
+    def __init__(self, draws: Draws) -> None:
+        self.draws = draws
+        #: Whether the output device runs the draw's ops (``backend_init``'s answer); a chain
+        #: llama.cpp took without them samples nothing.
+        self.supported = False
+        #: Each row's (temperature, uniform) input tensors in the graph being built.
+        self._inputs: list[tuple[int, int]] = []
+        self._staged: deque[float] = deque()
+        self._short = 0  # rows llama.cpp set inputs for beyond the staged uniforms
+        self._error: BaseException | None = None
+        i = llama_cpp
+        # The callbacks and the interface must outlive the chain: llama.cpp holds pointers.
+        self._callbacks: list[Any] = [
+            ctypes.CFUNCTYPE(_P, i.llama_sampler_p_ctypes)(self._name),
+            i.llama_sampler_i_backend_init(self._backend_init),
+            i.llama_sampler_i_backend_apply(self._backend_apply),
+            i.llama_sampler_i_backend_set_input(self._backend_set_input),
+            i.llama_sampler_i_backend_reset(self._backend_reset),
+        ]
+        name, init, apply, set_input, reset = self._callbacks
+        self._iface = i.llama_sampler_i(
+            name=ctypes.cast(name, i.llama_sampler_i_name), backend_init=init,
+            backend_apply=apply, backend_set_input=set_input, backend_reset=reset)
+        sampler = i.llama_sampler_init(ctypes.byref(self._iface), None)
+        self.chain: Any = i.llama_sampler_chain_init(i.llama_sampler_chain_default_params())
+        i.llama_sampler_chain_add(self.chain, sampler)  # the chain owns (and frees) it
+
+    def stage(self, positions: Sequence[int]) -> None:
+        """The coming decode's rows of this sequence draw the tokens at ``positions``, in
+        batch order (empty: it has none)."""
+        self._staged = deque(self.draws.uniforms(positions))
+        self._short = 0
+
+    def settle(self) -> None:
+        """After the decode: every staged uniform went to a row, and nothing failed."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise LlamaError(f"the keyed device sampler failed: {error!r}") from error
+        if self._staged or self._short:
+            left, short = len(self._staged), self._short
+            self._staged.clear()
+            raise LlamaError(f"llama.cpp sampled {short} row(s) with no staged uniform and "
+                             f"left {left} staged uniform(s) unused")
+
+    def free(self) -> None:
+        """Free the chain (and the sampler in it): only once no context holds it."""
+        if self.chain is not None:
+            llama_cpp.llama_sampler_free(self.chain)
+            self.chain = None
+
+    # -- llama.cpp's callbacks ---------------------------------------------------------------
+    def _name(self, smpl: Any) -> int | None:
+        return ctypes.addressof(self._NAME)
+
+    def _backend_init(self, smpl: Any, buft: int | None, n_outputs_max_per_seq: int) -> bool:
+        try:
+            self.supported = device_supports_draws(buft)
+        except BaseException as e:  # noqa: BLE001 (kept for settle: never raise into C)
+            self._error, self.supported = e, False
+        return self.supported
+
+    def _backend_apply(self, smpl: Any, ctx: int | None, gf: int | None,
+                       data: Any) -> None:
+        try:
+            assert ctx
+            inputs = _input(ctx), _input(ctx)
+            self._inputs.append(inputs)
+            row = data.contents
+            row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, *inputs)
+            # Neither the row's logits nor its probabilities go back to the host: only the id.
+            row.logits = row.probs = None
+        except BaseException as e:  # noqa: BLE001
+            self._error = e
+
+    def _backend_set_input(self, smpl: Any) -> None:
+        try:
+            g = _ggml()
+            temperature = _F32(self.draws.temperature)
+            for t, uniform in self._inputs:
+                if self._staged:
+                    value = _F32(self._staged.popleft())
+                else:
+                    self._short += 1
+                    value = _F32(0.0)
+                g.ggml_backend_tensor_set(t, ctypes.byref(temperature), 0, 4)
+                g.ggml_backend_tensor_set(uniform, ctypes.byref(value), 0, 4)
+        except BaseException as e:  # noqa: BLE001
+            self._error = e
+
+    def _backend_reset(self, smpl: Any) -> None:
+        self._inputs.clear()
