@@ -25,14 +25,21 @@ failure and exits non-zero if any check failed.
   message naming the CPU backend (docs/engine.md, "Deterministic mode").
 - ``service``: a worker fitted to the GPU by the fitter (no ``--ctx``) serves a batch through
   Redis; every job finishes; the registration says the device; SIGTERM drains and exits 0.
-- ``decode-timing``: ``bench/decode_timing.py --gpu`` on the tiny models: a decode timed
-  queued against finished, and steady decoding at a constant width against varying widths
-  (CUDA graphs); figures only, for the row-cost tables' model of the device.
+- ``decode-timing``: ``bench/decode_timing.py --gpu`` on the tiny models (and on Gemma,
+  where it is the run's model): a decode timed queued against finished, steady decoding at a
+  constant width against varying widths (CUDA graphs), and a speculative run's widths as
+  drafted against padded to replayable row counts (``--verify-buckets``;
+  ``spec_bucketed_vs_raw`` below 1: the replays pay for their pad rows); figures only.
 - ``slots``: ``bench/slots.py --gpu`` (the multi-slot bench, on Gemma), its markdown tables
   appended.
 - ``device-verify``: the same bench at K = 1 and 8 with greedy verify rows reduced on the
   device and with every row read by Python: tokens per second, the host's share of a step,
   logits rows read a token (none with it on; docs/engine.md, "Verify on the device").
+- ``spec-targets``: issue 47's targets for the default drafter on the GPU, from
+  ``bench/slots.py`` (plain against default, 2 rounds, 64 tokens a request, the worker's
+  defaults: verify on the device, replayable shapes): at least plain's aggregate at K = 1,
+  2, 4 and 8 on the task mix, at least twice plain's on copy-heavy requests at K = 1, and
+  the host at most a fifth of the default drafter's step everywhere. Skipped on a CPU run.
 - ``device-group``: one model over the first two GPUs (docs/fitter.md, "Device groups"), the
   checks of tests/multidevice: each device's fitted figure within 2% of what llama.cpp
   allocated there (the tiny dense model, and the hybrid with MTP and compact rollback), the
@@ -393,9 +400,17 @@ def _bench(ctx: Context, check: Check, script: str, *args: str,
 
 
 def check_decode_timing(ctx: Context, check: Check) -> None:
-    done = _bench(ctx, check, "decode_timing.py", "--model", "tiny", timeout=600)
-    if done.returncode == 0:
-        check.figures = json.loads(done.stdout)["models"]
+    models = ["tiny"] if ctx.args.model == "tiny" or ctx.args.device == "cpu" else \
+        ["tiny", ctx.args.model]
+    for model in models:
+        done = _bench(ctx, check, "decode_timing.py", "--model", model, "--reps", "3",
+                      timeout=600)
+        if done.returncode != 0:
+            continue
+        for name, figures in json.loads(done.stdout)["models"].items():
+            ms = figures["steady_ms_per_step"]
+            figures["spec_bucketed_vs_raw"] = round(ms["spec_bucketed"] / ms["spec_raw"], 3)
+            check.figures[name] = figures
 
 
 def _gemma(ctx: Context) -> tuple[str, ...]:
@@ -428,6 +443,43 @@ def check_device_verify(ctx: Context, check: Check) -> None:
         check.require(all(row["rows_read_per_token"] == 0
                           for row in figures["on"]["default"].values()),
                       "the default drafter read no logits row with device verify on")
+
+
+#: Issue 47's targets for the default drafter on a GPU: its aggregate over plain's at every
+#: K of the task mix, over plain's on copy-heavy requests at K = 1, and the most of its step
+#: the host may take (wall time less the target's decodes).
+SPEC_TARGETS = {"vs_plain": 1.0, "copy_vs_plain": 2.0, "host_share": 0.20}
+#: The slots bench runs the targets are read from: the task mix at every K, copying at K = 1.
+SPEC_RUNS = {"mixed": ("--concurrency", "1,2,4,8"),
+             "copy": ("--concurrency", "1", "--tasks", "copy")}
+
+
+def check_spec_targets(ctx: Context, check: Check) -> None:
+    """Plain against the default drafter, as a worker on this GPU serves them (its defaults:
+    greedy verify rows reduced on the device, steps padded to replayable shapes), held to
+    :data:`SPEC_TARGETS`."""
+    if ctx.args.device == "cpu":
+        check.status = "skipped"
+        check.notes.append("the targets are a GPU's (a CPU's figures: docs/benchmarks.md)")
+        return
+    keys = ("slots_tok_s", "vs_plain", "host_share", "ms_per_step", "rows_per_step",
+            "padded_rows_per_step", "tokens_per_step", "acceptance")
+    for run, extra in SPEC_RUNS.items():
+        done = _bench(ctx, check, "slots.py", "--tokens", "64", *extra, "--methods",
+                      "plain,default", "--skip", "ttft,memory", "--reps", "2", *_gemma(ctx),
+                      timeout=600)
+        if done.returncode == 0:
+            check.figures[run] = {name: {k: {key: row.get(key) for key in keys}
+                                         for k, row in rows.items()}
+                                  for name, rows in json.loads(done.stdout)["throughput"].items()}
+    for run, floor in (("mixed", SPEC_TARGETS["vs_plain"]),
+                       ("copy", SPEC_TARGETS["copy_vs_plain"])):
+        for k, row in check.figures.get(run, {}).get("default", {}).items():
+            check.require(row["vs_plain"] >= floor, f"{run}, K = {k}: the default drafter "
+                          f"{row['vs_plain']:.2f}x plain (target >= {floor:g}x)")
+            check.require(row["host_share"] <= SPEC_TARGETS["host_share"],
+                          f"{run}, K = {k}: the host {row['host_share']:.0%} of the default "
+                          f"drafter's step (target <= {SPEC_TARGETS['host_share']:.0%})")
 
 
 #: The device-group runs: each tiny model with its drafter, the hybrid with compact rollback
@@ -597,7 +649,8 @@ CHECKS: dict[str, Callable[[Context, Check], None]] = {
     "pinning": check_pinning, "device-checkpoint": check_device_checkpoint,
     "sampling": check_sampling, "greedy": check_greedy, "deterministic": check_deterministic,
     "service": check_service, "decode-timing": check_decode_timing, "slots": check_slots,
-    "device-verify": check_device_verify, "device-group": check_device_group,
+    "device-verify": check_device_verify, "spec-targets": check_spec_targets,
+    "device-group": check_device_group,
 }
 
 

@@ -38,7 +38,8 @@ Progress goes to stderr, the JSON summary to stdout, ``--markdown`` adds tables.
     ./.venv/bin/python bench/slots.py [--tokens 128] [--concurrency 1,2,4,8] [--reps 3]
         [--threads 2] [--methods plain,default,ngram] [--llama-server PATH] [--ttft-trials 10]
         [--gpu] [--model GGUF] [--deterministic] [--tasks mixed|copy] [--same-requests]
-        [--sequential] [--markdown]
+        [--sequential] [--device-verify auto|on|off] [--verify-buckets auto|on|off]
+        [--markdown]
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def round_requests(engine: SpeculativeEngine, k: int, rep: int,
 DETERMINISTIC = [False]
 #: ``--device-verify``: greedy verify rows reduced on the device (None: where it is a GPU).
 DEVICE_VERIFY: list[bool | None] = [None]
+#: ``--verify-buckets``: steps with drafts padded to replayable row counts (None: on a GPU).
+VERIFY_BUCKETS: list[bool | None] = [None]
 
 
 def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeEngine:
@@ -144,7 +147,8 @@ def open_engine(model: str, slots: int, threads: int, gpu: bool) -> SpeculativeE
     return SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, slots=slots, n_threads=threads,
                                           n_gpu_layers=-1 if gpu else 0, capacity=capacity,
                                           deterministic=DETERMINISTIC[0],
-                                          device_verify=DEVICE_VERIFY[0]))
+                                          device_verify=DEVICE_VERIFY[0],
+                                          verify_buckets=VERIFY_BUCKETS[0]))
 
 
 def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
@@ -163,11 +167,14 @@ def together(engine: SpeculativeEngine, reqs: list[list[int]], tokens: int,
     wall = time.perf_counter() - t0
     generated = sum(len(s.generated) for s in slots)
     rows = sum(s.counters.target_decodes + s.counters.drafted for s in slots)
+    padded = sum(s.counters.padded_rows for s in slots)
     accepted = sum(s.counters.accepted for s in slots)
     drafted = sum(s.counters.drafted for s in slots)
     # Where a step's time goes: its rows and tokens, and its milliseconds (prefill included).
     rates = {"tok_s": generated / wall, "generated": generated, "wall_s": wall, "steps": steps,
              "ms_per_step": 1000 * wall / steps, "rows_per_step": rows / steps,
+             # Rows added to reach replayable row counts (--verify-buckets), beside those.
+             "padded_rows_per_step": padded / steps,
              "tokens_per_step": generated / steps,
              # What is not the target's decode: drafting, acceptance, bookkeeping, streaming.
              "host_ms_per_token": 1000 * (wall - engine.decode_seconds + decode0) / generated,
@@ -272,6 +279,7 @@ def throughput(args: argparse.Namespace, model: str, server: str | None) -> dict
                     par, outputs[name] = together(engine, reqs, args.tokens, spec)
                 row = {"slots_tok_s": par["tok_s"]} | {
                     key: par[key] for key in ("steps", "ms_per_step", "rows_per_step",
+                                              "padded_rows_per_step",
                                               "tokens_per_step", "host_ms_per_token",
                                               "host_share", "rows_read_per_token",
                                               "acceptance", "draft_bar")}
@@ -464,10 +472,14 @@ def main() -> None:
                     help="every engine in deterministic mode (compare with a run without)")
     ap.add_argument("--device-verify", choices=("auto", "on", "off"), default="auto",
                     help="greedy verify rows reduced on the device (auto: on a GPU only)")
+    ap.add_argument("--verify-buckets", choices=("auto", "on", "off"), default="auto",
+                    help="steps with drafts padded to row counts a GPU replays (auto: on a "
+                         "GPU only)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     DETERMINISTIC[0] = args.deterministic
     DEVICE_VERIFY[0] = {"auto": None, "on": True, "off": False}[args.device_verify]
+    VERIFY_BUCKETS[0] = {"auto": None, "on": True, "off": False}[args.verify_buckets]
     args.concurrency = [int(k) for k in args.concurrency.split(",")]
     args.methods = args.methods.split(",")
     CHOSEN_TASKS[0] = TASK_SETS[args.tasks]
@@ -483,6 +495,7 @@ def main() -> None:
                                   "gpu": args.gpu, "n_ctx_per_slot": N_CTX,
                                   "draft_max": DRAFT_MAX, "deterministic": args.deterministic,
                                   "device_verify": args.device_verify,
+                                  "verify_buckets": args.verify_buckets,
                                   "tasks": args.tasks, "same_requests": args.same_requests}
     if "throughput" not in skip:
         summary["throughput"] = throughput(args, model, server)

@@ -569,6 +569,12 @@ class Telemetry(_Strict):
     host_fallback_devices: list[str] | None = None
     rollback_depth: int | None = None
     checkpoint_reservation_bytes: int | None = None
+    #: Rows a GPU worker added to its verify decodes so every step with drafts has a row
+    #: count the device replays the graph of (``--verify-buckets``; docs/engine.md,
+    #: "Replayable shapes"): decoded, never kept.
+    padded_rows: Annotated[int, Summed(
+        "verify_padded_rows", "Rows added to verify decodes to reach a replayable row "
+        "count (--verify-buckets), by the slot they padded")] = 0
 
     @classmethod
     def summed(cls) -> dict[str, Summed]:

@@ -304,6 +304,9 @@ class WorkerOptions:
     deterministic: bool = False
     #: Greedy verify rows reduced on the device (EngineConfig.device_verify; None: on a GPU).
     device_verify: bool | None = None
+    #: Verify steps padded to row counts a GPU replays (EngineConfig.verify_buckets; None:
+    #: on a GPU).
+    verify_buckets: bool | None = None
     #: Tokens of the embedding context (EngineConfig.embedding_tokens; 0: no embeddings).
     embedding_tokens: int = 0
 

@@ -64,6 +64,11 @@ def worker(
         "--device-verify", help="'on': greedy verify rows reduced to their top two on the "
         "device, no logits row read by Python; 'off': every row read; 'auto': on where the "
         "layers run on a GPU (docs/engine.md, 'Verify on the device')")] = "auto",
+    verify_buckets: Annotated[str, typer.Option(
+        "--verify-buckets", help="'on': steps that verify drafts padded to a few row counts "
+        "so a GPU replays their decode graphs, drafts priced at them; 'off': rows as drafted; "
+        "'auto': on where the layers run on a GPU (docs/engine.md, 'Replayable shapes')")]
+    = "auto",
     embeddings: Annotated[int, typer.Option(
         "--embeddings", min=0, metavar="TOKENS", help="serve embeddings (/v1/embeddings) "
         "from an embedding context of TOKENS (rounded up to a multiple of 64) beside the "
@@ -105,8 +110,9 @@ def worker(
         checkpoint=checkpoint, metrics_port=metrics_port, slots=_slots(slots),
         prefix_cache=_on_off("--prefix-cache", prefix_cache),
         prefix_checkpoints=prefix_checkpoints, deterministic=deterministic,
-        device_verify=None if device_verify == "auto" else _on_off(
-            "--device-verify", device_verify), embedding_tokens=embeddings)
+        device_verify=_on_off_auto("--device-verify", device_verify),
+        verify_buckets=_on_off_auto("--verify-buckets", verify_buckets),
+        embedding_tokens=embeddings)
     # Pinned before the serving code is imported: it loads llama.cpp, which reads the
     # visible devices once (docs/architecture.md, "Processes").
     n_gpu_layers = pin_device(group)
@@ -126,9 +132,15 @@ def worker(
 
 def _on_off(flag: str, text: str) -> bool:
     if text not in ("on", "off"):
-        fail(f"{flag} takes 'on' or 'off'{' or auto' if flag == '--device-verify' else ''}, "
-             f"got {text!r}")
+        fail(f"{flag} takes 'on' or 'off', got {text!r}")
     return text == "on"
+
+
+def _on_off_auto(flag: str, text: str) -> bool | None:
+    """``auto`` is None: the engine's plan decides from where the layers run."""
+    if text not in ("on", "off", "auto"):
+        fail(f"{flag} takes 'on', 'off' or 'auto', got {text!r}")
+    return None if text == "auto" else text == "on"
 
 
 def _slots(text: str) -> int | Literal["auto"]:

@@ -73,6 +73,11 @@ class EngineConfig:
     #: a 2-core CPU llama.cpp's sampling graph made every verify row 0.5-0.7 ms dearer, and
     #: saved 0.05-0.12 ms of host work a row).
     device_verify: bool | None = None
+    #: Steps that verify drafts padded to a row count the device replays the decode graph of
+    #: (``EnginePlan.verify_buckets``, ``worker/engine/drafting/buckets.py``). None: where
+    #: the layers run on a GPU (a CPU replays nothing, and every pad row costs it the
+    #: output layer); refused with compact rollback.
+    verify_buckets: bool | None = None
     #: Bound of the suffix drafter's cache of recent outputs (method suffix / mtp+suffix);
     #: host memory, counted by the fitter as ``lookup_cache``.
     lookup_cache_bytes: int = DEFAULT_CACHE_BYTES

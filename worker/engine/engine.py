@@ -120,7 +120,9 @@ class SpeculativeEngine:
             self.head = make_head(self.plan.mtp, self.model, self.target,
                                   draft_spec(config, self.draft_max))
             self._allocated.callback(self.head.close)
-            self.verifier = Verifier(self.target, self.rollback, spec.n_batch)
+            #: How verify steps are padded to shapes a GPU replays, and plans priced.
+            buckets = self.plan.buckets(config.n_ctx)
+            self.verifier = Verifier(self.target, self.rollback, spec.n_batch, buckets)
             self._allocated.callback(self.verifier.close)
             # Calibration decodes on the target: a failure there must free the model too.
             replays = self.model.offloaded  # plain steps replay a graph on a GPU
@@ -132,7 +134,7 @@ class SpeculativeEngine:
             #: How far every slot drafts each step (``drafting/planner.py``).
             self.planner = DraftPlanner(self.curve, config.slots, self.draft_max, replays,
                                         budget=config.row_budget,
-                                        shape=config.calibrate_verify)
+                                        shape=config.calibrate_verify, buckets=buckets)
             self.suffix = make_suffix_shared(self.method, self.target,
                                              config.lookup_cache_bytes, self.planner.bar,
                                              self.planner.one_slot)
@@ -148,7 +150,7 @@ class SpeculativeEngine:
                  draft_max=self.draft_max, n_ctx=config.n_ctx, slots=config.slots,
                  n_rs_seq=self.target.n_rs_seq, rollback=type(self.rollback).__name__,
                  verify_shape=self.planner.shape, deterministic=config.deterministic,
-                 offloaded=self.model.offloaded,
+                 offloaded=self.model.offloaded, verify_buckets=self.plan.verify_buckets,
                  row_costs=self.suffix.costs.relative() if self.suffix else None)
 
     def _prices_rows(self, config: EngineConfig) -> bool:
@@ -321,11 +323,13 @@ class SpeculativeEngine:
         self.decode_seconds += times.decode
         steps: list[tuple[Slot, list[int]]] = []
         origins: dict[int, str] = {}
-        for slot, draft, outcome in zip(decoding, drafts, outcomes, strict=True):
+        for slot, draft, outcome, pad in zip(decoding, drafts, outcomes, times.padded,
+                                             strict=True):
             c = slot.counters
             c.draft_seconds += times.observe
             c.decode_seconds += times.target
             c.record_verify(len(draft.tokens), outcome.n_accepted)
+            c.padded_rows += pad
             committed = slot.commit(outcome, self.model, self.config.n_ctx)
             steps.append((slot, committed))
             origins[slot.seq] = token_origin(len(committed), outcome.n_accepted, slot.forced)

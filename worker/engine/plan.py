@@ -17,6 +17,7 @@ from enum import Enum
 
 from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings, WorkerCapacity
 from worker.engine.config import EngineConfig, unified_kv
+from worker.engine.drafting.buckets import NO_BUCKETS, BucketPolicy, RowBuckets
 from worker.engine.proposers.factory import uses_mtp, uses_suffix
 from worker.engine.proposers.mtp import MtpUnavailableError
 from worker.engine.rollback import CompactRollback, KvTrimRollback, Rollback, SnapshotRollback
@@ -72,6 +73,9 @@ class EnginePlan:
     #: back as two ids and two logits instead of a vocabulary-wide row (docs/engine.md,
     #: "Verify on the device").
     device_verify: bool = False
+    #: Steps that verify drafts are padded to a row count a GPU replays the graph of, and
+    #: plans are priced at it (docs/engine.md, "Replayable shapes"; :meth:`buckets`).
+    verify_buckets: bool = False
 
     @property
     def checkpoints(self) -> bool:
@@ -103,6 +107,13 @@ class EnginePlan:
             return SnapshotRollback(self.n_rs_seq)
         return CompactRollback(self.n_rs_seq, self.draft_max, self.checkpoint,
                                fail_device_checkpoint, self.slots)
+
+    def buckets(self, n_ctx: int) -> BucketPolicy:
+        """How this plan's verify steps are padded and priced, for slots of ``n_ctx`` tokens:
+        to :data:`~worker.engine.drafting.buckets.ROW_BUCKETS`, a sequence at most a verify of
+        the widest draft (the rows its device sampler and its rollback snapshots are sized
+        for), or not at all."""
+        return RowBuckets(self.draft_max + 1, n_ctx) if self.verify_buckets else NO_BUCKETS
 
     def capacity(self) -> WorkerCapacity:
         """What a worker loaded from this plan can serve (requests may only narrow it)."""
@@ -191,7 +202,24 @@ def plan_engine(config: EngineConfig, model: ModelFacts) -> EnginePlan:
     wanted = model.offloaded if config.device_verify is None else config.device_verify
     return EnginePlan(method, draft_max, kind, n_rs_seq, checkpoint, config.slots,
                       device_verify=wanted and draft_max > 0 and samples_rows_right(
-                          config, model))
+                          config, model),
+                      verify_buckets=draft_max > 0 and bucketed(config, model, kind))
+
+
+def bucketed(config: EngineConfig, model: ModelFacts, kind: RollbackKind) -> bool:
+    """Whether verify steps are bucketed (``config.verify_buckets``; None: where the layers
+    run on a GPU). Pad rows leave with a verify's rejected tail, so a full accept rolls
+    back its pads: a trim, or a snapshot restore, but past D snapshots of compact rollback a
+    checkpoint restore and a replay decode every step. So compact rollback never buckets, and
+    asking for both is refused."""
+    if kind is RollbackKind.COMPACT:
+        if config.verify_buckets:
+            raise ValueError(f"verify_buckets (--verify-buckets on) needs a rollback that "
+                             f"keeps a snapshot a draft position: rollback_depth "
+                             f"({config.capacity.rollback_depth}) < draft_max restores a "
+                             f"checkpoint and replays to drop a step's pad rows")
+        return False
+    return model.offloaded if config.verify_buckets is None else config.verify_buckets
 
 
 def samples_rows_right(config: EngineConfig, model: ModelFacts) -> bool:

@@ -10,17 +10,22 @@ outcome is read and its proposer told while the verify's output rows are still t
 prompt chunks are handed on (MTP feeds their hidden rows), then every slot's tail is rolled
 back, and the deep rejections are replayed last (a replay is a decode and replaces the
 outputs).
+
+Where the engine buckets its steps (:mod:`worker.engine.drafting.buckets`, on a GPU), a step
+with drafts is padded to a row count the device can replay: each verify's pad rows follow its
+own rows in its own sequence, are never accepted, and leave with its rejected tail.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 
 from worker.engine.core.constraint import SlotConstraint
 from worker.engine.core.draft import Draft, VerifyOutcome
 from worker.engine.core.sampler import Sampler
+from worker.engine.drafting.buckets import NO_BUCKETS, BucketPolicy
 from worker.engine.logprobs import LogprobReporter
 from worker.engine.proposers.base import Proposer
 from worker.engine.rollback import Rollback
@@ -55,20 +60,24 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class StepTimes:
     """Seconds of the target's work (decode, rollback), of its decode alone, and of the
-    proposers' catch-up."""
+    proposers' catch-up; and the pad rows each verify carried (``padded[i]``: job i's)."""
 
     target: float
     decode: float
     observe: float
+    padded: list[int]
 
 
 class Verifier:
-    """Owns the target's batch; one instance per engine."""
+    """Owns the target's batch; one instance per engine. ``buckets`` pads its steps (the
+    no-op policy: none)."""
 
-    def __init__(self, target: Context, rollback: Rollback, capacity: int) -> None:
+    def __init__(self, target: Context, rollback: Rollback, capacity: int,
+                 buckets: BucketPolicy = NO_BUCKETS) -> None:
         self.target = target
         self.rollback = rollback
         self.batch = Batch(capacity)
+        self.buckets = buckets
 
     def step(self, chunks: list[PrefillChunk], jobs: list[VerifyJob],
              prefilled: Callable[[PrefillChunk, int], None]) -> tuple[list[VerifyOutcome],
@@ -83,10 +92,13 @@ class Verifier:
         t0 = perf_counter()
         batch = self.batch.clear()
         chunk_rows = [batch.add(c.tokens, c.pos0, False, seq=c.seq) for c in chunks]
+        pads = self.buckets.pads([1 + len(job.draft.tokens) for job in jobs],
+                                 [job.pos0 for job in jobs], bool(chunks))
         rows: list[int] = []
-        for job in jobs:
-            self.rollback.prepare(self.target, job.seq, len(job.draft.tokens))
-            rows.append(batch.add([job.last, *job.draft.tokens], job.pos0, True, seq=job.seq))
+        for job, pad in zip(jobs, pads, strict=True):
+            self.rollback.prepare(self.target, job.seq, len(job.draft.tokens) + pad)
+            rows.append(batch.add(_decoded(job, job.draft.tokens, pad), job.pos0, True,
+                                  seq=job.seq))
         td = perf_counter()
         self.target.decode(batch)
         self.target.synchronize()  # else a GPU's decode time is only its kernel launches
@@ -99,13 +111,14 @@ class Verifier:
         for chunk, row0 in zip(chunks, chunk_rows, strict=True):
             prefilled(chunk, row0)
         t2 = perf_counter()
-        for job, outcome in zip(jobs, outcomes, strict=True):
-            if outcome.n_accepted < len(outcome.draft):
-                self.rollback.rewind(self.target, job.seq, [job.last, *outcome.draft],
+        for job, outcome, pad in zip(jobs, outcomes, pads, strict=True):
+            if outcome.n_accepted < len(outcome.draft) + pad:
+                self.rollback.rewind(self.target, job.seq, _decoded(job, outcome.draft, pad),
                                      job.pos0, outcome.n_accepted)
         self.rollback.settle(self.target)
         t3 = perf_counter()
-        return outcomes, StepTimes(target=(t1 - t0) + (t3 - t2), decode=decode, observe=t2 - t1)
+        return outcomes, StepTimes(target=(t1 - t0) + (t3 - t2), decode=decode, observe=t2 - t1,
+                                   padded=pads)
 
     def _accept(self, job: VerifyJob, row0: int, alone: bool) -> VerifyOutcome:
         n_accepted, token = job.sampler.verify(self.target, row0, job.pos0, job.history,
@@ -116,3 +129,9 @@ class Verifier:
 
     def close(self) -> None:
         self.batch.close()
+
+
+def _decoded(job: VerifyJob, draft: Sequence[int], pad: int) -> list[int]:
+    """What a verify decodes for ``job``: its last token, ``draft``, and ``pad`` pad rows (its
+    last token again: any token would do, none of them is ever read or kept)."""
+    return [job.last, *draft, *[job.last] * pad]

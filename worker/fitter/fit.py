@@ -318,7 +318,7 @@ def fit_worker(model_path: str, device: str | DeviceRef | DeviceGroup = "cpu",
                prefix_cache: bool = True,
                prefix_checkpoints: int = DEFAULT_CHECKPOINTS,
                deterministic: bool = False, device_verify: bool | None = None,
-               embedding_tokens: int = 0) -> FitResult:
+               verify_buckets: bool | None = None, embedding_tokens: int = 0) -> FitResult:
     """Measure the model on ``device`` and fit the largest context that leaves the margin.
 
     ``device`` is ``cpu``, ``cuda:N`` or a device group (:class:`~worker.launch.DeviceGroup`:
@@ -346,7 +346,9 @@ def fit_worker(model_path: str, device: str | DeviceRef | DeviceGroup = "cpu",
     (per slot) size the prefix checkpoints of a sliding-window or recurrent model;
     ``deterministic`` measures the layout of deterministic mode (no repacked weights, a full
     sliding-window cache); ``device_verify`` the target with its sequences sampled on the
-    device (None: where the layers are on a GPU); ``embedding_tokens`` the embedding context
+    device (None: where the layers are on a GPU); ``verify_buckets`` is carried into the
+    config (pad rows stay within a verify's rows: nothing more to measure; refused with
+    compact rollback); ``embedding_tokens`` the embedding context
     (``EngineConfig.embedding_tokens``; 0: none), at most the training context.
     """
     if slots != AUTO_SLOTS and not (isinstance(slots, int) and 1 <= slots <= MAX_SLOTS):
@@ -363,7 +365,7 @@ def fit_worker(model_path: str, device: str | DeviceRef | DeviceGroup = "cpu",
                           capacity=capacity or EngineCapacity(), checkpoint=checkpoint,
                           prefix_cache=prefix_cache, prefix_checkpoints=prefix_checkpoints,
                           deterministic=deterministic, device_verify=device_verify,
-                          embedding_tokens=embedding_tokens)
+                          verify_buckets=verify_buckets, embedding_tokens=embedding_tokens)
     try:
         with placed(group) as placement:
             where = device_map(group, placement)

@@ -52,6 +52,7 @@ def load_engine(options: WorkerOptions, n_gpu_layers: int, settings: Settings) -
                      prefix_cache=options.prefix_cache,
                      prefix_checkpoints=options.prefix_checkpoints,
                      deterministic=options.deterministic, device_verify=options.device_verify,
+                     verify_buckets=options.verify_buckets,
                      embedding_tokens=options.embedding_tokens)
     engine = SpeculativeEngine(replace(fit.config, n_gpu_layers=n_gpu_layers,
                                        fail_device_checkpoint=settings.fail_device_checkpoint,

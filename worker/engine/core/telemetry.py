@@ -110,6 +110,9 @@ class SpecCounters:
     mask_cut_drafts: int = count()
     mask_seconds: float = count()
     grammar_forced_closes: int = count()
+    #: Rows the verifier added to this slot's verifies to reach a replayable row count
+    #: (``worker/engine/drafting/buckets.py``).
+    padded_rows: int = count()
     rollback: RollbackStats = field(default_factory=RollbackStats,
                                     metadata={_MERGE: operator.add})
 

@@ -29,6 +29,7 @@ from shared.protocol import SpecMethod
 from worker.engine.core.draft import Draft
 from worker.engine.core.telemetry import SpecCounters
 from worker.engine.drafting.bar import DraftBar
+from worker.engine.drafting.buckets import NO_BUCKETS, BucketPolicy
 from worker.engine.drafting.budget import draft_chances, plan_widths
 from worker.engine.drafting.costs import RowCosts
 from worker.engine.drafting.curve import CostCurve
@@ -79,10 +80,14 @@ class DraftPlanner:
     everything it prices comes from ``curve`` (None: the engine never drafts, or nothing it
     does prices rows); ``replays``: the device replays repeated decodes' graphs (a GPU), so
     plain widths are priced steady; ``budget``: several slots share each step's rows
-    (:meth:`plan`); ``shape``: verify only the lengths whose rows pay at full acceptance."""
+    (:meth:`plan`); ``shape``: verify only the lengths whose rows pay at full acceptance;
+    ``buckets``: how the verifier pads a step, so every table prices a plan at what it
+    decodes (:mod:`~worker.engine.drafting.buckets`)."""
 
     def __init__(self, curve: CostCurve | None, slots: int, draft_max: int, replays: bool,
-                 budget: bool, shape: bool) -> None:
+                 budget: bool, shape: bool, buckets: BucketPolicy = NO_BUCKETS) -> None:
+        # ``buckets``: a plan of r rows costs what the step it pads to decodes.
+        curve = buckets.priced(curve) if curve is not None else None
         #: ``shape[n]``: how many of n drafted tokens are worth verifying (identity: all).
         self.shape = (best_lengths(curve.table(draft_max + 1)) if shape and curve is not None
                       else list(range(draft_max + 1)))
