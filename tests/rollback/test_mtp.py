@@ -14,6 +14,7 @@ from helpers import PROMPT
 
 from shared.protocol import CheckpointMode, SamplingParams, SpecMethod, SpecSettings
 from worker.engine.core.draft import Draft, VerifyOutcome
+from worker.engine.drafting.width import BudgetedWidth, FixedWidth
 from worker.engine.proposers.base import Proposer
 from worker.engine.proposers.mtp import MtpDrafter
 from worker.engine.sampling import make_sampler
@@ -100,6 +101,15 @@ class EveryOther:
         self.head.observe(outcome)
 
 
+class AlwaysAsks(BudgetedWidth):
+    """A width policy that asks the drafter at every step, whatever it proposed: the two runs
+    below must verify on the same schedule, which a planner skipping the stub's empty steps
+    (``BudgetedWidth.proposed``) would make depend on the head's own drafts."""
+
+    def proposed(self, drafted: int) -> None:
+        """Never skips."""
+
+
 def test_the_head_catches_up_on_every_verify_it_did_not_draft_for(
         hybrid_model: Path, hybrid_reference: list[int]) -> None:
     """A head not asked to draft for a step is still told of that step's verify: when next
@@ -114,6 +124,8 @@ def test_the_head_catches_up_on_every_verify_it_did_not_draft_for(
                         method=SpecMethod.MTP) as engine:
             head = engine.head
             assert isinstance(head, MtpDrafter)
+            engine.planner.policy = (  # type: ignore[method-assign]
+                lambda draft_max, adaptive: AlwaysAsks(FixedWidth(draft_max)))
             proposer = EveryOther(head.proposer(0, make_sampler(SamplingParams(), len(PROMPT))),
                                   asks_between)
             result = engine.generate(PROMPT, 60, spec, proposer=proposer)
