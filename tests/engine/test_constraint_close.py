@@ -303,6 +303,25 @@ def test_a_runaway_tool_call_still_closes_within_the_budget(model: Model) -> Non
     assert steered
 
 
+def test_a_model_with_no_end_token_is_never_steered_to_an_end(dense_model: Path) -> None:
+    """The hex-piece test vocabulary (token id -> its hex digits) has no end token, so a close
+    that ends where the grammar may end has no token to steer to: after ``1`` of ``1(23)*``
+    with one token left, a ``2`` (which only ``3`` closes) is kept, not replaced by
+    llguidance's end id (256, past the model's logits, no token at all: committed, it aborted
+    the process in llama.cpp's token lookup). A close that is a token is still steered to:
+    after ``12`` with one token left, ``32`` becomes ``3``."""
+    with Model(ModelSpec(str(dense_model))) as hexes:
+        assert [hexes.token_bytes(t) for t in (1, 2, 3, 0x23, 0x32)] == [
+            b"1", b"2", b"3", b"23", b"32"]
+        regex = Constraint(kind=ConstraintKind.REGEX, grammar="1(23)*")
+        slot = bind(compile_grammar(regex, hexes), hexes, SpecCounters(), 2)
+        assert not slot.commit(0, [1])
+        assert slot.settle([], 2) == 2
+        assert slot.settle([], 0x23) == 0x23
+        slot = bind(compile_grammar(regex, hexes), hexes, SpecCounters(), 3)
+        assert not slot.commit(0, [1, 2])
+        assert slot.settle([], 0x32) == 3
+
 # -- in the engine -------------------------------------------------------------------------------
 def open_engine(model: Path, method: SpecMethod) -> SpeculativeEngine:
     capacity = EngineCapacity(method=method, draft_max=7)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -33,6 +34,7 @@ from worker.engine.proposers.none import NoDraft
 from worker.engine.slot import SlotRequest
 from worker.engine.verify import Verifier
 from worker.launch import EngineCapacity
+from worker.llm import LlamaError
 
 from .schedule import Arrival, run_schedule
 
@@ -331,3 +333,42 @@ def test_constraint_the_vocabulary_cannot_spell(dense_model: Path) -> None:
         result = run(engine, PROMPT, hexes, SpecMethod.NGRAM)
     assert len(result.text) == 4 and result.text[0] == "7"
     assert result.finish_reason is FinishReason.STOP
+
+
+HEXES = Constraint(kind=ConstraintKind.REGEX, grammar="[0-9a-f]{1,40}")
+
+
+@pytest.mark.parametrize("method", [SpecMethod.NGRAM, SpecMethod.SUFFIX])
+def test_drafts_that_complete_a_grammar_on_a_model_with_no_end_token(
+        dense_model: Path, method: SpecMethod) -> None:
+    """The hex-piece test vocabulary has no end token (llguidance's is a virtual id past its
+    256 logits). On a prompt that repeats, the drafter drafts the output up to where the
+    grammar is complete, where only that end is allowed: the token that completes it is
+    verified as the last row's pick, so the generation stops there as plain decoding does,
+    on one slot and two, greedy and sampled, with a budget the close watches (30) and one it
+    does not (400). The row after such a draft once took an id the grammar forbids (42 hex
+    digits), or, with the close watched, llguidance's end id 256, which aborted the process
+    in llama.cpp's token lookup; ``token_bytes`` now refuses such an id with an exception."""
+    with open_engine(dense_model, method, slots=2) as engine:
+        with pytest.raises(LlamaError, match="token 256 is not in this model's vocabulary"):
+            engine.model.token_bytes(engine.model.n_vocab)
+        prompt = [*PROMPT, *engine.generate(PROMPT, 40, SpecSettings(method=SpecMethod.NONE)
+                                            ).tokens]
+
+        def request(max_tokens: int, sampling: SamplingParams,
+                    spec: SpecMethod = method) -> SlotRequest:
+            return SlotRequest(prompt, max_tokens, SpecSettings(method=spec),
+                               sampling=sampling, constraint=HEXES, prefix_cache=False)
+
+        for sampling in (SamplingParams(), SamplingParams(temperature=0.7, seed=3)):
+            for max_tokens in (30, 400):
+                runs = [run_schedule(engine, [Arrival(0, request(max_tokens, sampling))]
+                                     * slots).results for slots in (1, 2)]
+                for result in (r for rs in runs for r in rs):
+                    assert re.fullmatch("[0-9a-f]{40}", result.text), result.text
+                    assert result.finish_reason is FinishReason.STOP
+                    assert result.telemetry.accepted > 0  # drafts carried the output
+                if sampling.temperature == 0:
+                    plain = run_schedule(engine, [Arrival(0, request(
+                        max_tokens, sampling, SpecMethod.NONE))]).results[0]
+                    assert {tuple(r.tokens) for rs in runs for r in rs} == {tuple(plain.tokens)}

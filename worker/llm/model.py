@@ -82,11 +82,12 @@ class Model:
         self.spec = spec
         self.ptr = ptr
         self.vocab = llama_cpp.llama_model_get_vocab(ptr)
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
 
     # -- facts -----------------------------------------------------------------------------
     @property
     def n_vocab(self) -> int:
-        return int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        return self._n_vocab
 
     @property
     def n_embd(self) -> int:
@@ -186,6 +187,7 @@ class Model:
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         """Raw bytes of one token's piece (may be part of a multi-byte UTF-8 character);
         ``special`` renders control tokens' text too (a grammar's view of the vocabulary)."""
+        self._check_token(token)
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -195,8 +197,17 @@ class Model:
 
     def is_control(self, token: int) -> bool:
         """A control token (turn markers, BOS/EOS): text can never spell it."""
+        self._check_token(token)
         attr = llama_cpp.llama_vocab_get_attr(self.vocab, token)
         return bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL)
+
+    def _check_token(self, token: int) -> None:
+        """Refuse an id outside the vocabulary: llama.cpp looks a token's attributes up with
+        ``std::vector::at``, whose exception no C caller catches, so such an id would abort
+        the process (every slot of the worker) where this fails only the caller."""
+        if not 0 <= token < self._n_vocab:
+            raise LlamaError(f"token {token} is not in this model's vocabulary of "
+                             f"{self._n_vocab}")
 
     @property
     def eos(self) -> int | None:

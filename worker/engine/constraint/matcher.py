@@ -82,6 +82,9 @@ class GrammarConstraint:
         #: with the step's forced-run check in between).
         self._masks: dict[tuple[int, ...], np.ndarray] = {}
         self._eos = vocab.tokenizer.eos_token
+        #: The token that ends the generation where the grammar may end (None: the model has
+        #: no end token, and llguidance's is a virtual id past the logits, no token at all).
+        self._end = self._eos if self._eos < vocab.n_vocab else None
         self._eog = np.asarray(vocab.eog, dtype=np.int64)
         self._forced = 0
         self._cap = cap
@@ -112,8 +115,8 @@ class GrammarConstraint:
         n = len(forced)
         if n and draft.tokens[:n] != forced:  # the proposer did not propose the forced run
             draft = Draft(forced)
-        fits = self._fits(draft.tokens)
-        if fits < len(draft.tokens):  # the budget's close would replace the token there
+        fits = min(self._fits(draft.tokens), self._endless(draft.tokens))
+        if fits < len(draft.tokens):  # the close would replace it, or nothing may follow it
             self._counters.mask_cut_drafts += len(draft.tokens) - fits
             draft = draft.cut(fits)
             n = min(n, fits)
@@ -150,8 +153,11 @@ class GrammarConstraint:
         t0 = perf_counter()
         if self._plan([*path, token]) is None:
             plan = self._plan(path)
-            if plan is not None:  # else no close fits here either: nothing to steer to
-                token = plan[0] if plan else self._eos
+            # The close's first token, or the end where the grammar may end here; nothing to
+            # steer to when no close fits here either, or the model has no token that ends.
+            close = plan[0] if plan else self._end if plan is not None else None
+            if close is not None:
+                token = close
                 self._replaced.append((*path, token))
         self._counters.mask_seconds += perf_counter() - t0
         return token
@@ -242,6 +248,18 @@ class GrammarConstraint:
         """Whether the budget's close is watched ``depth`` tokens past the committed ones."""
         return self._left is not None and self._left - depth <= HORIZON
 
+    def _endless(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (drafts the grammar allows, from the committed tokens) may
+        be verified: all, but the one that completes the grammar where the model has no end
+        token. The row after a completing draft may then choose nothing (the grammar allows
+        only its end, which no token of the model spells) and the slot would commit the
+        token it chose anyway; verified as the last row's pick instead, the completing token
+        ends the generation at its commit, as in plain decoding."""
+        if self._end is not None or not tokens:
+            return len(tokens)
+        self._goto(tokens)
+        return len(tokens) - 1 if self._matcher.is_stopped() else len(tokens)
+
     def _fits(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` (drafts from the committed tokens) leave a close that fits
         the budget after each of them."""
@@ -301,7 +319,8 @@ class GrammarConstraint:
         """Ids allowed where the matcher stands (cached per path). A state that allows
         nothing (a vocabulary that cannot spell what the grammar needs next) allows the end
         ids, or everything when the model has none: the commit then finds the matcher in
-        its error state and ends the generation."""
+        its error state and ends the generation. (A completed grammar is no such state: a
+        model with no end token never verifies the row after it, :meth:`_endless`.)"""
         key = tuple(self._path)
         ids = self._masks.get(key)
         if ids is None:
