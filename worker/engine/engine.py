@@ -36,6 +36,7 @@ from worker.engine.core.telemetry import SpecCounters
 from worker.engine.drafting.cache import curve_for
 from worker.engine.drafting.planner import DraftPlanner, Proposed, StepRecord, Verified
 from worker.engine.logprobs import make_logprobs
+from worker.engine.overlap import HostWork, make_overlap, no_work
 from worker.engine.plan import ModelFacts, plan_engine
 from worker.engine.prefix_cache import Placement, PrefixStats, make_prefix_policy
 from worker.engine.proposers.base import Proposer
@@ -122,7 +123,8 @@ class SpeculativeEngine:
             self._allocated.callback(self.head.close)
             #: How verify steps are padded to shapes a GPU replays, and plans priced.
             buckets = self.plan.buckets(config.n_ctx)
-            self.verifier = Verifier(self.target, self.rollback, spec.n_batch, buckets)
+            self.verifier = Verifier(self.target, self.rollback, spec.n_batch, buckets,
+                                     make_overlap(self.plan.overlap))
             self._allocated.callback(self.verifier.close)
             # Calibration decodes on the target: a failure there must free the model too.
             replays = self.model.offloaded  # plain steps replay a graph on a GPU
@@ -232,13 +234,22 @@ class SpeculativeEngine:
         """Stop ``slot`` at the next step (its result says ``cancelled``); others run on."""
         slot.cancelled = True
 
-    def step(self) -> list[SlotUpdate]:
+    @property
+    def overlaps(self) -> bool:
+        """Whether :meth:`step`'s ``during`` runs while the device decodes (a GPU), so host
+        work handed to it costs the step nothing; else it runs after the decode."""
+        return self.plan.overlap
+
+    def step(self, during: HostWork = no_work) -> list[SlotUpdate]:
         """One engine step over every active slot: draft, one target decode (verifies plus
         prefill chunks), accept, commit, roll back. Returns an update for every slot that
-        verified or finished. If it raises, every active slot has been dropped (their
-        sequences are free again) and the caller decides what happens to their requests."""
+        verified or finished. ``during``: host work that does not need this step's outputs
+        (the serving loop's token events), run while the device decodes where it can
+        (:attr:`overlaps`), else after the decode; it must not raise. If the step raises,
+        every active slot has been dropped (their sequences are free again) and the caller
+        decides what happens to their requests."""
         try:
-            return self._step()
+            return self._step(during)
         except BaseException:
             for slot in self.active:
                 self._release(slot, keep=False)  # its state is not to be trusted
@@ -305,7 +316,7 @@ class SpeculativeEngine:
         if why is not None:
             raise ValueError(f"prompt: {why}")
 
-    def _step(self) -> list[SlotUpdate]:
+    def _step(self, during: HostWork) -> list[SlotUpdate]:
         started = perf_counter()
         updates = [self._finish(s, FinishReason.CANCELLED, verified=False)
                    for s in self.active if s.cancelled]
@@ -318,8 +329,9 @@ class SpeculativeEngine:
                           s.history, s.logprobs, s.constraint)
                 for s, d in zip(decoding, drafts, strict=True)]
         if not jobs and not chunks:
+            during()
             return updates
-        outcomes, times = self.verifier.step(chunks, jobs, self._prefilled)
+        outcomes, times = self.verifier.step(chunks, jobs, self._prefilled, during)
         self.decode_seconds += times.decode
         steps: list[tuple[Slot, list[int]]] = []
         origins: dict[int, str] = {}

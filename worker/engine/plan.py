@@ -76,6 +76,9 @@ class EnginePlan:
     #: Steps that verify drafts are padded to a row count a GPU replays the graph of, and
     #: plans are priced at it (docs/engine.md, "Replayable shapes"; :meth:`buckets`).
     verify_buckets: bool = False
+    #: The serving loop's host work runs while the device decodes each step (its layers run
+    #: on a GPU: llama.cpp's decode is queued there; :mod:`~worker.engine.overlap`).
+    overlap: bool = False
 
     @property
     def checkpoints(self) -> bool:
@@ -203,7 +206,8 @@ def plan_engine(config: EngineConfig, model: ModelFacts) -> EnginePlan:
     return EnginePlan(method, draft_max, kind, n_rs_seq, checkpoint, config.slots,
                       device_verify=wanted and draft_max > 0 and samples_rows_right(
                           config, model),
-                      verify_buckets=draft_max > 0 and bucketed(config, model, kind))
+                      verify_buckets=draft_max > 0 and bucketed(config, model, kind),
+                      overlap=model.offloaded)
 
 
 def bucketed(config: EngineConfig, model: ModelFacts, kind: RollbackKind) -> bool:

@@ -27,6 +27,7 @@ from worker.engine.core.draft import Draft, VerifyOutcome
 from worker.engine.core.sampler import Sampler
 from worker.engine.drafting.buckets import NO_BUCKETS, BucketPolicy
 from worker.engine.logprobs import LogprobReporter
+from worker.engine.overlap import SERIAL, HostWork, Overlap, no_work
 from worker.engine.proposers.base import Proposer
 from worker.engine.rollback import Rollback
 from worker.llm import Batch, Context
@@ -73,21 +74,23 @@ class Verifier:
     no-op policy: none)."""
 
     def __init__(self, target: Context, rollback: Rollback, capacity: int,
-                 buckets: BucketPolicy = NO_BUCKETS) -> None:
+                 buckets: BucketPolicy = NO_BUCKETS, overlap: Overlap = SERIAL) -> None:
         self.target = target
         self.rollback = rollback
         self.batch = Batch(capacity)
         self.buckets = buckets
+        self.overlap = overlap
 
     def step(self, chunks: list[PrefillChunk], jobs: list[VerifyJob],
-             prefilled: Callable[[PrefillChunk, int], None]) -> tuple[list[VerifyOutcome],
-                                                                     StepTimes]:
+             prefilled: Callable[[PrefillChunk, int], None],
+             during: HostWork = no_work) -> tuple[list[VerifyOutcome], StepTimes]:
         """Decode ``chunks`` and verify ``jobs`` in one batch, tell the proposers, roll back.
 
         ``prefilled(chunk, row0)`` is called for every chunk while its hidden rows (batch
-        entries ``row0..``) are still in the target's outputs. Raises :class:`RollbackError`
-        when llama.cpp refuses a rollback: decoding on from an unrolled state would be
-        silently wrong.
+        entries ``row0..``) are still in the target's outputs. ``during`` runs while the
+        device decodes where that overlaps (:mod:`~worker.engine.overlap`), else after it.
+        Raises :class:`RollbackError` when llama.cpp refuses a rollback: decoding on from an
+        unrolled state would be silently wrong.
         """
         t0 = perf_counter()
         batch = self.batch.clear()
@@ -101,8 +104,9 @@ class Verifier:
                                   seq=job.seq))
         td = perf_counter()
         self.target.decode(batch)
-        self.target.synchronize()  # else a GPU's decode time is only its kernel launches
-        decode = perf_counter() - td
+        # Synchronised, else a GPU's decode time is only its kernel launches.
+        host = self.overlap.wait(self.target, during)
+        decode = perf_counter() - td - host
         alone = len(jobs) == 1 and not chunks
         outcomes = [self._accept(job, row0, alone) for job, row0 in zip(jobs, rows, strict=True)]
         t1 = perf_counter()
@@ -117,7 +121,8 @@ class Verifier:
                                      job.pos0, outcome.n_accepted)
         self.rollback.settle(self.target)
         t3 = perf_counter()
-        return outcomes, StepTimes(target=(t1 - t0) + (t3 - t2), decode=decode, observe=t2 - t1,
+        return outcomes, StepTimes(target=(t1 - t0 - host) + (t3 - t2), decode=decode,
+                                   observe=t2 - t1,
                                    padded=pads)
 
     def _accept(self, job: VerifyJob, row0: int, alone: bool) -> VerifyOutcome:

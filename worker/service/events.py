@@ -23,11 +23,17 @@ class TokenChunker:
     Text deltas are never split: a chunk carries whole ``on_tokens`` deliveries. With
     ``logprobs`` on, each delivery's logprobs (one per token) travel in the same chunk; so does
     each token's origin (``TokenEvent.origin``) when every delivery says it.
+
+    ``deferred``: a due chunk (but the first) waits for :meth:`flush_due`, which the serving
+    loop calls while the device decodes the next step (``SpeculativeEngine.step``'s
+    ``during``), so its Redis round trip is not host time the device waits on.
     """
 
     def __init__(self, writer: EventWriter, chunk: int = 8, flush_seconds: float = 0.05,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, deferred: bool = False) -> None:
         self._writer = writer
+        self._deferred = deferred
+        self._due = False
         self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
         self._chunk = chunk
         self._flush_seconds = flush_seconds
@@ -52,12 +58,23 @@ class TokenChunker:
             if len(logprobs) != len(tokens):
                 raise ValueError(f"{len(logprobs)} logprobs for {len(tokens)} tokens")
             self._logprobs.extend(logprobs)
-        if (self._index == 0 or len(self._tokens) >= self._chunk
-                or time.monotonic() - self._since >= self._flush_seconds):
+        if self._index == 0:
+            self.flush()
+        elif (len(self._tokens) >= self._chunk
+              or time.monotonic() - self._since >= self._flush_seconds):
+            if self._deferred:
+                self._due = True
+            else:
+                self.flush()
+
+    def flush_due(self) -> None:
+        """Send a chunk :meth:`add` found due and deferred (nothing otherwise)."""
+        if self._due:
             self.flush()
 
     def flush(self) -> None:
         """Send whatever is buffered (called at the end of a generation too)."""
+        self._due = False
         if not self._tokens:
             return
         origin = "".join(self._origin)

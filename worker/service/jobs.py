@@ -166,8 +166,11 @@ class JobRun:
         self.prompt = prompt
         self.log = logger
         self._cancel = rt.cancels.begin(job_id)
+        # Where the engine overlaps host work with the device's decode, a due chunk goes out
+        # during the next step's decode (flush_due) instead of between steps.
         self._chunker = TokenChunker(writer, rt.settings.token_chunk,
-                                     rt.settings.token_flush_seconds, logprobs=req.logprobs)
+                                     rt.settings.token_flush_seconds, logprobs=req.logprobs,
+                                     deferred=rt.engine.overlaps)
         #: Why a constrained output cut by max_tokens may not parse (the budget is under the
         #: shortest document its constraint allows): the final event's ``error``.
         self._budget_note: str | None = None
@@ -204,6 +207,10 @@ class JobRun:
         streamed."""
         self.rt.metrics.tokens(self.job_id, len(tokens))
         self._chunker.add(tokens, text, logprobs, origin)
+
+    def flush_due(self) -> None:
+        """Send the token events that came due at the last step and were deferred."""
+        self._chunker.flush_due()
 
     def should_stop(self) -> bool:
         """Checked once per engine step: a cancel, a second SIGTERM, or this worker lost."""

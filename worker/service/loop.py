@@ -361,8 +361,21 @@ class ServingLoop:
                 rt.engine.cancel(r.slot)
         if rt.settings.step_delay_seconds:
             time.sleep(rt.settings.step_delay_seconds)  # test/drill only: a slower worker
+        failed: list[Exception] = []
+
+        def flush_due() -> None:
+            """The token events due since the last step, sent while the device decodes this
+            one (where it overlaps: ``engine.overlaps``); a Redis failure is raised after the
+            step, as it would have been from ``tokens`` (the engine drops its slots on any
+            exception in a step, and a Redis outage is not theirs)."""
+            try:
+                for r in self._running.values():
+                    r.run.flush_due()
+            except Exception as exc:
+                failed.append(exc)
+
         try:
-            updates = rt.engine.step()
+            updates = rt.engine.step(flush_due)
         except Exception as exc:  # the engine dropped every active slot: each job failed
             self._ride(lambda: self.prefixes.dropped(list(self._running)), "prefix.publish")
             for r in list(self._running.values()):
@@ -371,6 +384,8 @@ class ServingLoop:
                                        error=exc, worker_name=rt.rq_name))
             self._log_crash(None, exc)
             return
+        if failed:
+            raise failed[0]
         for update in updates:
             r = self._running[update.slot.seq]
             if update.verified:
