@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import PROMPT
+
 from shared.protocol import SpecMethod, SpecSettings
 from worker.engine.overlap import OVERLAPPED, SERIAL, Overlap, make_overlap
 from worker.engine.slot import SlotRequest
