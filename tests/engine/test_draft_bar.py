@@ -101,9 +101,8 @@ def test_the_decisions_take_the_bar() -> None:
 
 
 class EveryOtherStep:
-    """Drafts the known answer every other time it is asked: plain steps follow every
-    verify (the one it proposed nothing at, and the one the planner then does not ask it
-    at), and every decode changes shape (on :class:`ReplaysRepeats`, every step is slow)."""
+    """Drafts the known answer at every other step: a plain step follows every verify, and
+    every decode changes shape (on :class:`ReplaysRepeats`, every step is slow)."""
 
     def __init__(self, answer: list[int]) -> None:
         self._answer = answer
@@ -114,8 +113,6 @@ class EveryOtherStep:
         self._prompt = len(prompt)
 
     def propose(self, history: Sequence[int], width: int, p_min: float) -> Draft:
-        if width == 0:
-            return Draft([])
         self._draft = not self._draft
         done = len(history) - self._prompt
         return Draft(self._answer[done:done + width] if self._draft else [])

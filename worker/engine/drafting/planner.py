@@ -36,6 +36,13 @@ from worker.engine.drafting.curve import CostCurve
 from worker.engine.drafting.shape import best_lengths
 from worker.engine.drafting.width import BudgetedWidth, DraftLengthPolicy, make_policy
 
+#: Drafters that keep proposing nothing are skipped for a while only where host work is at
+#: least this share of a step (a GPU: about two thirds, issue 47; a CPU: 1-3%, where the
+#: drafts a skip misses cost more than the lookups it saves).
+IDLE_SKIP_SHARE = 0.1
+#: How far one step moves the planner's host share (an exponential average).
+SHARE_RATE = 0.05
+
 
 @dataclass(frozen=True)
 class Proposed:
@@ -101,6 +108,10 @@ class DraftPlanner:
                       if curve is not None and budget and slots > 1 and draft_max else None)
         #: Finished requests' counters per method: the row budget's prior for the next ones.
         self._prior: dict[SpecMethod, SpecCounters] = {}
+        #: The share of a step's wall time that is not the target's decode (an exponential
+        #: average over the steps that only verified): where it is large, asking a drafter
+        #: in vain is skipped (:meth:`BudgetedWidth.proposed`).
+        self.host_share = 0.0
 
     def policy(self, draft_max: int, adaptive: bool) -> BudgetedWidth:
         """A new request's width policy (``draft_max`` 0: it never drafts)."""
@@ -123,8 +134,9 @@ class DraftPlanner:
         keeps its width: which positions are drafts decides its tokens, and they must not
         depend on the neighbours'; forced tokens stay: the grammar allows nothing else)."""
         drafts = [p.draft for p in proposed]
+        may_skip = self.host_share >= IDLE_SKIP_SHARE
         for p in proposed:
-            p.policy.proposed(len(p.draft.tokens) - p.forced)
+            p.policy.proposed(len(p.draft.tokens) - p.forced, may_skip)
         if self.steps is None or len(proposed) < 2:
             return drafts
         if self.bar.probe(len(proposed)):
@@ -148,6 +160,9 @@ class DraftPlanner:
             v.policy.update(v.drafted - forced, v.accepted - forced)
         if step.prefilled:
             return
+        if step.wall_seconds > 0:
+            host = 1.0 - min(step.decode_seconds / step.wall_seconds, 1.0)
+            self.host_share += SHARE_RATE * (host - self.host_share)
         if self.steps is not None:
             self.steps.observe(step.rows, step.decode_seconds)
         self.bar.record(len(step.verified), step.committed, step.wall_seconds,

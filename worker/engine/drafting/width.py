@@ -82,8 +82,11 @@ class AdaptiveWidth:
 #: A slot whose drafts the row budget cut to nothing this many steps in a row skips its
 #: drafter for as many steps (doubling, up to :data:`MAX_SKIP`), then asks it again.
 MAX_SKIP = 8
-#: A drafter that proposed nothing when asked is not asked for 1, 2, then this many steps
-#: after each further empty proposal in a row: how late it may find a repeat that started.
+#: A drafter that proposed nothing this many times in a row when asked is not asked for 1,
+#: 2, then :data:`MAX_IDLE_SKIP` steps after each further empty proposal in a row (one empty
+#: proposal is common between short drafts: CSV records rewritten as JSON) ...
+IDLE_AFTER = 2
+#: ... at most this many steps: how late it may find a repeat that started.
 MAX_IDLE_SKIP = 4
 
 
@@ -96,11 +99,16 @@ class BudgetedWidth:
       grants almost no draft, and every slot's drafter still looked its history up and
       walked a draft each step: 1,435 of 1,466 suffix drafts cut, 120-150 us of host time
       each, three times plain decoding's host time a token. Skips 1, 2, 4, 8 steps.
-    - **The drafter proposed nothing.** On prose a suffix drafter finds a context and walks
-      it at every step, and its confidences rarely pay for a row: at one slot 331 of 358
-      lookups drafted nothing, 90 us each, where a plain step's whole host work is 150 us
-      (Gemma 270M, the slots bench's mixed tasks). Skips 1, 2, then 4 steps while it stays
-      empty, so a repeat that starts is drafted at most :data:`MAX_IDLE_SKIP` steps late.
+    - **The drafter proposed nothing,** where the host's work is a large share of a step
+      (a GPU's fast decode; the planner says so). On prose a suffix drafter finds a context
+      and walks it at every step, and its confidences rarely pay for a row: at one slot 331
+      of 358 lookups drafted nothing, 90 us each, where a plain step's whole host work is
+      150 us (Gemma 270M, the slots bench's mixed tasks). From its second empty proposal in
+      a row it skips 1, 2, then 4 steps while it stays empty, so a repeat that starts is
+      drafted at most :data:`MAX_IDLE_SKIP` steps late. Where the decode dominates (a CPU:
+      host work 1-3% of a step) the drafts it would miss cost more than the lookups it
+      saves (CSV rewritten as JSON, cold, Gemma on the CPU: 1.03-1.13x plain skipping
+      against 1.21-1.27x asking), so there it is always asked.
 
     A draft that is kept, or a proposal that is not empty, restores asking at every step.
     Where the budget grants drafts (a GPU, a copy), nothing is skipped."""
@@ -123,16 +131,18 @@ class BudgetedWidth:
     def update(self, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
 
-    def proposed(self, drafted: int) -> None:
+    def proposed(self, drafted: int, may_skip: bool) -> None:
         """The drafter proposed ``drafted`` tokens of its own this step (the grammar's forced
-        run not counted); a step it was not asked in says nothing."""
+        run not counted); a step it was not asked in says nothing. ``may_skip``: asking in
+        vain costs enough of a step to skip it (the planner's :data:`IDLE_SKIP_SHARE`)."""
         if not self._asked:
             return
         if drafted:
             self._idle = 0
             return
-        self._idle = min(self._idle + 1, MAX_IDLE_SKIP.bit_length())
-        self._skip = max(self._skip, min(1 << (self._idle - 1), MAX_IDLE_SKIP))
+        self._idle = min(self._idle + 1, IDLE_AFTER + MAX_IDLE_SKIP.bit_length() - 1)
+        if may_skip and self._idle >= IDLE_AFTER:
+            self._skip = max(self._skip, min(1 << (self._idle - IDLE_AFTER), MAX_IDLE_SKIP))
 
     def granted(self, asked: int, width: int) -> None:
         """The budget cut this slot's ``asked``-token draft to ``width`` tokens."""
