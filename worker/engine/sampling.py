@@ -334,8 +334,13 @@ def verifies_on_device(params: SamplingParams, logprobs: int | None, constrained
         return True
     if head_drafts or params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
         return False
-    seed = params.seed if params.seed is not None else draw_seed()
-    return KeyedDraws(seed, params.temperature)
+    return KeyedDraws(request_seed(params), params.temperature)
+
+
+def request_seed(params: SamplingParams) -> int:
+    """The request's seed, or one drawn now for a request without (the coordinator gives
+    every queued job one at submit; an engine driven directly may not have it)."""
+    return params.seed if params.seed is not None else draw_seed()
 
 
 def make_sampler(params: SamplingParams, n_prompt: int,
@@ -344,7 +349,7 @@ def make_sampler(params: SamplingParams, n_prompt: int,
     ``on_device``: how its sequence is sampled on the device (:func:`verifies_on_device`)."""
     if isinstance(on_device, KeyedDraws):
         return DeviceRandomSampler(params, on_device.seed, n_prompt)
-    seed = params.seed if params.seed is not None else draw_seed()
+    seed = request_seed(params)
     if on_device:
         return DeviceGreedySampler(params, seed, n_prompt)
     if params.greedy:

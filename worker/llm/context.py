@@ -7,7 +7,7 @@ field added here changes both at once.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
@@ -281,15 +281,11 @@ class Context:
             return False
         if isinstance(how, bool):
             chain = _top2_chain()
-            if not llama_cpp.llama_set_sampler(self.ptr, seq, chain):
-                llama_cpp.llama_sampler_free(chain)
-                raise LlamaError(f"llama.cpp refused a device sampler for sequence {seq}")
+            self._attach(seq, chain, lambda: llama_cpp.llama_sampler_free(chain))
             self._chains[seq] = chain
             return how
         keyed = KeyedChain(how)
-        if not llama_cpp.llama_set_sampler(self.ptr, seq, keyed.chain):
-            keyed.free()
-            raise LlamaError(f"llama.cpp refused a device sampler for sequence {seq}")
+        self._attach(seq, keyed.chain, keyed.free)
         self._keyed[seq] = keyed
         self._draws_run = keyed.supported
         if keyed.supported:
@@ -300,6 +296,13 @@ class Context:
                     reason="the output device lacks an op of the keyed draw: sampled rows "
                            "are read on the host")
         return False
+
+    def _attach(self, seq: int, chain: Any, free: Callable[[], None]) -> None:
+        """Give ``seq`` the sampler ``chain``; where llama.cpp refuses it, ``free`` it and
+        raise."""
+        if not llama_cpp.llama_set_sampler(self.ptr, seq, chain):
+            free()
+            raise LlamaError(f"llama.cpp refused a device sampler for sequence {seq}")
 
     def _detach(self, seq: int) -> None:
         """Take ``seq``'s chain (either kind) off the context, and free it."""
