@@ -4,7 +4,11 @@ decode's fixed cost."""
 
 from __future__ import annotations
 
-from shared.protocol import SpecMethod
+from pathlib import Path
+
+from helpers import PROMPT
+
+from shared.protocol import SamplingParams, SpecMethod, SpecSettings
 from worker.engine.core.distribution import Distribution
 from worker.engine.core.draft import Draft
 from worker.engine.core.telemetry import SpecCounters
@@ -17,6 +21,9 @@ from worker.engine.drafting.planner import (
     StepRecord,
 )
 from worker.engine.drafting.width import PLAIN_MARGIN, BudgetedWidth
+from worker.engine.slot import SlotRequest
+
+from .conftest import open_engine
 
 
 def linear(fixed: float, per_row: float, rows: int) -> list[float]:
@@ -153,8 +160,29 @@ def test_a_drafter_that_proposes_nothing_is_asked_less_often_until_it_proposes_a
         planner.width(policy, room=8)
         planner.plan([Proposed(forced, 2, counters, SpecMethod.SUFFIX, policy)])
     assert planner.width(policy, room=8) == 0
+    # A sampled request's head drafts (which positions are drafted decides its tokens): never
+    # skipped, however much of a step the host takes.
+    policy = planner.policy(8, adaptive=False, idle_skips=False)
+    assert [step(finds=False) for _ in range(20)] == [8] * 20
     # Decode-bound steps: never skipped.
     _host_bound(planner, 0.02)
     assert planner.host_share < IDLE_SKIP_SHARE
     policy = planner.policy(8, adaptive=False)
     assert [step(finds=False) for _ in range(20)] == [8] * 20
+
+
+def test_only_requests_whose_draft_positions_do_not_decide_their_tokens_skip(
+        hybrid_model: Path) -> None:
+    """On an engine with a draft head, a sampled request's drafter is never skipped for
+    proposing nothing (the head's drafts are draws: which positions are drafted decides the
+    tokens); a greedy one's is."""
+    skipped = []
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+        with open_engine(hybrid_model, SpecMethod.MTP, draft_max=4) as engine:
+            slot = engine.admit(SlotRequest(PROMPT, 8, SpecSettings(method=SpecMethod.MTP),
+                                            sampling=sampling))
+            for _ in range(2):
+                assert slot.policy.width() > 0
+                slot.policy.proposed(0, may_skip=True)
+            skipped.append(slot.policy.width() == 0)
+    assert skipped == [True, False]

@@ -215,7 +215,10 @@ class SpeculativeEngine:
         slot = Slot(
             seq=seq, request=request, method=method, spec=spec, draft_max=draft_max,
             proposer=proposer, staged=staged(proposer), follows_head=follows,
-            policy=self.planner.policy(draft_max, spec.adaptive),
+            # Which positions the head drafts decides a sampled request's tokens (its drafts
+            # are draws): its drafter is asked at every step, never skipped for a while.
+            policy=self.planner.policy(draft_max, spec.adaptive,
+                                       idle_skips=request.sampling.greedy or not follows),
             sampler=sampler, logprobs=make_logprobs(self.model, request.logprobs),
             stream=TextStream(self.model, request.stop),
             counters=counters,

@@ -113,9 +113,11 @@ class DraftPlanner:
         #: in vain is skipped (:meth:`BudgetedWidth.proposed`).
         self.host_share = 0.0
 
-    def policy(self, draft_max: int, adaptive: bool) -> BudgetedWidth:
-        """A new request's width policy (``draft_max`` 0: it never drafts)."""
-        return BudgetedWidth(make_policy(draft_max, adaptive, self.shape))
+    def policy(self, draft_max: int, adaptive: bool, idle_skips: bool = True) -> BudgetedWidth:
+        """A new request's width policy (``draft_max`` 0: it never drafts); ``idle_skips``:
+        its drafter may be skipped a while after proposing nothing (not where which positions
+        are drafted decides the tokens: a sampled request's head drafts)."""
+        return BudgetedWidth(make_policy(draft_max, adaptive, self.shape), idle_skips)
 
     def width(self, policy: DraftLengthPolicy, room: int) -> int:
         """How far to ask the proposer: the policy's ceiling within ``room``, on the shape."""

@@ -110,11 +110,15 @@ class BudgetedWidth:
       saves (CSV rewritten as JSON, cold, Gemma on the CPU: 1.03-1.13x plain skipping
       against 1.21-1.27x asking), so there it is always asked.
 
-    A draft that is kept, or a proposal that is not empty, restores asking at every step.
+    A draft that is kept, or a proposal that is not empty, restores asking at every step. A
+    sampled request's head drafts are never skipped for proposing nothing (``idle_skips``
+    False): which positions are drafted decides its tokens, and a skip that follows the
+    measured host share would make a seed's output depend on the machine's timing.
     Where the budget grants drafts (a GPU, a copy), nothing is skipped."""
 
-    def __init__(self, policy: DraftLengthPolicy) -> None:
+    def __init__(self, policy: DraftLengthPolicy, idle_skips: bool = True) -> None:
         self.policy = policy
+        self._idle_skips = idle_skips  # False: never skipped for proposing nothing
         self._cut = 0    # drafts cut to nothing in a row
         self._idle = 0   # empty proposals in a row
         self._skip = 0   # steps left without asking the drafter
@@ -141,7 +145,7 @@ class BudgetedWidth:
             self._idle = 0
             return
         self._idle = min(self._idle + 1, IDLE_AFTER + MAX_IDLE_SKIP.bit_length() - 1)
-        if may_skip and self._idle >= IDLE_AFTER:
+        if may_skip and self._idle_skips and self._idle >= IDLE_AFTER:
             self._skip = max(self._skip, min(1 << (self._idle - IDLE_AFTER), MAX_IDLE_SKIP))
 
     def granted(self, asked: int, width: int) -> None:
