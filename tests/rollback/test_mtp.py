@@ -125,7 +125,7 @@ def test_the_head_catches_up_on_every_verify_it_did_not_draft_for(
             head = engine.head
             assert isinstance(head, MtpDrafter)
             engine.planner.policy = (  # type: ignore[method-assign]
-                lambda draft_max, adaptive: AlwaysAsks(FixedWidth(draft_max)))
+                lambda draft_max, adaptive, idle_skips=True: AlwaysAsks(FixedWidth(draft_max)))
             proposer = EveryOther(head.proposer(0, make_sampler(SamplingParams(), len(PROMPT))),
                                   asks_between)
             result = engine.generate(PROMPT, 60, spec, proposer=proposer)
