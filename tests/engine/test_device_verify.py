@@ -17,7 +17,6 @@ from helpers import close_floats
 
 from shared.constraint import Constraint
 from shared.protocol import FinishReason, SamplingParams, SpecMethod, SpecSettings
-from worker.engine.drafting import planner
 from worker.engine.engine import EngineConfig, GenerationResult, SpeculativeEngine
 from worker.engine.slot import SlotRequest
 from worker.launch import EngineCapacity
@@ -25,17 +24,6 @@ from worker.launch import EngineCapacity
 from .conftest import CHEAP_ROWS, TOKENS
 from .schedule import plain_greedy
 from .test_slots import N_CTX, prompt
-
-
-@pytest.fixture(autouse=True)
-def _asked_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engines compared here draft on one schedule: a drafter asked in vain is never
-    skipped (the planner skips one only where its measured host share of a step is large,
-    which differs between a device and a host engine and with the machine's load). Other
-    schedules verify in other batch shapes, whose logits differ in their last bits, and a
-    near-tie among a token's alternatives (two at -20.1344 and -20.1346) then lists another
-    one: what the logprobs comparison below is not about."""
-    monkeypatch.setattr(planner, "IDLE_SKIP_SHARE", float("inf"))
 
 
 def _engine(model: Path, method: SpecMethod, slots: int = 1,

@@ -14,12 +14,7 @@ from worker.engine.core.draft import Draft
 from worker.engine.core.telemetry import SpecCounters
 from worker.engine.drafting.budget import FIRST_GUESS, plan_widths, reach
 from worker.engine.drafting.curve import CostCurve
-from worker.engine.drafting.planner import (
-    IDLE_SKIP_SHARE,
-    DraftPlanner,
-    Proposed,
-    StepRecord,
-)
+from worker.engine.drafting.planner import DraftPlanner, Proposed
 from worker.engine.drafting.width import PLAIN_MARGIN, BudgetedWidth
 from worker.engine.slot import SlotRequest
 
@@ -126,34 +121,27 @@ def test_a_sampled_draft_the_budget_keeps_whole_never_backs_its_slot_off() -> No
         assert [len(d.tokens) for d in kept] == [8] * 8
 
 
-def _host_bound(planner: DraftPlanner, share: float) -> None:
-    """Steps whose host work was ``share`` of their wall time, until the planner knows it."""
-    for _ in range(200):
-        planner.observe(StepRecord(1, 1.0 - share, [], 1, 1.0, prefilled=False))
-
-
 def test_a_drafter_that_proposes_nothing_is_asked_less_often_until_it_proposes_again() -> None:
-    """One slot (no row budget) whose drafter finds nothing worth drafting, on a device where
-    host work is half a step (a GPU): from its second empty proposal in a row it is asked
-    after 1, 2, then 4 skipped steps while it stays empty; the first step it proposes a draft
-    it is asked at every step again. A step it was not asked in does not count as empty.
-    Where host work is a small share of a step (a CPU), it is asked at every step."""
-    planner = DraftPlanner(CostCurve({1: 1.0, 8: 2.0, 64: 8.0}), 1, draft_max=8,
-                           replays=False, budget=True, shape=False)
-    _host_bound(planner, 0.5)
-    assert planner.host_share > IDLE_SKIP_SHARE
+    """One slot (no row budget) whose drafter finds nothing worth drafting, on a GPU (host
+    work a large share of a step): from its second empty proposal in a row it is asked after
+    1, 2, then 4 skipped steps while it stays empty; the first step it proposes a draft it is
+    asked at every step again. A step it was not asked in does not count as empty. On a CPU
+    (decodes dominate) it is asked at every step."""
+    curve = CostCurve({1: 1.0, 8: 2.0, 64: 8.0})
+    planner = DraftPlanner(curve, 1, draft_max=8, replays=True, budget=True, shape=False)
     policy = planner.policy(8, adaptive=False)
     counters = SpecCounters()
 
-    def step(finds: bool) -> int:
+    def step(planner: DraftPlanner, policy: BudgetedWidth, finds: bool) -> int:
         width = planner.width(policy, room=8)
         draft = Draft([7] * width if finds else [], confidences=[0.9] * width if finds else [])
         planner.plan([Proposed(draft, 0, counters, SpecMethod.SUFFIX, policy)])
         return width
 
-    asked = [step(finds=False) for _ in range(30)]
+    asked = [step(planner, policy, finds=False) for _ in range(30)]
     assert [i for i, w in enumerate(asked) if w] == [0, 1, 3, 6, 11, 16, 21, 26]
-    assert [step(finds=True) for _ in range(4)] == [0, 8, 8, 8]  # the last skip, then asked
+    # The last skip, then asked again: it proposes.
+    assert [step(planner, policy, finds=True) for _ in range(4)] == [0, 8, 8, 8]
     # The grammar's forced run is not the drafter's: a draft of forced tokens alone is empty.
     forced = Draft([3, 4], confidences=[1.0, 1.0])
     for _ in range(2):
@@ -161,14 +149,13 @@ def test_a_drafter_that_proposes_nothing_is_asked_less_often_until_it_proposes_a
         planner.plan([Proposed(forced, 2, counters, SpecMethod.SUFFIX, policy)])
     assert planner.width(policy, room=8) == 0
     # A sampled request's head drafts (which positions are drafted decides its tokens): never
-    # skipped, however much of a step the host takes.
-    policy = planner.policy(8, adaptive=False, idle_skips=False)
-    assert [step(finds=False) for _ in range(20)] == [8] * 20
-    # Decode-bound steps: never skipped.
-    _host_bound(planner, 0.02)
-    assert planner.host_share < IDLE_SKIP_SHARE
-    policy = planner.policy(8, adaptive=False)
-    assert [step(finds=False) for _ in range(20)] == [8] * 20
+    # skipped.
+    keyed = planner.policy(8, adaptive=False, idle_skips=False)
+    assert [step(planner, keyed, finds=False) for _ in range(20)] == [8] * 20
+    # A CPU: never skipped.
+    cpu = DraftPlanner(curve, 1, draft_max=8, replays=False, budget=True, shape=False)
+    policy = cpu.policy(8, adaptive=False)
+    assert [step(cpu, policy, finds=False) for _ in range(20)] == [8] * 20
 
 
 def test_only_requests_whose_draft_positions_do_not_decide_their_tokens_skip(

@@ -36,13 +36,6 @@ from worker.engine.drafting.curve import CostCurve
 from worker.engine.drafting.shape import best_lengths
 from worker.engine.drafting.width import BudgetedWidth, DraftLengthPolicy, make_policy
 
-#: Drafters that keep proposing nothing are skipped for a while only where host work is at
-#: least this share of a step (a GPU: about two thirds, issue 47; a CPU: 1-3%, where the
-#: drafts a skip misses cost more than the lookups it saves).
-IDLE_SKIP_SHARE = 0.1
-#: How far one step moves the planner's host share (an exponential average).
-SHARE_RATE = 0.05
-
 
 @dataclass(frozen=True)
 class Proposed:
@@ -108,10 +101,11 @@ class DraftPlanner:
                       if curve is not None and budget and slots > 1 and draft_max else None)
         #: Finished requests' counters per method: the row budget's prior for the next ones.
         self._prior: dict[SpecMethod, SpecCounters] = {}
-        #: The share of a step's wall time that is not the target's decode (an exponential
-        #: average over the steps that only verified): where it is large, asking a drafter
-        #: in vain is skipped (:meth:`BudgetedWidth.proposed`).
-        self.host_share = 0.0
+        #: Drafters that keep proposing nothing are skipped for a while (a GPU: host work is
+        #: a large share of its steps, two thirds by issue 47's figures); on a CPU (1-3%)
+        #: the drafts a skip misses cost more than the lookups it saves
+        #: (:meth:`BudgetedWidth.proposed`).
+        self.idle_skip = replays
 
     def policy(self, draft_max: int, adaptive: bool, idle_skips: bool = True) -> BudgetedWidth:
         """A new request's width policy (``draft_max`` 0: it never drafts); ``idle_skips``:
@@ -136,7 +130,7 @@ class DraftPlanner:
         keeps its width: which positions are drafts decides its tokens, and they must not
         depend on the neighbours'; forced tokens stay: the grammar allows nothing else)."""
         drafts = [p.draft for p in proposed]
-        may_skip = self.host_share >= IDLE_SKIP_SHARE
+        may_skip = self.idle_skip
         for p in proposed:
             p.policy.proposed(len(p.draft.tokens) - p.forced, may_skip)
         if self.steps is None or len(proposed) < 2:
@@ -162,9 +156,6 @@ class DraftPlanner:
             v.policy.update(v.drafted - forced, v.accepted - forced)
         if step.prefilled:
             return
-        if step.wall_seconds > 0:
-            host = 1.0 - min(step.decode_seconds / step.wall_seconds, 1.0)
-            self.host_share += SHARE_RATE * (host - self.host_share)
         if self.steps is not None:
             self.steps.observe(step.rows, step.decode_seconds)
         self.bar.record(len(step.verified), step.committed, step.wall_seconds,

@@ -100,7 +100,7 @@ class BudgetedWidth:
       walked a draft each step: 1,435 of 1,466 suffix drafts cut, 120-150 us of host time
       each, three times plain decoding's host time a token. Skips 1, 2, 4, 8 steps.
     - **The drafter proposed nothing,** where the host's work is a large share of a step
-      (a GPU's fast decode; the planner says so). On prose a suffix drafter finds a context
+      (a GPU's fast decode: the planner's ``idle_skip``). On prose a suffix drafter finds a context
       and walks it at every step, and its confidences rarely pay for a row: at one slot 331
       of 358 lookups drafted nothing, 90 us each, where a plain step's whole host work is
       150 us (Gemma 270M, the slots bench's mixed tasks). From its second empty proposal in
@@ -112,8 +112,7 @@ class BudgetedWidth:
 
     A draft that is kept, or a proposal that is not empty, restores asking at every step. A
     sampled request's head drafts are never skipped for proposing nothing (``idle_skips``
-    False): which positions are drafted decides its tokens, and a skip that follows the
-    measured host share would make a seed's output depend on the machine's timing.
+    False): which positions are drafted decides its tokens.
     Where the budget grants drafts (a GPU, a copy), nothing is skipped."""
 
     def __init__(self, policy: DraftLengthPolicy, idle_skips: bool = True) -> None:
@@ -138,7 +137,7 @@ class BudgetedWidth:
     def proposed(self, drafted: int, may_skip: bool) -> None:
         """The drafter proposed ``drafted`` tokens of its own this step (the grammar's forced
         run not counted); a step it was not asked in says nothing. ``may_skip``: asking in
-        vain costs enough of a step to skip it (the planner's :data:`IDLE_SKIP_SHARE`)."""
+        vain costs enough of a step to skip it (the planner's ``idle_skip``: a GPU)."""
         if not self._asked:
             return
         if drafted:
