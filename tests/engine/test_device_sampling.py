@@ -166,6 +166,57 @@ def test_plain_sampling_on_the_device_draws_the_hosts_tokens(
     assert len({tuple(t) for t in on_host}) == len(SEEDS)  # the seeds really sample
 
 
+#: Rows per sequence, decode after decode: sequences go idle and come back, so the graphs'
+#: sampler nodes that are outputs move while their count stays (a dummy row built for an idle
+#: sequence sits where a verifying sequence's rows sit in the next graph).
+IDLE_LAYOUTS = [(2, 0, 1), (0, 2, 1), (1, 1, 0), (0, 1, 1), (3, 0, 1), (0, 3, 1), (1, 0, 3),
+                (2, 2, 0), (0, 2, 2)] * 2
+
+
+@pytest.mark.parametrize("kinds", [("top2", "top2", "top2"), ("top2", "keyed", "top2"),
+                                   ("keyed", "keyed", "keyed")],
+                         ids=["greedy", "mixed", "sampled"])
+def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
+                                                     kinds: tuple[str, ...]) -> None:
+    """Three sequences reduced on the device (their two best tokens, or a keyed draw), rows
+    spread over them with some idle at every decode, against a context that reads the same
+    rows: every row's top two lead with the host's argmax, every draw is the host's. (llama.cpp
+    builds an idle sequence's sampler on a dummy row and reuses the last graph's memory plan
+    for a graph of as many nodes: its own top_k gave rows another sequence's ids, 13 decodes
+    of 18 here, until every row's result was flagged an output.)"""
+    spec = ContextSpec(n_ctx=3 * N_CTX, n_batch=32, n_ubatch=32, n_seq_max=3,
+                       n_outputs_max=24, n_outputs_max_per_seq=8, n_threads=1)
+    draws = {seq: KeyedDraws(seed=seq, temperature=WARM.temperature)
+             for seq, kind in enumerate(kinds) if kind == "keyed"}
+    with Model(ModelSpec(str(soft_dense))) as model, Context(model, spec) as device, \
+            Context(model, spec) as host, Batch(32) as batch:
+        for seq in range(len(kinds)):
+            how = draws.get(seq, True)
+            assert device.sample_on_device(seq, how) is how
+        pos = [0, 0, 0]
+        for step, layout in enumerate(IDLE_LAYOUTS):
+            batch.clear()
+            rows = []
+            for seq, n in enumerate(layout):
+                if n:
+                    row0 = batch.add([(11 * step + 5 * seq + i) % 256 for i in range(n)],
+                                     pos[seq], True, seq=seq)
+                    rows += [(row0 + i, seq, pos[seq] + i + 1) for i in range(n)]
+                    pos[seq] += n
+            device.decode(batch)
+            host.decode(batch)
+            for row, seq, at in rows:
+                logits = host.logits(row)
+                if seq in draws:
+                    u = draws[seq].uniforms([at])[0]
+                    want = target_distribution(logits, WARM, [], 0).pick(u)
+                    assert device.sampled(row) == want, f"decode {step} {layout}, row {row}"
+                else:
+                    got = device.top2(row)[0]
+                    assert got == int(logits.argmax()), f"decode {step} {layout}, row {row}"
+        assert device.rows_read == 0
+
+
 def test_every_row_draws_the_hosts_token_whatever_the_decode_before(soft_dense: Path) -> None:
     """A context whose three sequences draw on the device, decoding rows spread over them
     differently each time, against a context that reads the same rows: every row's draw is

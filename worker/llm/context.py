@@ -18,7 +18,7 @@ from llama_cpp import llama_cpp_ext
 from shared.logs import get_logger
 from worker.llm.backend import LlamaError, note_decode
 from worker.llm.batch import Batch
-from worker.llm.device_sampling import Draws, KeyedChain
+from worker.llm.device_sampling import Draws, KeyedChain, Top2Chain
 from worker.llm.model import Model
 
 #: How a sequence's rows are reduced on the device (:meth:`Context.sample_on_device`).
@@ -120,17 +120,18 @@ class Context:
         params = spec.to_params()
         if spec.embeddings:
             params.pooling_type = model.pooling
-        chains = {seq: _top2_chain() for seq in range(spec.n_seq_max)} if spec.device_top2 else {}
+        chains = ({seq: Top2Chain() for seq in range(spec.n_seq_max)} if spec.device_top2
+                  else {})
         if chains:
             configs = (llama_cpp.llama_sampler_seq_config * len(chains))(
-                *(llama_cpp.llama_sampler_seq_config(seq, ctypes.cast(chain, ctypes.c_void_p))
-                  for seq, chain in chains.items()))
+                *(llama_cpp.llama_sampler_seq_config(seq, ctypes.cast(top2.chain, ctypes.c_void_p))
+                  for seq, top2 in chains.items()))
             params.samplers = configs
             params.n_samplers = len(chains)
         ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not ptr:
-            for chain in chains.values():
-                llama_cpp.llama_sampler_free(chain)
+            for top2 in chains.values():
+                top2.free()
             what = "MTP draft context" if spec.mtp else "context"
             raise LlamaError(
                 f"llama.cpp could not create the {what} (n_ctx={spec.n_ctx}, "
@@ -148,7 +149,7 @@ class Context:
         self._hidden_row = ctypes.c_float * model.n_embd
         #: Sequences sampled on the device (their top-2 chain), and what the last decode's
         #: rows of them said, read once each (:meth:`top2`).
-        self._chains: dict[int, Any] = chains
+        self._chains: dict[int, Top2Chain] = chains
         self._top2: dict[int, tuple[int, float]] = {}
         #: Sequences that draw on the device (their keyed chain), and the last decode's rows
         #: of them (batch indices: they have a sampled id and no logits).
@@ -176,8 +177,8 @@ class Context:
             rc = llama_cpp.llama_decode(self.ptr, batch.raw)
             if rc != 0:
                 raise LlamaError(f"llama_decode failed with code {rc} ({batch.n_tokens} tokens)")
-            for keyed in self._keyed.values():
-                keyed.settle()
+            for chain in [*self._chains.values(), *self._keyed.values()]:
+                chain.settle()
         finally:
             for seq, pos in pads:
                 llama_cpp.llama_memory_seq_rm(self.mem, seq, pos, -1)
@@ -259,11 +260,12 @@ class Context:
     # -- device sampling ---------------------------------------------------------------------
     def sample_on_device(self, seq: int, how: _How) -> _How | Literal[False]:
         """How every output row of ``seq`` is reduced on the device from the next decode on:
-        ``True``: to its two best tokens (llama.cpp's backend sampling with a fresh ``top_k(2)``
-        chain: :meth:`top2` answers); a :class:`~worker.llm.device_sampling.Draws`: to the
-        token its uniforms draw (:meth:`sampled` answers); ``False``: not at all. Then no
-        logits row of ``seq`` is copied to the host or read by Python. Returns ``how``, or
-        False where the output device cannot run a draw's ops (the rows are then read).
+        ``True``: to its two best tokens (a fresh
+        :class:`~worker.llm.device_sampling.Top2Chain`: :meth:`top2` answers); a
+        :class:`~worker.llm.device_sampling.Draws`: to the token its uniforms draw
+        (:meth:`sampled` answers); ``False``: not at all. Then no logits row of ``seq`` is
+        copied to the host or read by Python. Returns ``how``, or False where the output
+        device cannot run a draw's ops (the rows are then read).
 
         A change of kind costs the next decode a graph rebuild (~18 ms on a 2-core CPU), so a
         sequence keeps its chain while its requests can use it (new draws for a sequence
@@ -280,9 +282,9 @@ class Context:
         if how is False or (self._draws_run is False and not isinstance(how, bool)):
             return False
         if isinstance(how, bool):
-            chain = _top2_chain()
-            self._attach(seq, chain, lambda: llama_cpp.llama_sampler_free(chain))
-            self._chains[seq] = chain
+            top2 = Top2Chain()
+            self._attach(seq, top2.chain, top2.free)
+            self._chains[seq] = top2
             return how
         keyed = KeyedChain(how)
         self._attach(seq, keyed.chain, keyed.free)
@@ -312,7 +314,7 @@ class Context:
             return
         llama_cpp.llama_set_sampler(self.ptr, seq, None)
         if chain is not None:
-            llama_cpp.llama_sampler_free(chain)
+            chain.free()
         if keyed is not None:
             keyed.free()
 
@@ -415,8 +417,8 @@ class Context:
         if self.ptr:
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
-            for chain in self._chains.values():  # llama.cpp never frees an attached chain
-                llama_cpp.llama_sampler_free(chain)
+            for top2 in self._chains.values():  # llama.cpp never frees an attached chain
+                top2.free()
             self._chains.clear()
             for keyed in self._keyed.values():
                 keyed.free()
@@ -427,14 +429,6 @@ class Context:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _top2_chain() -> Any:
-    """A new sampler chain that keeps each row's two best tokens and chooses none (a chain
-    that chose after ``top_k`` would hand back positions, not ids)."""
-    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(2))
-    return chain
 
 
 def _view(ptr: ctypes._Pointer, row_type: type[ctypes.Array]) -> np.ndarray:

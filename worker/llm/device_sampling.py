@@ -1,5 +1,19 @@
-"""Keyed draws on the device: a llama.cpp backend sampler, written here, that draws each output
-row's token by inverse CDF in token-id order from a uniform the caller chose.
+"""Samplers on the device, written here as llama.cpp backend samplers: a greedy row's two best
+tokens (:class:`Top2Chain`), and keyed draws (:class:`KeyedChain`) that draw each output row's
+token by inverse CDF in token-id order from a uniform the caller chose.
+
+Every tensor a row's graph ends in is flagged a graph output, whether llama.cpp hands it back
+(a row of this sequence) or not (the dummy row a sequence with no outputs in a ubatch is built
+on). ggml's allocator keeps the previous graph's plan, offset by node index, for a new graph of
+as many nodes of no larger sizes (``ggml_gallocr_needs_realloc`` compares sizes only:
+llama.cpp issue 28448). A sequence idle in one decode and verifying in the next moves the
+nodes that are outputs: a dummy row's result, freed early in the old plan and its memory
+given to a later row's, became an output at the same index, and the later row overwrote it.
+llama.cpp's own ``top_k`` sampler does not flag the dummy row's tensors, and greedy verify
+rows read on the device took another sequence's tokens (3 sequences, rows 2, 0, 1 then
+0, 2, 1: 13 of 30 such decodes gave a wrong id, valid-looking, on the tiny model; on Gemma an
+id of 1104416976, a logit's bits). Flagged, no row's result shares memory with another's in
+any plan.
 
 llama.cpp's own ``dist`` sampler draws on the device from its own generator; a request whose
 draws are keyed on (seed, position) (``worker/engine/sampling.py``) cannot use it. This one has
@@ -34,7 +48,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -89,6 +103,8 @@ def _ggml() -> ctypes.CDLL:
         ("ggml_tensor_overhead", [], ctypes.c_size_t),
         ("ggml_new_tensor_1d", [_P, ctypes.c_int, _I64], _P),
         ("ggml_set_input", [_P], None),
+        ("ggml_set_output", [_P], None),
+        ("ggml_top_k", [_P, _P, ctypes.c_int], _P),
         ("ggml_nelements", [_P], _I64),
         ("ggml_reshape_1d", [_P, _P, _I64], _P),
         ("ggml_reshape_2d", [_P, _P, _I64, _I64], _P),
@@ -166,10 +182,27 @@ def _input(ctx: int) -> int:
     return int(t)
 
 
-def device_supports_draws(buft: int | None) -> bool:
-    """Whether the device behind buffer type ``buft`` runs every op of a row's draw (no
-    device: the CPU's, which runs them all), checked on a probe graph as llama.cpp checks its
-    own samplers'."""
+def _outputs(*tensors: int) -> None:
+    """Flag a row's results as graph outputs, the dummy row's too (the module's docstring)."""
+    g = _ggml()
+    for t in tensors:
+        g.ggml_set_output(t)
+
+
+def top2_graph(ctx: int, logits: int) -> tuple[int, int, list[int]]:
+    """The graph of one greedy row's two best tokens in ggml context ``ctx``: their ids (an I32
+    tensor of two, in no set order) and their logits (two floats), and every tensor made."""
+    g = _ggml()
+    row = g.ggml_reshape_1d(ctx, logits, g.ggml_nelements(logits))
+    ids = g.ggml_top_k(ctx, row, 2)
+    best = g.ggml_get_rows(ctx, g.ggml_reshape_2d(ctx, row, 1, g.ggml_nelements(row)), ids)
+    return ids, best, [row, ids, best]
+
+
+def _device_runs(buft: int | None, made: Callable[[int, int], list[int]]) -> bool:
+    """Whether the device behind buffer type ``buft`` runs every op of a row's graph (no
+    device: the CPU's, which runs them all), ``made(ctx, logits)`` building it on a probe
+    graph as llama.cpp checks its own samplers'."""
     g = _ggml()
     device = g.ggml_backend_buft_get_device(buft) if buft else None
     if not device:
@@ -179,31 +212,33 @@ def device_supports_draws(buft: int | None) -> bool:
         raise LlamaError("ggml could not create a probe context")
     try:
         logits = g.ggml_new_tensor_1d(ctx, _GGML_TYPE_F32, _PROBE_WIDTH)
-        _, made = draw_graph(ctx, logits, None, _input(ctx), _input(ctx))
-        return all(g.ggml_backend_dev_supports_op(device, t) for t in made)
+        return all(g.ggml_backend_dev_supports_op(device, t) for t in made(ctx, logits))
     finally:
         g.ggml_free(ctx)
 
 
-class KeyedChain:
-    """One sequence's chain of a single keyed-draw sampler, and the Python state behind it.
+def device_supports_draws(buft: int | None) -> bool:
+    """Whether the device behind ``buft`` runs every op of a row's keyed draw."""
+    return _device_runs(buft, lambda ctx, logits: draw_graph(
+        ctx, logits, None, _input(ctx), _input(ctx))[1])
 
-    ``draws`` may be replaced between requests (a sequence keeps its chain: an attach costs
-    the next decode a graph rebuild); the temperature is an input, so it changes nothing in
-    the graph. The callbacks never raise into llama.cpp: a failure is kept and raised by
-    :meth:`settle` after the decode."""
 
-    _NAME = ctypes.create_string_buffer(b"specfleet-keyed-dist")
+def device_supports_top2(buft: int | None) -> bool:
+    """Whether the device behind ``buft`` runs every op of a row's top two."""
+    return _device_runs(buft, lambda ctx, logits: top2_graph(ctx, logits)[2])
 
-    def __init__(self, draws: Draws) -> None:
-        self.draws = draws
-        #: Whether the output device runs the draw's ops (``backend_init``'s answer); a chain
-        #: llama.cpp took without them samples nothing.
+
+class DeviceChain:
+    """One sequence's chain of a single backend sampler of ours, and the Python state behind
+    it: the callbacks llama.cpp calls while it builds and runs a sampled graph. They never
+    raise into llama.cpp: a failure is kept and raised by :meth:`settle` after the decode."""
+
+    _NAME = ctypes.create_string_buffer(b"specfleet-device")
+
+    def __init__(self) -> None:
+        #: Whether the output device runs the sampler's ops (``backend_init``'s answer); a
+        #: chain llama.cpp took without them samples nothing.
         self.supported = False
-        #: Each row's (temperature, uniform) input tensors in the graph being built.
-        self._inputs: list[tuple[int, int]] = []
-        self._staged: deque[float] = deque()
-        self._short = 0  # rows llama.cpp set inputs for beyond the staged uniforms
         self._error: BaseException | None = None
         i = llama_cpp
         # The callbacks and the interface must outlive the chain: llama.cpp holds pointers.
@@ -222,22 +257,11 @@ class KeyedChain:
         self.chain: Any = i.llama_sampler_chain_init(i.llama_sampler_chain_default_params())
         i.llama_sampler_chain_add(self.chain, sampler)  # the chain owns (and frees) it
 
-    def stage(self, positions: Sequence[int]) -> None:
-        """The coming decode's rows of this sequence draw the tokens at ``positions``, in
-        batch order (empty: it has none)."""
-        self._staged = deque(self.draws.uniforms(positions))
-        self._short = 0
-
     def settle(self) -> None:
-        """After the decode: every staged uniform went to a row, and nothing failed."""
+        """After the decode: nothing failed."""
         error, self._error = self._error, None
         if error is not None:
-            raise LlamaError(f"the keyed device sampler failed: {error!r}") from error
-        if self._staged or self._short:
-            left, short = len(self._staged), self._short
-            self._staged.clear()
-            raise LlamaError(f"llama.cpp sampled {short} row(s) with no staged uniform and "
-                             f"left {left} staged uniform(s) unused")
+            raise LlamaError(f"the device sampler failed: {error!r}") from error
 
     def free(self) -> None:
         """Free the chain (and the sampler in it): only once no context holds it."""
@@ -245,13 +269,29 @@ class KeyedChain:
             llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
 
+    # -- what a sampler of ours does -------------------------------------------------------
+    def supports(self, buft: int | None) -> bool:
+        """Whether the device behind ``buft`` runs this sampler's ops."""
+        raise NotImplementedError
+
+    def build(self, ctx: int, row: Any) -> None:
+        """Add one row's graph to ``ctx``: ``row`` is its ``llama_sampler_data``, whose
+        tensors say what llama.cpp reads back."""
+        raise NotImplementedError
+
+    def set_inputs(self) -> None:
+        """Set the graph's inputs before it runs (a reused graph gets only this call)."""
+
+    def reset(self) -> None:
+        """A new graph is being built: forget the last one's tensors."""
+
     # -- llama.cpp's callbacks ---------------------------------------------------------------
     def _name(self, smpl: Any) -> int | None:
         return ctypes.addressof(self._NAME)
 
     def _backend_init(self, smpl: Any, buft: int | None, n_outputs_max_per_seq: int) -> bool:
         try:
-            self.supported = device_supports_draws(buft)
+            self.supported = self.supports(buft)
         except BaseException as e:  # noqa: BLE001 (kept for settle: never raise into C)
             self._error, self.supported = e, False
         return self.supported
@@ -260,29 +300,91 @@ class KeyedChain:
                        data: Any) -> None:
         try:
             assert ctx
-            inputs = _input(ctx), _input(ctx)
-            self._inputs.append(inputs)
-            row = data.contents
-            row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, *inputs)
-            # Neither the row's logits nor its probabilities go back to the host: only the id.
-            row.logits = row.probs = None
+            self.build(ctx, data.contents)
         except BaseException as e:  # noqa: BLE001
             self._error = e
 
     def _backend_set_input(self, smpl: Any) -> None:
         try:
-            g = _ggml()
-            temperature = _F32(self.draws.temperature)
-            for t, uniform in self._inputs:
-                if self._staged:
-                    value = _F32(self._staged.popleft())
-                else:
-                    self._short += 1
-                    value = _F32(0.0)
-                g.ggml_backend_tensor_set(t, ctypes.byref(temperature), 0, 4)
-                g.ggml_backend_tensor_set(uniform, ctypes.byref(value), 0, 4)
+            self.set_inputs()
         except BaseException as e:  # noqa: BLE001
             self._error = e
 
     def _backend_reset(self, smpl: Any) -> None:
+        self.reset()
+
+
+class Top2Chain(DeviceChain):
+    """A greedy sequence's chain: each row reduced to its two best tokens, their ids as the
+    row's candidates and their logits as its logits (``Context.top2`` reads them), nothing
+    chosen. llama.cpp's own ``top_k(2)`` builds the same graph but leaves the dummy row's
+    tensors unflagged (the module's docstring)."""
+
+    _NAME = ctypes.create_string_buffer(b"specfleet-top2")
+
+    def supports(self, buft: int | None) -> bool:
+        return device_supports_top2(buft)
+
+    def build(self, ctx: int, row: Any) -> None:
+        ids, best, _ = top2_graph(ctx, row.logits)
+        _outputs(ids, best)
+        row.candidates, row.logits = ids, best
+
+
+class KeyedChain(DeviceChain):
+    """A sampled sequence's chain of a single keyed-draw sampler, and the draws behind it.
+
+    ``draws`` may be replaced between requests (a sequence keeps its chain: an attach costs
+    the next decode a graph rebuild); the temperature is an input, so it changes nothing in
+    the graph."""
+
+    _NAME = ctypes.create_string_buffer(b"specfleet-keyed-dist")
+
+    def __init__(self, draws: Draws) -> None:
+        self.draws = draws
+        #: Each row's (temperature, uniform) input tensors in the graph being built.
+        self._inputs: list[tuple[int, int]] = []
+        self._staged: deque[float] = deque()
+        self._short = 0  # rows llama.cpp set inputs for beyond the staged uniforms
+        super().__init__()
+
+    def stage(self, positions: Sequence[int]) -> None:
+        """The coming decode's rows of this sequence draw the tokens at ``positions``, in
+        batch order (empty: it has none)."""
+        self._staged = deque(self.draws.uniforms(positions))
+        self._short = 0
+
+    def settle(self) -> None:
+        """After the decode: every staged uniform went to a row, and nothing failed."""
+        super().settle()
+        if self._staged or self._short:
+            left, short = len(self._staged), self._short
+            self._staged.clear()
+            raise LlamaError(f"llama.cpp sampled {short} row(s) with no staged uniform and "
+                             f"left {left} staged uniform(s) unused")
+
+    def supports(self, buft: int | None) -> bool:
+        return device_supports_draws(buft)
+
+    def build(self, ctx: int, row: Any) -> None:
+        inputs = _input(ctx), _input(ctx)
+        self._inputs.append(inputs)
+        row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, *inputs)
+        _outputs(row.sampled)
+        # Neither the row's logits nor its probabilities go back to the host: only the id.
+        row.logits = row.probs = None
+
+    def set_inputs(self) -> None:
+        g = _ggml()
+        temperature = _F32(self.draws.temperature)
+        for t, uniform in self._inputs:
+            if self._staged:
+                value = _F32(self._staged.popleft())
+            else:
+                self._short += 1
+                value = _F32(0.0)
+            g.ggml_backend_tensor_set(t, ctypes.byref(temperature), 0, 4)
+            g.ggml_backend_tensor_set(uniform, ctypes.byref(value), 0, 4)
+
+    def reset(self) -> None:
         self._inputs.clear()
