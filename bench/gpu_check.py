@@ -342,6 +342,20 @@ def check_greedy(ctx: Context, check: Check) -> None:
                   "mtp, one request at a time, gives plain's tokens")
 
 
+def check_device_rows(ctx: Context, check: Check) -> None:
+    """Rows reduced on the device (greedy top two, keyed draws, both) keep their own results
+    while sequences go idle in turn, the model's layers on the GPU: the suite's test of it
+    (``test_every_row_is_its_own_while_sequences_go_idle``), offloaded."""
+    env = {**os.environ, "SPECFLEET_TEST_GPU_LAYERS": "0" if ctx.args.device == "cpu" else "-1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "engine" / "test_device_sampling.py"),
+                           "-k", "go_idle"], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600)
+    check.figures = {"pytest": done.stdout.strip().splitlines()[-1:]}
+    check.require(done.returncode == 0, "every row's top two and draw are the host's, "
+                  "greedy, sampled and mixed sequences going idle in turn")
+
+
 def check_deterministic(ctx: Context, check: Check) -> None:
     """The flag is refused where it cannot be kept, before the worker loads anything."""
     device = ctx.devices()[0]
@@ -647,7 +661,8 @@ def check_device_group(ctx: Context, check: Check) -> None:
 CHECKS: dict[str, Callable[[Context, Check], None]] = {
     "environment": check_environment, "fit-vs-nvml": check_fit_vs_nvml,
     "pinning": check_pinning, "device-checkpoint": check_device_checkpoint,
-    "sampling": check_sampling, "greedy": check_greedy, "deterministic": check_deterministic,
+    "sampling": check_sampling, "greedy": check_greedy, "device-rows": check_device_rows,
+    "deterministic": check_deterministic,
     "service": check_service, "decode-timing": check_decode_timing, "slots": check_slots,
     "device-verify": check_device_verify, "spec-targets": check_spec_targets,
     "device-group": check_device_group,

@@ -12,9 +12,9 @@ from helpers import run_bench
 #: Each check's status on a CPU host: the GPU-only ones say skipped.
 ON_A_CPU = {"environment": "pass", "fit-vs-nvml": "pass", "pinning": "skipped",
             "device-checkpoint": "pass", "sampling": "pass", "greedy": "pass",
-            "deterministic": "skipped", "service": "pass", "decode-timing": "pass",
-            "slots": "skipped", "device-verify": "skipped", "spec-targets": "skipped",
-            "device-group": "pass"}
+            "device-rows": "pass", "deterministic": "skipped", "service": "pass",
+            "decode-timing": "pass", "slots": "skipped", "device-verify": "skipped",
+            "spec-targets": "skipped", "device-group": "pass"}
 
 
 def test_the_gpu_check_runs_its_plumbing_on_a_cpu(tmp_path: Path) -> None:

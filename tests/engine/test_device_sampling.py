@@ -14,6 +14,7 @@ sampled drafts, a device without the draw's ops) still read their rows on the ho
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -166,6 +167,9 @@ def test_plain_sampling_on_the_device_draws_the_hosts_tokens(
     assert len({tuple(t) for t in on_host}) == len(SEEDS)  # the seeds really sample
 
 
+#: Layers the idle-layout test offloads (``SPECFLEET_TEST_GPU_LAYERS``: bench/gpu_check.py's
+#: ``device-rows`` runs it with -1 on a GPU, where device verify is on by default).
+GPU_LAYERS = int(os.environ.get("SPECFLEET_TEST_GPU_LAYERS", "0"))
 #: Rows per sequence, decode after decode: sequences go idle and come back, so the graphs'
 #: sampler nodes that are outputs move while their count stays (a dummy row built for an idle
 #: sequence sits where a verifying sequence's rows sit in the next graph).
@@ -188,8 +192,8 @@ def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
                        n_outputs_max=24, n_outputs_max_per_seq=8, n_threads=1)
     draws = {seq: KeyedDraws(seed=seq, temperature=WARM.temperature)
              for seq, kind in enumerate(kinds) if kind == "keyed"}
-    with Model(ModelSpec(str(soft_dense))) as model, Context(model, spec) as device, \
-            Context(model, spec) as host, Batch(32) as batch:
+    with Model(ModelSpec(str(soft_dense), n_gpu_layers=GPU_LAYERS)) as model, \
+            Context(model, spec) as device, Context(model, spec) as host, Batch(32) as batch:
         for seq in range(len(kinds)):
             how = draws.get(seq, True)
             assert device.sample_on_device(seq, how) is how
