@@ -5,8 +5,9 @@ with ``KeyedDraws``), and no logits row reaches Python.
 Run on the CPU backend with device verify forced on (``EngineConfig.device_verify``), on the
 soft-output F32 tiny dense model: lookup speculation (n-gram, suffix) gives plain sampling's
 very tokens seed for seed, one slot and several; plain sampling on the device gives the host's
-tokens seed for seed (its 256 ids leave float32 rounding no boundary to tip), row by row
-whatever the decode before; speculation on the device keeps the target distribution (a
+tokens seed for seed (its 256 ids leave float32 rounding no boundary to tip), and every row
+keeps its own draw (or top two, a greedy sequence's beside it) whatever the decode before and
+whichever sequences sit idle; speculation on the device keeps the target distribution (a
 chi-square that catches a verify accepting every draft); no logits row is read; and requests
 the device cannot draw for (cuts, penalties, bias, logprobs, a grammar, the MTP head's
 sampled drafts, a device without the draw's ops) still read their rows on the host.
@@ -170,11 +171,12 @@ def test_plain_sampling_on_the_device_draws_the_hosts_tokens(
 #: Layers the idle-layout test offloads (``SPECFLEET_TEST_GPU_LAYERS``: bench/gpu_check.py's
 #: ``device-rows`` runs it with -1 on a GPU, where device verify is on by default).
 GPU_LAYERS = int(os.environ.get("SPECFLEET_TEST_GPU_LAYERS", "0"))
-#: Rows per sequence, decode after decode: sequences go idle and come back, so the graphs'
-#: sampler nodes that are outputs move while their count stays (a dummy row built for an idle
-#: sequence sits where a verifying sequence's rows sit in the next graph).
-IDLE_LAYOUTS = [(2, 0, 1), (0, 2, 1), (1, 1, 0), (0, 1, 1), (3, 0, 1), (0, 3, 1), (1, 0, 3),
-                (2, 2, 0), (0, 2, 2)] * 2
+#: Rows per sequence, decode after decode: rows move between sequences, and sequences go idle
+#: and come back, so the graphs' sampler nodes move while their count stays (a dummy row built
+#: for an idle sequence sits where a verifying sequence's rows sit in the next graph).
+LAYOUTS = [(6, 1, 1), (1, 6, 1), (1, 1, 6), (2, 3, 2), (3, 2, 2),
+           *[(2, 0, 1), (0, 2, 1), (1, 1, 0), (0, 1, 1), (3, 0, 1), (0, 3, 1), (1, 0, 3),
+             (2, 2, 0), (0, 2, 2)] * 2]
 
 
 @pytest.mark.parametrize("kinds", [("top2", "top2", "top2"), ("top2", "keyed", "top2"),
@@ -183,11 +185,14 @@ IDLE_LAYOUTS = [(2, 0, 1), (0, 2, 1), (1, 1, 0), (0, 1, 1), (3, 0, 1), (0, 3, 1)
 def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
                                                      kinds: tuple[str, ...]) -> None:
     """Three sequences reduced on the device (their two best tokens, or a keyed draw), rows
-    spread over them with some idle at every decode, against a context that reads the same
-    rows: every row's top two lead with the host's argmax, every draw is the host's. (llama.cpp
-    builds an idle sequence's sampler on a dummy row and reuses the last graph's memory plan
-    for a graph of as many nodes: its own top_k gave rows another sequence's ids, 13 decodes
-    of 18 here, until every row's result was flagged an output.)"""
+    spread over them differently at every decode and some idle, against a context that reads
+    the same rows: every row's top two lead with the host's argmax, every draw is the host's
+    draw from its logits and uniform. ggml's allocator reuses the last graph's memory plan,
+    node by node, for a graph of as many nodes: a temperature input shared by one sequence's
+    rows was overwritten once its rows moved to another sequence; and llama.cpp builds an
+    idle sequence's sampler on a dummy row, whose result its own top_k left unflagged: rows
+    took another sequence's ids, 13 decodes of 18 here, until every row's result was an
+    output."""
     spec = ContextSpec(n_ctx=3 * N_CTX, n_batch=32, n_ubatch=32, n_seq_max=3,
                        n_outputs_max=24, n_outputs_max_per_seq=8, n_threads=1)
     draws = {seq: KeyedDraws(seed=seq, temperature=WARM.temperature)
@@ -198,7 +203,7 @@ def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
             how = draws.get(seq, True)
             assert device.sample_on_device(seq, how) is how
         pos = [0, 0, 0]
-        for step, layout in enumerate(IDLE_LAYOUTS):
+        for step, layout in enumerate(LAYOUTS):
             batch.clear()
             rows = []
             for seq, n in enumerate(layout):
@@ -218,38 +223,6 @@ def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
                 else:
                     got = device.top2(row)[0]
                     assert got == int(logits.argmax()), f"decode {step} {layout}, row {row}"
-        assert device.rows_read == 0
-
-
-def test_every_row_draws_the_hosts_token_whatever_the_decode_before(soft_dense: Path) -> None:
-    """A context whose three sequences draw on the device, decoding rows spread over them
-    differently each time, against a context that reads the same rows: every row's draw is
-    the host's draw from its logits and uniform. (ggml's allocator reuses the last graph's
-    buffer offsets node by node for a graph of as many nodes: a tensor shared by one
-    sequence's rows was overwritten once its rows moved to another sequence.)"""
-    layouts = [(6, 1, 1), (1, 6, 1), (1, 1, 6), (2, 3, 2), (3, 2, 2)]
-    spec = ContextSpec(n_ctx=3 * N_CTX, n_batch=32, n_ubatch=32, n_seq_max=3,
-                       n_outputs_max=24, n_outputs_max_per_seq=8, n_threads=1)
-    draws = [KeyedDraws(seed, WARM.temperature) for seed in range(3)]
-    with Model(ModelSpec(str(soft_dense))) as model, Context(model, spec) as device, \
-            Context(model, spec) as host, Batch(32) as batch:
-        for seq, d in enumerate(draws):
-            assert device.sample_on_device(seq, d) is d
-        pos = [0, 0, 0]
-        for step, layout in enumerate(layouts):
-            batch.clear()
-            rows = []
-            for seq, n in enumerate(layout):
-                row0 = batch.add([(7 * step + 3 * seq + i) % 256 for i in range(n)], pos[seq],
-                                 True, seq=seq)
-                rows += [(row0 + i, seq, pos[seq] + i + 1) for i in range(n)]
-                pos[seq] += n
-            device.decode(batch)
-            host.decode(batch)
-            for row, seq, at in rows:
-                u = draws[seq].uniforms([at])[0]
-                want = target_distribution(host.logits(row), WARM, [], 0).pick(u)
-                assert device.sampled(row) == want, f"decode {step} {layout}, row {row}"
         assert device.rows_read == 0
 
 
