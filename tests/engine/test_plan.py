@@ -160,7 +160,8 @@ def test_the_engine_is_built_from_its_plan(tiny_models: TinyModels, which: str,
 def test_slots_share_one_kv_cache_unless_asked_per_sequence() -> None:
     """A step's uneven rows must reach llama.cpp as one ubatch: its default stream per
     sequence splits them (docs/engine.md, "Several slots"). A stream per sequence stays
-    available for token-exact comparisons, and deterministic mode always has one."""
+    available for token-exact comparisons, deterministic mode always has one, and so do
+    several slots of a recurrent model that roll back through snapshots."""
     base = config(SpecMethod.MTP, slots=4)
     assert target_spec(base, 0, 6).to_params().kv_unified
     assert draft_spec(base, 6).to_params().kv_unified
@@ -169,3 +170,8 @@ def test_slots_share_one_kv_cache_unless_asked_per_sequence() -> None:
     assert not target_spec(per_sequence, 0, 6).to_params().kv_unified
     deterministic = EngineConfig("m.gguf", slots=4, capacity=base.capacity, deterministic=True)
     assert not target_spec(deterministic, 0, 6).to_params().kv_unified
+    # Several slots rolling a recurrent state back through snapshots: a stream each
+    # (tests/rollback/test_slots.py, uneven rows); one slot keeps the one cache.
+    assert not target_spec(base, 6, 6).to_params().kv_unified
+    one = EngineConfig("m.gguf", slots=1, capacity=base.capacity)
+    assert target_spec(one, 6, 6).to_params().kv_unified

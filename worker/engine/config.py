@@ -143,15 +143,24 @@ def target_spec(config: EngineConfig, n_rs_seq: int, draft_max: int,
     return ContextSpec(n_ctx=config.n_ctx * config.slots, n_batch=PREFILL_CHUNK + verify_rows,
                        n_ubatch=TARGET_UBATCH, n_seq_max=config.slots, n_rs_seq=n_rs_seq,
                        n_outputs_max=verify_rows, n_threads=config.n_threads, swa_full=False,
-                       kv_unified=unified_kv(config), deterministic=config.deterministic,
+                       kv_unified=unified_kv(config, n_rs_seq), deterministic=config.deterministic,
                        device_top2=device_verify,
                        n_outputs_max_per_seq=per_slot if device_verify else 0)
 
 
-def unified_kv(config: EngineConfig) -> bool:
+def unified_kv(config: EngineConfig, n_rs_seq: int = 0) -> bool:
     """One KV cache for every slot, unless the config asks for a stream per sequence (a
-    deterministic context always has one: ``ContextSpec.deterministic`` decides that)."""
-    return not config.per_sequence_kv
+    deterministic context always has one: ``ContextSpec.deterministic`` decides that), or
+    several slots roll a recurrent state back through ``n_rs_seq`` snapshots.
+
+    llama.cpp's hybrid memory splits a unified cache's batch into equal ubatches out of
+    sequence order (``split_equal(.., sequential=False, ..)``, for multiple-choice evals),
+    and its recurrent snapshots assume sequence order: after a snapshot rollback, a verify of
+    rows spread unevenly over the slots (1, 8 and 8 rows) came back from another state than
+    the sequence's (the tiny hybrid, 3 slots, MTP: 6 of 60 requests' greedy output parted
+    from plain's at a 16-27 nat margin; a context-level replay gave 4 wrong rows of 3,327
+    with one cache, 0 with a stream per sequence). A stream per sequence splits in order."""
+    return not config.per_sequence_kv and not (n_rs_seq > 0 and config.slots > 1)
 
 
 def draft_batch(config: EngineConfig, draft_max: int) -> int:
