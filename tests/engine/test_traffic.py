@@ -47,8 +47,9 @@ def _request(rng: random.Random, kind: str, draft: SpecMethod, index: int) -> Sl
 @pytest.mark.parametrize(("fixture", "slots", "draft", "config"), [
     ("dense_model", 4, SpecMethod.SUFFIX, {"device_verify": True, "verify_buckets": True}),
     ("hybrid_model", 3, SpecMethod.MTP, {}),
-    ("hybrid_model", 4, SpecMethod.MTP_SUFFIX, {}),
-], ids=["dense-device-buckets", "hybrid-mtp", "hybrid-mtp-suffix"])
+    ("hybrid_model", 3, SpecMethod.MTP, {"device_verify": True}),
+    ("hybrid_model", 4, SpecMethod.MTP_SUFFIX, {"device_verify": True}),
+], ids=["dense-device-buckets", "hybrid-mtp", "hybrid-mtp-device", "hybrid-mtp-suffix-device"])
 @pytest.mark.parametrize("seed", [5, 8, 13])
 def test_random_traffic_keeps_every_greedy_output_plain(
         request: pytest.FixtureRequest, fixture: str, slots: int, draft: SpecMethod,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from shared.protocol import MAX_DRAFT, CheckpointMode, SpecMethod, SpecSettings, WorkerCapacity
-from worker.engine.config import EngineConfig, unified_kv
+from worker.engine.config import EngineConfig
 from worker.engine.drafting.buckets import NO_BUCKETS, BucketPolicy, RowBuckets
 from worker.engine.proposers.factory import uses_mtp, uses_suffix
 from worker.engine.proposers.mtp import MtpUnavailableError
@@ -68,7 +68,7 @@ class EnginePlan:
     #: checkpoints (pure attention, or D = N).
     checkpoint: CheckpointMode | None
     slots: int
-    #: Greedy unconstrained slots verify on the device (``Context.sample_top2``): every
+    #: Greedy unconstrained slots verify on the device (``Context.sample_on_device``): every
     #: sequence of the target gets a top-2 chain at creation, and such a verify row comes
     #: back as two ids and two logits instead of a vocabulary-wide row (docs/engine.md,
     #: "Verify on the device").
@@ -204,8 +204,7 @@ def plan_engine(config: EngineConfig, model: ModelFacts) -> EnginePlan:
     checkpoint = config.checkpoint if kind is RollbackKind.COMPACT else None
     wanted = model.offloaded if config.device_verify is None else config.device_verify
     return EnginePlan(method, draft_max, kind, n_rs_seq, checkpoint, config.slots,
-                      device_verify=wanted and draft_max > 0 and samples_rows_right(
-                          config, model),
+                      device_verify=wanted and draft_max > 0,
                       verify_buckets=draft_max > 0 and bucketed(config, model, kind),
                       overlap=model.offloaded)
 
@@ -224,16 +223,3 @@ def bucketed(config: EngineConfig, model: ModelFacts, kind: RollbackKind) -> boo
                              f"checkpoint and replays to drop a step's pad rows")
         return False
     return model.offloaded if config.verify_buckets is None else config.verify_buckets
-
-
-def samples_rows_right(config: EngineConfig, model: ModelFacts) -> bool:
-    """Whether llama.cpp 0.3.36 hands back the right ids for rows sampled on the device:
-    not where a decode of several slots is split into one ubatch per sequence (a recurrent
-    or hybrid model, a KV stream per sequence, deterministic mode). There it reuses the graph
-    built for one sequence's ubatch for the next one's, and the sampler inputs it sets are
-    the first sequence's: the logits came back right and the candidates' ids stale (the tiny
-    hybrid, 3 slots: a row with 249 at 41.3 against 13.99 came back as id 54, another row's;
-    ``llm_graph_input_sampling::can_reuse`` compares only which samplers are attached). One
-    slot decodes one sequence, which is never split so."""
-    split = model.recurrent or not unified_kv(config) or config.deterministic
-    return config.slots == 1 or not split
