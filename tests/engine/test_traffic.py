@@ -33,9 +33,12 @@ GREEDY_KINDS = ("draft", "ngram", "plain", "logprobs")
 
 
 def _request(rng: random.Random, kind: str, draft: SpecMethod, index: int) -> SlotRequest:
-    """One request of ``kind``: a prompt of a few tokens repeated, 5-39 tokens to write."""
-    base = [rng.randrange(1, 250) for _ in range(rng.randrange(3, 12))]
-    prompt = (base * rng.randrange(1, 4))[:40]
+    """One request of ``kind``: a prompt of a few tokens repeated, 5-39 tokens to write. Half
+    the prompts come from a pool of six, some with a token more: cached prefixes and earlier
+    outputs are reused."""
+    source = random.Random(rng.randrange(6)) if rng.random() < 0.5 else rng
+    base = [source.randrange(1, 250) for _ in range(source.randrange(3, 12))]
+    prompt = (base * source.randrange(1, 4))[:40] + [rng.randrange(1, 250)] * rng.randrange(2)
     spec = {"ngram": SpecSettings(method=SpecMethod.NGRAM, draft_max=5),
             "plain": SpecSettings(method=SpecMethod.NONE)}.get(kind, SpecSettings(method=draft))
     sampling = (SamplingParams(temperature=0.8, seed=index) if kind == "sampled"
