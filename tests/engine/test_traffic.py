@@ -6,9 +6,10 @@ equal plain greedy decoding of its prompt alone, token for token (the tiny model
 the sampled requests must finish with their lengths.
 
 Each schedule is random (prompts that repeat themselves so the lookup drafters find drafts,
-lengths, arrival steps, which kind), seeded: two bugs were found by this kind of traffic
+lengths, arrival steps, which kind), seeded: three bugs were found by this kind of traffic
 and by no fixed schedule (docs/engine.md: a rebuilt sampled graph handing a row another
-row's result; several slots of a hybrid rolled back from another state).
+row's result; several slots of a hybrid rolled back from another state, with one KV cache,
+and with sequences out of order in a decode).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from shared.protocol import SamplingParams, SpecMethod, SpecSettings
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.slot import SlotRequest
 from worker.launch import EngineCapacity
+from worker.llm import Batch
 
 from .conftest import CHEAP_ROWS
 from .schedule import Arrival, plain_greedy, run_schedule
@@ -53,7 +55,7 @@ def _request(rng: random.Random, kind: str, draft: SpecMethod, index: int) -> Sl
     ("hybrid_model", 3, SpecMethod.MTP, {"device_verify": True}),
     ("hybrid_model", 4, SpecMethod.MTP_SUFFIX, {"device_verify": True}),
 ], ids=["dense-device-buckets", "hybrid-mtp", "hybrid-mtp-device", "hybrid-mtp-suffix-device"])
-@pytest.mark.parametrize("seed", [5, 8, 13])
+@pytest.mark.parametrize("seed", [5, 8, 13, 116, 119])
 def test_random_traffic_keeps_every_greedy_output_plain(
         request: pytest.FixtureRequest, fixture: str, slots: int, draft: SpecMethod,
         config: dict[str, Any], seed: int) -> None:
@@ -71,6 +73,7 @@ def test_random_traffic_keeps_every_greedy_output_plain(
             **config)) as engine:
         for key, value in config.items():
             assert getattr(engine.plan, key) is value  # really on
+        orders = _record_sequence_orders(engine)
         results = run_schedule(engine, arrivals).results
         drafted = engine.telemetry().drafted
     parted = [f"request {i} ({kind}): {r.tokens} for {want}"
@@ -82,3 +85,22 @@ def test_random_traffic_keeps_every_greedy_output_plain(
     assert all(len(r.tokens) == req.max_tokens or r.finish_reason.value != "length"
                for req, r in zip(requests, results, strict=True))
     assert drafted > 0
+    # llama.cpp's recurrent memory needs a decode's sequences in ascending order (verify.py):
+    # rows of sequences 2, 0, 1 in one verify, then a rollback, parted seed 116 from plain.
+    assert all(order == sorted(order) for order in orders)
+    assert any(len(set(order)) > 1 for order in orders)  # several slots shared decodes
+
+
+def _record_sequence_orders(engine: SpeculativeEngine) -> list[list[int]]:
+    """The sequence id of every row of every target decode from now on, in batch order."""
+    orders: list[list[int]] = []
+    target = engine.target
+    decode = target.decode
+
+    def recorded(batch: Batch) -> None:
+        raw = batch.raw
+        orders.append([raw.seq_id[i][0] for i in range(batch.n_tokens)])
+        decode(batch)
+
+    target.decode = recorded  # type: ignore[method-assign]
+    return orders

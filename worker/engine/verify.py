@@ -94,14 +94,27 @@ class Verifier:
         """
         t0 = perf_counter()
         batch = self.batch.clear()
-        chunk_rows = [batch.add(c.tokens, c.pos0, False, seq=c.seq) for c in chunks]
         pads = self.buckets.pads([1 + len(job.draft.tokens) for job in jobs],
                                  [job.pos0 for job in jobs], bool(chunks))
-        rows: list[int] = []
         for job, pad in zip(jobs, pads, strict=True):
             self.rollback.prepare(self.target, job.seq, len(job.draft.tokens) + pad)
-            rows.append(batch.add(_decoded(job, job.draft.tokens, pad), job.pos0, True,
-                                  seq=job.seq))
+        # In ascending sequence order: llama.cpp's recurrent memory splits a batch whose
+        # sequence ids do not run up by one into several ubatches, and a snapshot rollback
+        # after such a decode restored another state (tiny hybrid, 3 slots: rows of seqs
+        # 2, 0, 1 in that order, then a rollback of seq 2 by 6: its next row parted from
+        # plain at a 17-nat margin; the same operations in seq order did not).
+        first: dict[tuple[bool, int], int] = {}  # (a verify?, its index) -> its first row
+        for _, verify, i in sorted([(c.seq, False, i) for i, c in enumerate(chunks)]
+                                   + [(j.seq, True, i) for i, j in enumerate(jobs)]):
+            if verify:
+                job = jobs[i]
+                first[True, i] = batch.add(_decoded(job, job.draft.tokens, pads[i]), job.pos0,
+                                           True, seq=job.seq)
+            else:
+                chunk = chunks[i]
+                first[False, i] = batch.add(chunk.tokens, chunk.pos0, False, seq=chunk.seq)
+        chunk_rows = [first[False, i] for i in range(len(chunks))]
+        rows = [first[True, i] for i in range(len(jobs))]
         td = perf_counter()
         self.target.decode(batch)
         # Synchronised, else a GPU's decode time is only its kernel launches.

@@ -127,9 +127,9 @@ class CompactRollback:
         decode without logits."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
+        pending, self._pending = sorted(self._pending, key=lambda r: r.seq), []
         self._replay.clear()
-        for r in pending:
+        for r in pending:  # in sequence order, as a verify (verify.py)
             self.stores[r.seq].restore(target)
             trim_tail(target, r.pos0, r.seq)
             self._replay.add(r.tokens, r.pos0, seq=r.seq)
