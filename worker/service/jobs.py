@@ -232,6 +232,10 @@ class JobRun:
             stand_down_if_interrupted(rt, self.writer, self.log, result.telemetry)
         self.writer.emit("telemetry", telemetry=result.telemetry)
         cancelled = result.finish_reason is FinishReason.CANCELLED
+        # Counted before the final event: a client that has its result and then reads the
+        # worker's metrics finds it there (a clean-clone CI run read 0 finished in between).
+        rt.metrics.job_finished(self.job_id, result.telemetry,
+                                "cancelled" if cancelled else "finished")
         final = self.writer.final(
             status=JobStatus.CANCELLED if cancelled else JobStatus.FINISHED,
             finish_reason=result.finish_reason, tokens=result.tokens, text=result.text,
@@ -242,8 +246,6 @@ class JobRun:
         self.log.info("job.cancelled" if cancelled else "job.finished",
                       finish_reason=str(result.finish_reason), tokens=len(result.tokens),
                       effective_tps=round(result.telemetry.effective_tokens_per_second, 2))
-        rt.metrics.job_finished(self.job_id, result.telemetry,
-                                "cancelled" if cancelled else "finished")
         return final.model_dump(mode="json")
 
     def fail(self, exc: BaseException) -> None:
@@ -296,10 +298,10 @@ def fail_attempt(rt: WorkerRuntime, writer: EventWriter,
     """The worker failed under a job: an error and a failed final event on its stream (rq
     records the failure after), logged and counted."""
     message = str(exc) or repr(exc)
+    rt.metrics.job_finished(writer.job_id, None, "failed")  # before the final, as finish
     writer.error(message, error_type=type(exc).__name__)
     writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=message)
     logger.error("job.failed", error_type=type(exc).__name__, error=str(exc))
-    rt.metrics.job_finished(writer.job_id, None, "failed")
 
 
 def reject_attempt(rt: WorkerRuntime, writer: EventWriter,
@@ -308,10 +310,10 @@ def reject_attempt(rt: WorkerRuntime, writer: EventWriter,
     """The request cannot run here: an error (naming the field at fault, ``param``) and a
     failed final event on its stream (the client hears a 400), logged; raises
     :class:`RequestRejected`."""
+    rt.metrics.job_finished(writer.job_id, None, "rejected", reason=str(error_type))
     writer.error(message, error_type=error_type, param=param)
     writer.final(status=JobStatus.FAILED, worker=rt.worker_name, error=message)
     logger.warning("job.failed", error_type=error_type, error=message)
-    rt.metrics.job_finished(writer.job_id, None, "rejected", reason=str(error_type))
     raise RequestRejected(message)
 
 
