@@ -11,6 +11,7 @@ sequence that serves both kinds in turn stays exact.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import close_floats
@@ -26,13 +27,13 @@ from .schedule import plain_greedy
 from .test_slots import N_CTX, prompt
 
 
-def _engine(model: Path, method: SpecMethod, slots: int = 1,
-            device: bool = True) -> SpeculativeEngine:
-    """Rows priced cheap so drafts are verified."""
+def _engine(model: Path, method: SpecMethod, slots: int = 1, device: bool = True,
+            **config: Any) -> SpeculativeEngine:
+    """Rows priced cheap so drafts are verified; ``config``: more of the engine's."""
     return SpeculativeEngine(EngineConfig(
         str(model), n_ctx=N_CTX, n_threads=1, slots=slots,
         capacity=EngineCapacity(method=method, draft_max=7), row_costs=CHEAP_ROWS,
-        row_budget=False, device_verify=device))
+        row_budget=False, device_verify=device, **config))
 
 
 def _run(engine: SpeculativeEngine, requests: list[SlotRequest]) -> list[GenerationResult]:
@@ -94,10 +95,7 @@ def test_slots_split_into_ubatches_verify_on_the_device_too(
     (``test_traffic.py``) did."""
     model: Path = request.getfixturevalue(fixture)
     requests = [SlotRequest(prompt(seed, 12), TOKENS) for seed in range(3)]
-    with SpeculativeEngine(EngineConfig(
-            str(model), n_ctx=N_CTX, n_threads=1, slots=3, row_costs=CHEAP_ROWS,
-            row_budget=False, capacity=EngineCapacity(method=method, draft_max=7),
-            device_verify=True, **config)) as engine:  # type: ignore[arg-type]
+    with _engine(model, method, slots=3, **config) as engine:
         assert engine.plan.device_verify
         results = _run(engine, requests)
         assert engine.target.rows_read == 0

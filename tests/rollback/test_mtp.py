@@ -106,7 +106,7 @@ class AlwaysAsks(BudgetedWidth):
     below must verify on the same schedule, which a planner skipping the stub's empty steps
     (``BudgetedWidth.proposed``) would make depend on the head's own drafts."""
 
-    def proposed(self, drafted: int, may_skip: bool) -> None:
+    def proposed(self, drafted: int) -> None:
         """Never skips."""
 
 

@@ -109,9 +109,11 @@ class DraftPlanner:
 
     def policy(self, draft_max: int, adaptive: bool, idle_skips: bool = True) -> BudgetedWidth:
         """A new request's width policy (``draft_max`` 0: it never drafts); ``idle_skips``:
-        its drafter may be skipped a while after proposing nothing (not where which positions
-        are drafted decides the tokens: a sampled request's head drafts)."""
-        return BudgetedWidth(make_policy(draft_max, adaptive, self.shape), idle_skips)
+        its drafter may be skipped a while after proposing nothing, where this planner skips
+        (:attr:`idle_skip`; not where which positions are drafted decides the tokens: a
+        sampled request's head drafts)."""
+        return BudgetedWidth(make_policy(draft_max, adaptive, self.shape),
+                             self.idle_skip and idle_skips)
 
     def width(self, policy: DraftLengthPolicy, room: int) -> int:
         """How far to ask the proposer: the policy's ceiling within ``room``, on the shape."""
@@ -130,9 +132,8 @@ class DraftPlanner:
         keeps its width: which positions are drafts decides its tokens, and they must not
         depend on the neighbours'; forced tokens stay: the grammar allows nothing else)."""
         drafts = [p.draft for p in proposed]
-        may_skip = self.idle_skip
         for p in proposed:
-            p.policy.proposed(len(p.draft.tokens) - p.forced, may_skip)
+            p.policy.proposed(len(p.draft.tokens) - p.forced)
         if self.steps is None or len(proposed) < 2:
             return drafts
         if self.bar.probe(len(proposed)):

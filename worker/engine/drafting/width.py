@@ -117,7 +117,9 @@ class BudgetedWidth:
 
     def __init__(self, policy: DraftLengthPolicy, idle_skips: bool = True) -> None:
         self.policy = policy
-        self._idle_skips = idle_skips  # False: never skipped for proposing nothing
+        #: False: never skipped for proposing nothing (a CPU's planner, a sampled request's
+        #: head drafts: :meth:`DraftPlanner.policy`).
+        self._idle_skips = idle_skips
         self._cut = 0    # drafts cut to nothing in a row
         self._idle = 0   # empty proposals in a row
         self._skip = 0   # steps left without asking the drafter
@@ -134,17 +136,16 @@ class BudgetedWidth:
     def update(self, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
 
-    def proposed(self, drafted: int, may_skip: bool) -> None:
+    def proposed(self, drafted: int) -> None:
         """The drafter proposed ``drafted`` tokens of its own this step (the grammar's forced
-        run not counted); a step it was not asked in says nothing. ``may_skip``: asking in
-        vain costs enough of a step to skip it (the planner's ``idle_skip``: a GPU)."""
+        run not counted); a step it was not asked in says nothing."""
         if not self._asked:
             return
         if drafted:
             self._idle = 0
             return
         self._idle = min(self._idle + 1, IDLE_AFTER + MAX_IDLE_SKIP.bit_length() - 1)
-        if may_skip and self._idle_skips and self._idle >= IDLE_AFTER:
+        if self._idle_skips and self._idle >= IDLE_AFTER:
             self._skip = max(self._skip, min(1 << (self._idle - IDLE_AFTER), MAX_IDLE_SKIP))
 
     def granted(self, asked: int, width: int) -> None:
