@@ -30,7 +30,8 @@ Gemma 3 270M Q4_K_M in this process, one engine loaded for the suffix drafter (i
   came out token for token the same on both. Then the draws alone, row by row: the last
   ``DRAW_ROWS`` tokens of ``copy`` and ``prose`` decoded once, each row's token drawn on the
   device for ``--draw-seeds`` seeds and compared with the host's draw from the same row and
-  uniform (T 0.7 and 1.0): how many differ, and how likely the host's token was where they
+  uniform (T 0.7 and 1.0 alone, T 0.7 with top-k 40, T 1.0 with min-p 0.05: ``DRAWN``):
+  how many differ, and how likely the host's token was where they
   do (a draw near a boundary of the cumulative distribution: docs/sampling.md).
 
 ``--device-verify`` sets the engine's device verify for the usual parts (auto: on a GPU).
@@ -99,7 +100,11 @@ MTP_DRAFT_MAX = 4
 MTP_PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
 #: Rows of one workload whose draws are compared device against host (--device-compare).
 DRAW_ROWS = 32
-DRAW_TEMPERATURES = (0.7, 1.0)
+#: What the row-by-row draw comparison draws with: the temperature alone, and with each cut the
+#: device draws (common values: llama.cpp's default top-k, a usual min-p).
+DRAWN = {"T 0.7": SamplingParams(temperature=0.7), "T 1": SamplingParams(temperature=1.0),
+         "T 0.7, top-k 40": SamplingParams(temperature=0.7, top_k=40),
+         "T 1, min-p 0.05": SamplingParams(temperature=1.0, min_p=0.05)}
 Result = dict[str, float]
 Results = dict[str, dict[str, list[Result]]]
 
@@ -265,7 +270,7 @@ def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
     """The last :data:`DRAW_ROWS` tokens of ``ids`` decoded once on the host (their rows read)
     and once per seed on a context that draws them on the device: per temperature, the draws
     compared, those that differ, and the largest probability the host's token had where they
-    differ."""
+    differ, for each of :data:`DRAWN`."""
     ids = ids[-DRAW_ROWS:]
     n = len(ids)
     spec = ContextSpec(n_ctx=2 * n, n_batch=n, n_ubatch=n, n_seq_max=1, n_outputs_max=n,
@@ -276,12 +281,12 @@ def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
         batch.set(ids, 0, True)
         host.decode(batch)
         rows = [host.logits(i).copy() for i in range(n)]
-        for temperature in DRAW_TEMPERATURES:
-            dists = [target_distribution(r, SamplingParams(temperature=temperature), [], 0)
-                     for r in rows]
+        for label, params in DRAWN.items():
+            dists = [target_distribution(r, params, [], 0) for r in rows]
             differ, worst = 0, 0.0
             for seed in range(seeds):
-                assert device.sample_on_device(0, KeyedDraws(seed, temperature))
+                assert device.sample_on_device(0, KeyedDraws(seed, params.temperature,
+                                                             params.top_k, params.min_p))
                 device.seq_clear(0)
                 device.decode(batch)
                 for i, dist in enumerate(dists):
@@ -289,9 +294,9 @@ def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
                     if device.sampled(i) != want:
                         differ += 1
                         worst = max(worst, dist.prob(want))
-            out[f"T{temperature:g}_draws"] = float(seeds * n)
-            out[f"T{temperature:g}_differ"] = float(differ)
-            out[f"T{temperature:g}_largest_p_differing"] = worst
+            out[f"{label}: draws"] = float(seeds * n)
+            out[f"{label}: differ"] = float(differ)
+            out[f"{label}: largest p differing"] = worst
     return out
 
 
@@ -316,8 +321,8 @@ def device_markdown(summary: dict[str, object]) -> str:
     draws = summary["draws"]
     assert isinstance(draws, dict)
     for w, d in draws.items():
-        cells = [f"T {t:g}: {int(d[f'T{t:g}_differ'])} / {int(d[f'T{t:g}_draws'])} "
-                 f"(p <= {d[f'T{t:g}_largest_p_differing']:.1e})" for t in DRAW_TEMPERATURES]
+        cells = [f"{label}: {int(d[f'{label}: differ'])} / {int(d[f'{label}: draws'])} "
+                 f"(p <= {d[f'{label}: largest p differing']:.1e})" for label in DRAWN]
         lines.append(f"- {w}: " + "; ".join(cells))
     return "\n".join(lines)
 

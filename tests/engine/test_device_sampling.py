@@ -8,9 +8,10 @@ very tokens seed for seed, one slot and several; plain sampling on the device gi
 tokens seed for seed (its 256 ids leave float32 rounding no boundary to tip), and every row
 keeps its own draw (or top two, a greedy sequence's beside it) whatever the decode before and
 whichever sequences sit idle; speculation on the device keeps the target distribution (a
-chi-square that catches a verify accepting every draft); no logits row is read; and requests
-the device cannot draw for (cuts, penalties, bias, logprobs, a grammar, the MTP head's
-sampled drafts, a device without the draw's ops) still read their rows on the host.
+chi-square that catches a verify accepting every draft); the top-k and min-p cuts are drawn
+there too, seed for seed the host's; no logits row is read; and requests the device cannot
+draw for (a top-p nucleus, penalties, bias, logprobs, a grammar, the MTP head's sampled
+drafts, a device without the draw's ops) still read their rows on the host.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import PROMPT
 
@@ -179,12 +181,18 @@ LAYOUTS = [(6, 1, 1), (1, 6, 1), (1, 1, 6), (2, 3, 2), (3, 2, 2),
              (2, 2, 0), (0, 2, 2)] * 2]
 
 
+#: What a sequence of the idle-layout test draws with, by kind: the temperature alone, or with
+#: the top-k and min-p cuts.
+DRAWN = {"keyed": WARM, "cut": SamplingParams(temperature=1.1, top_k=4, min_p=0.01)}
+
+
 @pytest.mark.parametrize("kinds", [("top2", "top2", "top2"), ("top2", "keyed", "top2"),
-                                   ("keyed", "keyed", "keyed")],
-                         ids=["greedy", "mixed", "sampled"])
+                                   ("keyed", "keyed", "keyed"), ("cut", "top2", "keyed")],
+                         ids=["greedy", "mixed", "sampled", "cuts"])
 def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
                                                      kinds: tuple[str, ...]) -> None:
-    """Three sequences reduced on the device (their two best tokens, or a keyed draw), rows
+    """Three sequences reduced on the device (their two best tokens, or a keyed draw, with or
+    without cuts), rows
     spread over them differently at every decode and some idle, against a context that reads
     the same rows: every row's top two lead with the host's argmax, every draw is the host's
     draw from its logits and uniform. ggml's allocator reuses the last graph's memory plan,
@@ -195,8 +203,9 @@ def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
     output."""
     spec = ContextSpec(n_ctx=3 * N_CTX, n_batch=32, n_ubatch=32, n_seq_max=3,
                        n_outputs_max=24, n_outputs_max_per_seq=8, n_threads=1)
-    draws = {seq: KeyedDraws(seed=seq, temperature=WARM.temperature)
-             for seq, kind in enumerate(kinds) if kind == "keyed"}
+    drawn = {seq: DRAWN[kind] for seq, kind in enumerate(kinds) if kind in DRAWN}
+    draws = {seq: KeyedDraws(seq, params.temperature, params.top_k, params.min_p)
+             for seq, params in drawn.items()}
     with Model(ModelSpec(str(soft_dense), n_gpu_layers=GPU_LAYERS)) as model, \
             Context(model, spec) as device, Context(model, spec) as host, Batch(32) as batch:
         for seq in range(len(kinds)):
@@ -218,7 +227,7 @@ def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
                 logits = host.logits(row)
                 if seq in draws:
                     u = draws[seq].uniforms([at])[0]
-                    want = target_distribution(logits, WARM, [], 0).pick(u)
+                    want = target_distribution(logits, drawn[seq], [], 0).pick(u)
                     assert device.sampled(row) == want, f"decode {step} {layout}, row {row}"
                 else:
                     got = device.top2(row)[0]
@@ -259,15 +268,57 @@ def test_a_verify_that_keeps_every_draft_is_caught(
     assert p_value(stat, df) < P_FLOOR, f"missed it: chi2 = {stat:.1f} on {df} df"
 
 
+#: Cuts the device draws with, in an order that changes the top-k cut from request to request
+#: (a new graph each time) and keeps it (new inputs only).
+CUTS = [SamplingParams(temperature=0.9, top_k=12), SamplingParams(temperature=0.9, min_p=0.1),
+        SamplingParams(temperature=1.2, top_k=30, min_p=0.05),
+        SamplingParams(temperature=1.2, top_k=30), SamplingParams(temperature=0.9, top_k=12)]
+
+
+def test_cut_sampling_on_the_device_draws_the_hosts_tokens(
+        device: SpeculativeEngine, host: SpeculativeEngine, copy_prompt: list[int]) -> None:
+    """Top-k and min-p cuts are drawn on the device too: one after another on the same
+    sequence, plain sampling and n-gram speculation there give the host's tokens of the same
+    run seed for seed, no row read; and the cuts took mass the draws would have landed in (the
+    same seeds without them differ).
+
+    Against the host's run of the same method, not plain's: this model has pairs of tokens
+    whose logits are equal but for rounding, and a verify's batch rounds them otherwise than a
+    one-row decode, so where such a pair is the k-th largest the cut keeps one or both by the
+    batch's shape (on the host as on the device; a near-tie, as a greedy one)."""
+    rows = device.target.rows_read
+    differ = 0
+    for params in CUTS:
+        for seed in SEEDS[:6]:
+            sampled = _seeded(seed, params)
+            for spec in (NGRAM, PLAIN):
+                on_host = host.generate(copy_prompt, 40, spec, sampling=sampled).tokens
+                got = device.generate(copy_prompt, 40, spec, sampling=sampled).tokens
+                assert got == on_host, f"{params} seed {seed} {spec.method}"
+            uncut = params.model_copy(update={"top_k": 0, "min_p": 0.0, "seed": seed})
+            differ += host.generate(copy_prompt, 40, PLAIN, sampling=uncut).tokens != on_host
+    assert device.target.rows_read == rows
+    assert differ >= len(CUTS) * 3, "the cuts never changed a draw"
+
+
+def test_the_top_k_cut_keeps_every_id_tied_with_the_kth() -> None:
+    """vLLM's rule, which the device's graph follows: ties at the k-th largest logit are kept
+    (a rule that does not depend on how a sort orders them)."""
+    logits = np.array([0.5, 3.0, 2.0, 2.0, 1.0, 2.0], dtype=np.float32)
+    cut = target_distribution(logits, SamplingParams(temperature=1.0, top_k=2), [], 0)
+    assert cut.ids.tolist() == [1, 2, 3, 5]
+    one = target_distribution(logits, SamplingParams(temperature=1.0, top_k=1), [], 0)
+    assert one.ids.tolist() == [1]
+
+
 @pytest.mark.parametrize(("params", "logprobs", "grammar"), [
     (SamplingParams(temperature=0.9, top_p=0.9), None, None),
-    (SamplingParams(temperature=0.9, top_k=20), None, None),
-    (SamplingParams(temperature=0.9, min_p=0.05), None, None),
+    (SamplingParams(temperature=0.9, top_k=20, top_p=0.95), None, None),
     (SamplingParams(temperature=0.9, presence_penalty=0.5), None, None),
     (SamplingParams(temperature=0.9, logit_bias={7: 2.0}), None, None),
     (WARM, 2, None),
     (WARM, None, "[0-9a-f]{1,40}"),
-], ids=["top_p", "top_k", "min_p", "penalty", "bias", "logprobs", "grammar"])
+], ids=["top_p", "top_k+top_p", "penalty", "bias", "logprobs", "grammar"])
 def test_requests_the_device_cannot_draw_for_read_their_rows(
         device: SpeculativeEngine, host: SpeculativeEngine, params: SamplingParams,
         logprobs: int | None, grammar: str | None) -> None:
@@ -291,7 +342,7 @@ def test_a_device_without_the_draws_ops_keeps_the_request_on_the_host(
     """Where the output device lacks an op of the draw (llama.cpp asks the sampler at attach),
     the sequence is not left with a sampler that samples nothing: it reads its rows, and the
     request samples as on the host."""
-    monkeypatch.setattr(device_sampling, "device_supports_draws", lambda buft: False)
+    monkeypatch.setattr(device_sampling, "device_supports_draws", lambda buft, top_k=0: False)
     request = SlotRequest(copy_prompt, 30, NGRAM, _seeded(2))
     with _engine(soft_dense) as engine:
         slot = engine.admit(request)
@@ -320,6 +371,9 @@ def test_which_requests_draw_on_the_device() -> None:
     one is given one that its sampler then uses."""
     draws = verifies_on_device(_seeded(42), None, False)
     assert draws == KeyedDraws(42, WARM.temperature)
+    cut = SamplingParams(temperature=0.8, top_k=9, min_p=0.2, seed=4)
+    assert verifies_on_device(cut, None, False) == KeyedDraws(4, 0.8, 9, 0.2)
+    assert verifies_on_device(cut.model_copy(update={"top_p": 0.9}), None, False) is False
     assert verifies_on_device(SamplingParams(), None, False) is True
     assert verifies_on_device(WARM, None, False, head_drafts=True) is False
     assert verifies_on_device(SamplingParams(), None, False, head_drafts=True) is True

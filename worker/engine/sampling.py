@@ -21,10 +21,11 @@ batching; with MTP drafts (sampled from the head's distribution) the same seed g
 tokens for the same widths. Greedy is the temperature-0 case and stays token-exact.
 
 Where the engine verifies on the device (docs/engine.md, "Verify on the device"), a request
-that samples from the temperature alone draws there too (:class:`DeviceRandomSampler`): each
-verify row draws plain sampling's token with the same keyed uniform, in float32 on the
-device, so a point-mass draft is accepted exactly when it equals that draw and no logits row
-reaches Python (docs/sampling.md, "Sampling on the device").
+that samples from the temperature and the top-k and min-p cuts draws there too
+(:class:`DeviceRandomSampler`): each verify row draws plain sampling's token with the same
+keyed uniform, in float32 on the device, so a point-mass draft is accepted exactly when it
+equals that draw and no logits row reaches Python (docs/sampling.md, "Sampling on the
+device").
 """
 
 from __future__ import annotations
@@ -125,7 +126,9 @@ def _add_bias(z: np.ndarray, params: SamplingParams) -> None:
 def target_distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
                         n_prompt: int) -> Distribution:
     """The distribution a request samples the next token from (temperature > 0): penalties,
-    temperature, then the top-k, top-p and min-p cuts (:class:`SamplingParams`).
+    temperature, then the top-k, top-p and min-p cuts (:class:`SamplingParams`). The top-k
+    cut keeps every id tied with the k-th largest logit, as vLLM's does: a rule that does not
+    depend on how a sort orders ties, so the device's draw (``draw_graph``) keeps the same ids.
 
     The cuts are found in log space on the whole vocabulary (the top token is at 0), so only
     the kept ids are exponentiated: on a 262k vocabulary that is what keeps a verify row's
@@ -135,8 +138,9 @@ def target_distribution(logits: np.ndarray, params: SamplingParams, history: Seq
     scaled /= params.temperature
     n_vocab = len(scaled)
     keep: np.ndarray | None = None  # None: every id
-    if 0 < params.top_k < n_vocab:
-        keep = np.sort(np.argpartition(scaled, n_vocab - params.top_k)[n_vocab - params.top_k:])
+    if 0 < params.top_k < n_vocab:  # the k-th largest and every id tied with it (vLLM's cut)
+        kth = np.partition(scaled, n_vocab - params.top_k)[n_vocab - params.top_k]
+        keep = np.flatnonzero(scaled >= kth)
     if params.top_p < 1.0:
         keep = _nucleus(scaled, keep, params.top_p)
     if params.min_p > 0.0:
@@ -295,11 +299,13 @@ class DeviceGreedySampler(_DeviceVerify, GreedySampler):
 @dataclass(frozen=True)
 class KeyedDraws:
     """A sampled request's draws on the device (:class:`~worker.llm.device_sampling.Draws`):
-    its temperature and the keyed uniform of each position, the very ones
-    :meth:`RandomSampler.verify` uses."""
+    its temperature, its top-k and min-p cuts (0: none), and the keyed uniform of each
+    position, the very ones :meth:`RandomSampler.verify` uses."""
 
     seed: int
     temperature: float
+    top_k: int = 0
+    min_p: float = 0.0
 
     def uniforms(self, positions: Sequence[int]) -> list[float]:
         return [keyed_uniform(self.seed, p, Stream.TARGET) for p in positions]
@@ -307,12 +313,12 @@ class KeyedDraws:
 
 class DeviceRandomSampler(_DeviceVerify, RandomSampler):
     """Sampled verification from each row's keyed draw on the device (:class:`KeyedDraws`).
-    Only for a request :func:`verifies_on_device` gives draws to: temperature alone on the
-    raw logits, unmasked, no logprobs, point-mass drafts. Such a draft is accepted by
-    :func:`accept_or_resample` exactly when plain sampling with the row's uniform draws it,
-    and a rejected row's token is that draw: so the row's draw decides both, and the output
-    is plain sampling's, as :class:`RandomSampler`'s (to the float32 rounding of the
-    device's cumulative sum: docs/sampling.md, "Sampling on the device")."""
+    Only for a request :func:`verifies_on_device` gives draws to: temperature and the top-k
+    and min-p cuts on the raw logits, unmasked, no logprobs, point-mass drafts. Such a draft
+    is accepted by :func:`accept_or_resample` exactly when plain sampling with the row's
+    uniform draws it, and a rejected row's token is that draw: so the row's draw decides both,
+    and the output is plain sampling's, as :class:`RandomSampler`'s (to the float32 rounding
+    of the device's cumulative sum: docs/sampling.md, "Sampling on the device")."""
 
     def _choice(self, ctx: Context, row: int) -> int:
         return ctx.sampled(row)
@@ -321,20 +327,20 @@ class DeviceRandomSampler(_DeviceVerify, RandomSampler):
 def verifies_on_device(params: SamplingParams, logprobs: int | None, constrained: bool,
                        head_drafts: bool = False) -> bool | KeyedDraws:
     """How a request's verify rows can be reduced on the device: True (greedy on the raw
-    logits: each row's top two), its :class:`KeyedDraws` (sampled from the temperature alone:
-    each row's keyed draw; the seed is fixed here, drawn when the request has none), or False
-    (read on the host). Neither with a grammar mask or logprobs (they need the row), nor with
-    a bias or penalties. Sampled requests also not with top-k, top-p or min-p cuts (the draw
-    on the device is inverse CDF over every id), nor when the draft head drafts for them
+    logits: each row's top two), its :class:`KeyedDraws` (sampled from the temperature and the
+    top-k and min-p cuts: each row's keyed draw; the seed is fixed here, drawn when the request
+    has none), or False (read on the host). Neither with a grammar mask or logprobs (they need
+    the row), nor with a bias or penalties. Sampled requests also not with a top-p nucleus
+    (the device's draw would need the row sorted), nor when the draft head drafts for them
     (``head_drafts``: its drafts are sampled from its own distribution, and their test needs
     both distributions' values at the draft)."""
     if params.adjusted or logprobs is not None or constrained:
         return False
     if params.greedy:
         return True
-    if head_drafts or params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
+    if head_drafts or params.top_p < 1.0:
         return False
-    return KeyedDraws(request_seed(params), params.temperature)
+    return KeyedDraws(request_seed(params), params.temperature, params.top_k, params.min_p)
 
 
 def request_seed(params: SamplingParams) -> int:

@@ -155,8 +155,9 @@ class Context:
         #: of them (batch indices: they have a sampled id and no logits).
         self._keyed: dict[int, KeyedChain] = {}
         self._keyed_rows: set[int] = set()
-        #: Whether the output device runs a draw's ops (None: not known until an attach).
-        self._draws_run: bool | None = None
+        #: Whether the output device runs a draw's ops, by the draw's top-k cut (absent: not
+        #: known until an attach).
+        self._draws_run: dict[int, bool] = {}
         #: Logits rows read into Python (what the device path exists to avoid: a verify row of
         #: a 262k vocabulary is a megabyte copied off a GPU and reduced on the host).
         self.rows_read = 0
@@ -267,19 +268,21 @@ class Context:
         copied to the host or read by Python. Returns ``how``, or False where the output
         device cannot run a draw's ops (the rows are then read).
 
-        A change of kind costs the next decode a graph rebuild (~18 ms on a 2-core CPU), so a
-        sequence keeps its chain while its requests can use it (new draws for a sequence
-        that draws already are only new inputs). llama.cpp aborts on a chain attached twice
+        A change of kind (or of a draw's top-k cut, the size of an op in its graph) costs the
+        next decode a graph rebuild (~18 ms on a 2-core CPU), so a sequence keeps its chain
+        while its requests can use it (new draws of the same cut for a sequence that draws
+        already are only new inputs). llama.cpp aborts on a chain attached twice
         or a bare sampler, and never frees one: each attach builds its own chain, which is
         freed once detached."""
         if how is True and seq in self._chains:
             return how
         keyed = self._keyed.get(seq)
-        if not isinstance(how, bool) and keyed is not None:
+        if not isinstance(how, bool) and keyed is not None and keyed.top_k == how.top_k:
             keyed.draws = how
             return how
         self._detach(seq)
-        if how is False or (self._draws_run is False and not isinstance(how, bool)):
+        if how is False or (not isinstance(how, bool)
+                            and self._draws_run.get(how.top_k) is False):
             return False
         if isinstance(how, bool):
             top2 = Top2Chain()
@@ -289,7 +292,7 @@ class Context:
         keyed = KeyedChain(how)
         self._attach(seq, keyed.chain, keyed.free)
         self._keyed[seq] = keyed
-        self._draws_run = keyed.supported
+        self._draws_run[how.top_k] = keyed.supported
         if keyed.supported:
             return how
         self._detach(seq)

@@ -17,10 +17,12 @@ any plan.
 
 llama.cpp's own ``dist`` sampler draws on the device from its own generator; a request whose
 draws are keyed on (seed, position) (``worker/engine/sampling.py``) cannot use it. This one has
-the same graph with OUR uniforms as its inputs: per row, ``softmax(logits / T)``, its
-cumulative sum in id order, and the number of ids whose cumulative probability is still at or
+the same graph with OUR uniforms as its inputs: per row, the weights of the host's target
+distribution (``exp((z - max z) / T)``, 0 for ids the top-k and min-p cuts drop), their
+cumulative sum in id order, and the number of ids whose cumulative weight is still at or
 below ``u x total``. That index is the token plain host sampling draws with ``u``
 (``Distribution.pick``), up to float32 rounding (docs/sampling.md, "Sampling on the device").
+The top-p nucleus is not drawn here: it needs the row sorted.
 
 The cumulative sum is taken in two levels (within blocks of :data:`BLOCK` ids, then over the
 block totals): ggml's CPU ``cumsum`` adds one float32 at a time, and past a running sum near
@@ -51,7 +53,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import llama_cpp
 
@@ -69,15 +71,25 @@ BLOCK = 512
 #: the same for our own check of the device's ops.
 _PROBE_WIDTH = 128 * 1024
 #: Tensors one row's graph creates, with room to spare (the probe context's size).
-_PROBE_TENSORS = 64
+_PROBE_TENSORS = 96
+#: The min-p floor of a row without one: below every scaled logit (they are at most 0, and
+#: finite), and finite, so no infinity meets a device's fast-math arithmetic.
+NO_FLOOR = -1e30
 
 
 class Draws(Protocol):
-    """What a sequence sampled on the device draws with: its temperature (> 0), and the
-    uniform in [0, 1) that decides the token at each position."""
+    """What a sequence sampled on the device draws with: its temperature (> 0), its cuts
+    (``top_k`` 0 and ``min_p`` 0: none), and the uniform in [0, 1) that decides the token at
+    each position."""
 
     @property
     def temperature(self) -> float: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def min_p(self) -> float: ...
 
     def uniforms(self, positions: Sequence[int]) -> list[float]:
         """The uniform deciding the token at each of ``positions``."""
@@ -115,7 +127,8 @@ def _ggml() -> ctypes.CDLL:
         ("ggml_sub", binary, _P),
         ("ggml_mul", binary, _P),
         ("ggml_get_rows", binary, _P),
-        ("ggml_soft_max", unary, _P),
+        ("ggml_exp", unary, _P),
+        ("ggml_argmax", unary, _P),
         ("ggml_cumsum", unary, _P),
         ("ggml_sum_rows", unary, _P),
         ("ggml_sum", unary, _P),
@@ -132,31 +145,62 @@ def _ggml() -> ctypes.CDLL:
     return lib
 
 
-def draw_graph(ctx: int, logits: int, candidates: int | None, temperature: int,
-               uniform: int) -> tuple[int, list[int]]:
+def draw_graph(ctx: int, logits: int, candidates: int | None, inputs: RowInputs,
+               top_k: int = 0) -> tuple[int, list[int]]:
     """The graph of one row's draw in ggml context ``ctx``: ``logits`` (a row of n floats),
-    the ``temperature`` and ``uniform`` input tensors (one float each), and ``candidates``
-    (the ids behind the logits' entries; None: entry i is id i). Returns the sampled id (an
-    I32 tensor of one) and every tensor made, for a check of the device's ops.
+    the row's ``inputs`` (one float each) and ``candidates`` (the ids behind the logits'
+    entries; None: entry i is id i); ``top_k`` (0 or n and over: none) cuts the row to the ids
+    at or above its k-th largest logit. Returns the sampled id (an I32 tensor of one) and every
+    tensor made, for a check of the device's ops.
 
-    The index is n' - #{i : cdf[i] > u x total} over the padded n' = m x BLOCK entries,
-    clamped to [0, n - 1]: the first id whose cumulative probability exceeds ``u x total``,
-    as ``Distribution.pick`` (``searchsorted(..., side="right")``)."""
+    The weights are ``target_distribution``'s, op for op in float32: ``s = (z - max z) / T``,
+    ``exp(s)`` where ``s`` is at or above the min-p floor (``inputs.floor``) and the k-th
+    largest ``s``, 0 elsewhere. The index is n' - #{i : cdf[i] > u x total} over the padded
+    n' = m x BLOCK entries, clamped to [0, n - 1]: the first id whose cumulative weight exceeds
+    ``u x total``, as ``Distribution.pick`` (``searchsorted(..., side="right")``); an id cut
+    adds nothing to the sum, so it is never the first to pass."""
     g = _ggml()
-    n = int(g.ggml_nelements(logits))
-    block = min(BLOCK, n)
-    m = math.ceil(n / block)
-    padded = m * block
     made: list[int] = []
 
     def keep(t: int) -> int:
         made.append(t)
         return t
 
-    probs = keep(g.ggml_soft_max(ctx, keep(g.ggml_div(ctx, logits, temperature))))
+    n = int(g.ggml_nelements(logits))
+    row = keep(g.ggml_reshape_1d(ctx, logits, n))
+    column = keep(g.ggml_reshape_2d(ctx, row, 1, n))
+    peak = keep(g.ggml_get_rows(ctx, column, keep(g.ggml_argmax(ctx, row))))
+    scaled = keep(g.ggml_div(ctx, keep(g.ggml_sub(ctx, row, peak)), inputs.temperature))
+
+    def at_least(floor: int) -> int:
+        """1 where ``scaled`` >= ``floor`` (a tensor of one), else 0."""
+        below = keep(g.ggml_step(ctx, keep(g.ggml_add(
+            ctx, keep(g.ggml_scale_bias(ctx, scaled, -1.0, 0.0)), floor))))
+        return keep(g.ggml_scale_bias(ctx, below, -1.0, 1.0))
+
+    kept = at_least(inputs.floor)
+    if 0 < top_k < n:
+        best = keep(g.ggml_get_rows(ctx, keep(g.ggml_reshape_2d(ctx, scaled, 1, n)),
+                                    keep(g.ggml_top_k(ctx, scaled, top_k))))
+        lowest = keep(g.ggml_argmax(ctx, keep(g.ggml_scale_bias(
+            ctx, keep(g.ggml_reshape_1d(ctx, best, top_k)), -1.0, 0.0))))
+        kept = keep(g.ggml_mul(ctx, kept, at_least(keep(g.ggml_get_rows(ctx, best, lowest)))))
+    weights = keep(g.ggml_mul(ctx, keep(g.ggml_exp(ctx, scaled)), kept))
+    return _inverse_cdf(ctx, weights, candidates, inputs.uniform, keep), made
+
+
+def _inverse_cdf(ctx: int, weights: int, candidates: int | None, uniform: int,
+                 keep: Callable[[int], int]) -> int:
+    """The id ``uniform`` draws from a row of n ``weights`` (``draw_graph``'s index), every
+    tensor made handed to ``keep``."""
+    g = _ggml()
+    n = int(g.ggml_nelements(weights))
+    block = min(BLOCK, n)
+    m = math.ceil(n / block)
+    padded = m * block
     if padded > n:
-        probs = keep(g.ggml_pad(ctx, probs, padded - n, 0, 0, 0))
-    blocks = keep(g.ggml_reshape_2d(ctx, probs, block, m))
+        weights = keep(g.ggml_pad(ctx, weights, padded - n, 0, 0, 0))
+    blocks = keep(g.ggml_reshape_2d(ctx, weights, block, m))
     within = keep(g.ggml_cumsum(ctx, blocks))
     totals = keep(g.ggml_reshape_1d(ctx, keep(g.ggml_sum_rows(ctx, blocks)), m))
     ends = keep(g.ggml_cumsum(ctx, totals))
@@ -171,7 +215,22 @@ def draw_graph(ctx: int, logits: int, candidates: int | None, temperature: int,
     if candidates:
         ids = keep(g.ggml_reshape_2d(ctx, candidates, 1, n))
         index = keep(g.ggml_get_rows(ctx, ids, index))
-    return index, made
+    return index
+
+
+class RowInputs(NamedTuple):
+    """One row's input tensors of its draw (one float each): the temperature, the min-p floor
+    (``log(min_p)`` on the scaled logits, :data:`NO_FLOOR` without one) and the uniform."""
+
+    temperature: int
+    floor: int
+    uniform: int
+
+    @staticmethod
+    def new(ctx: int) -> RowInputs:
+        """Fresh inputs in ``ctx``: a row's own, shared with no other row (the module's
+        docstring)."""
+        return RowInputs(_input(ctx), _input(ctx), _input(ctx))
 
 
 def _input(ctx: int) -> int:
@@ -217,10 +276,11 @@ def _device_runs(buft: int | None, made: Callable[[int, int], list[int]]) -> boo
         g.ggml_free(ctx)
 
 
-def device_supports_draws(buft: int | None) -> bool:
-    """Whether the device behind ``buft`` runs every op of a row's keyed draw."""
+def device_supports_draws(buft: int | None, top_k: int = 0) -> bool:
+    """Whether the device behind ``buft`` runs every op of a row's keyed draw cut to
+    ``top_k``."""
     return _device_runs(buft, lambda ctx, logits: draw_graph(
-        ctx, logits, None, _input(ctx), _input(ctx))[1])
+        ctx, logits, None, RowInputs.new(ctx), top_k)[1])
 
 
 def device_supports_top2(buft: int | None) -> bool:
@@ -334,16 +394,19 @@ class Top2Chain(DeviceChain):
 class KeyedChain(DeviceChain):
     """A sampled sequence's chain of a single keyed-draw sampler, and the draws behind it.
 
-    ``draws`` may be replaced between requests (a sequence keeps its chain: an attach costs
-    the next decode a graph rebuild); the temperature is an input, so it changes nothing in
-    the graph."""
+    ``draws`` may be replaced between requests of the same ``top_k`` (a sequence keeps its
+    chain: an attach costs the next decode a graph rebuild); the temperature and the min-p
+    floor are inputs, so they change nothing in the graph, but ``top_k`` is the size of an op
+    in it: another cut needs another chain."""
 
     _NAME = ctypes.create_string_buffer(b"specfleet-keyed-dist")
 
     def __init__(self, draws: Draws) -> None:
         self.draws = draws
-        #: Each row's (temperature, uniform) input tensors in the graph being built.
-        self._inputs: list[tuple[int, int]] = []
+        #: The cut the graph is built with (``draws`` keep it while they are replaced).
+        self.top_k = draws.top_k
+        #: Each row's input tensors in the graph being built.
+        self._inputs: list[RowInputs] = []
         self._staged: deque[float] = deque()
         self._short = 0  # rows llama.cpp set inputs for beyond the staged uniforms
         super().__init__()
@@ -364,27 +427,30 @@ class KeyedChain(DeviceChain):
                              f"left {left} staged uniform(s) unused")
 
     def supports(self, buft: int | None) -> bool:
-        return device_supports_draws(buft)
+        return device_supports_draws(buft, self.top_k)
 
     def build(self, ctx: int, row: Any) -> None:
-        inputs = _input(ctx), _input(ctx)
+        inputs = RowInputs.new(ctx)
         self._inputs.append(inputs)
-        row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, *inputs)
+        row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, inputs, self.top_k)
         _outputs(row.sampled)
         # Neither the row's logits nor its probabilities go back to the host: only the id.
         row.logits = row.probs = None
 
     def set_inputs(self) -> None:
         g = _ggml()
+        min_p = self.draws.min_p
         temperature = _F32(self.draws.temperature)
-        for t, uniform in self._inputs:
+        floor = _F32(math.log(min_p) if min_p > 0.0 else NO_FLOOR)
+        for inputs in self._inputs:
             if self._staged:
                 value = _F32(self._staged.popleft())
             else:
                 self._short += 1
                 value = _F32(0.0)
-            g.ggml_backend_tensor_set(t, ctypes.byref(temperature), 0, 4)
-            g.ggml_backend_tensor_set(uniform, ctypes.byref(value), 0, 4)
+            g.ggml_backend_tensor_set(inputs.temperature, ctypes.byref(temperature), 0, 4)
+            g.ggml_backend_tensor_set(inputs.floor, ctypes.byref(floor), 0, 4)
+            g.ggml_backend_tensor_set(inputs.uniform, ctypes.byref(value), 0, 4)
 
     def reset(self) -> None:
         self._inputs.clear()
