@@ -1,7 +1,8 @@
 """Traffic as a worker sees it: requests of every kind (speculative and plain, greedy, with
-logprobs, sampled with and without top-k and min-p cuts) arriving at random steps, on engines with everything a GPU engine turns on
-by default: rows verified on the device and verify steps padded to replayable shapes (forced
-on here), and the MTP head drafting for several slots of the hybrid. Every greedy output must
+logprobs, sampled with and without top-k and min-p cuts) arriving at random steps, on engines
+with everything a GPU engine turns on by default: rows verified on the device and verify
+steps padded to replayable shapes (forced on here), and the MTP head drafting for several
+slots of the hybrid. Every greedy output must
 equal plain greedy decoding of its prompt alone, token for token (the tiny models are F32);
 the sampled requests must finish with their lengths.
 
