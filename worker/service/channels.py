@@ -80,13 +80,17 @@ class ChannelListener:
 
     def _read(self, pubsub: Any) -> Message | None:
         """The next message within one poll, or None; a Redis fault is logged and waited
-        out (anything else is a bug and ends the listener)."""
+        out (anything else is a bug and ends the listener). A connection redis-py read after
+        dropping it is disconnected here, so the next read connects and subscribes again
+        (left as it was, the listener ended: ``redis_faults.dropped_connection``)."""
         try:
             message: Message | None = pubsub.get_message(timeout=self._poll)
         except Exception as exc:
             if redis_faults.classify(exc) is None:
                 raise
             log.warning("listener.redis_error", listener=self.name, error=repr(exc))
+            if redis_faults.dropped_connection(exc) and pubsub.connection is not None:
+                pubsub.connection.disconnect()
             self._stop.wait(self._error_pause)
             return None
         return message
