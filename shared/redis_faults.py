@@ -70,8 +70,10 @@ def dropped_connection(exc: BaseException) -> bool:
     does that while it reconnects a pub/sub connection after a restart (1 run in about 6 of
     ``test_the_listener_hears_again_after_redis_restarts``: ``'NoneType' object has no
     attribute 'readline'`` from its RESP3 parser). The connection is down, as for a
-    ConnectionError; but redis-py does not reset it, so whoever holds it must
-    (:class:`~worker.service.channels.ChannelListener` disconnects it)."""
+    ConnectionError, but redis-py does not reset it: a retry on it fails the same way. So
+    :func:`classify` does not name it (a loop on pooled connections would retry a broken one);
+    a holder of its own connection mends it by disconnecting it
+    (:class:`~worker.service.channels.ChannelListener`)."""
     if not isinstance(exc, AttributeError) or exc.obj is not None:
         return False
     tb = exc.__traceback__
@@ -82,8 +84,6 @@ def dropped_connection(exc: BaseException) -> bool:
 
 def classify(exc: BaseException) -> Fault | None:
     """The kind of passing refusal ``exc`` is, or None for an error no retry mends."""
-    if dropped_connection(exc):
-        return Fault.CONNECTION
     for cls, fault in _REPLY_CLASSES:  # BusyLoadingError is a ConnectionError: first
         if isinstance(exc, cls):
             return fault

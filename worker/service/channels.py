@@ -86,10 +86,11 @@ class ChannelListener:
         try:
             message: Message | None = pubsub.get_message(timeout=self._poll)
         except Exception as exc:
-            if redis_faults.classify(exc) is None:
+            dropped = redis_faults.dropped_connection(exc)
+            if redis_faults.classify(exc) is None and not dropped:
                 raise
             log.warning("listener.redis_error", listener=self.name, error=repr(exc))
-            if redis_faults.dropped_connection(exc) and pubsub.connection is not None:
+            if dropped and pubsub.connection is not None:
                 pubsub.connection.disconnect()
             self._stop.wait(self._error_pause)
             return None
