@@ -103,18 +103,17 @@ class Verifier:
         # after such a decode restored another state (tiny hybrid, 3 slots: rows of seqs
         # 2, 0, 1 in that order, then a rollback of seq 2 by 6: its next row parted from
         # plain at a 17-nat margin; the same operations in seq order did not).
-        first: dict[tuple[bool, int], int] = {}  # (a verify?, its index) -> its first row
+        chunk_rows = [0] * len(chunks)  # each chunk's and each verify's first row
+        rows = [0] * len(jobs)
         for _, verify, i in sorted([(c.seq, False, i) for i, c in enumerate(chunks)]
                                    + [(j.seq, True, i) for i, j in enumerate(jobs)]):
             if verify:
                 job = jobs[i]
-                first[True, i] = batch.add(_decoded(job, job.draft.tokens, pads[i]), job.pos0,
-                                           True, seq=job.seq)
+                rows[i] = batch.add(_decoded(job, job.draft.tokens, pads[i]), job.pos0, True,
+                                    seq=job.seq)
             else:
                 chunk = chunks[i]
-                first[False, i] = batch.add(chunk.tokens, chunk.pos0, False, seq=chunk.seq)
-        chunk_rows = [first[False, i] for i in range(len(chunks))]
-        rows = [first[True, i] for i in range(len(jobs))]
+                chunk_rows[i] = batch.add(chunk.tokens, chunk.pos0, False, seq=chunk.seq)
         td = perf_counter()
         self.target.decode(batch)
         # Synchronised, else a GPU's decode time is only its kernel launches.
