@@ -29,7 +29,8 @@ HAS_RPC := import importlib.util as u, pathlib, sys; \
 	sys.exit(0 if list(d.glob("lib/libggml-rpc*")) else 1)
 LLAMA_VERSION := import importlib.metadata as m; print(m.version("llama-cpp-python"))
 
-$(VENV)/.installed: pyproject.toml | $(PY)
+# setup.py and the C source: the suffix drafter's native index is built by the install.
+$(VENV)/.installed: pyproject.toml setup.py worker/engine/proposers/_lookup.c | $(PY)
 	@echo "installing specfleet into $(VENV) (llama-cpp-python builds from source: ~5 min on 2 cores)"
 	$(PIP) install -e '.[dev,demo]'
 	@if echo "$(CMAKE_ARGS)" | grep -q 'GGML_RPC=ON' && ! $(PY) -c '$(HAS_RPC)'; then \

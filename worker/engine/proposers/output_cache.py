@@ -28,7 +28,7 @@ from itertools import count
 from shared.logs import get_logger
 from worker.engine.proposers.confidence import NEAR_TIE, fragility
 from worker.engine.proposers.repeat_shape import Shape
-from worker.engine.proposers.token_index import TokenIndex
+from worker.engine.proposers.token_index import TokenIndex, holding
 
 log = get_logger("engine.output_cache")
 
@@ -138,13 +138,7 @@ class OutputCache:
         dict probe per output: the drafter then builds occurrence lists only where there are
         some (building one for every output at every order cost ~55 calls a draft step at
         eight slots)."""
-        found: list[tuple[int, TokenIndex]] = []
-        for k, index in reversed(self._entries.items()):
-            if k != entry:
-                index.catch_up()
-                if key in index.ends[order]:
-                    found.append((k, index))
-        return found
+        return holding(reversed(self._entries.items()), order, key, entry)
 
     def answers(self, entry: int | None, prompt: int) -> Iterator[tuple[int, TokenIndex]]:
         """Every cached output except ``entry`` written for a prompt of hash ``prompt``,

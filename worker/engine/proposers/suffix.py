@@ -48,7 +48,7 @@ from worker.engine.drafting.width import DraftLength, expected_tokens
 from worker.engine.proposers.confidence import AcceptanceStats, Cell, RequestRecord
 from worker.engine.proposers.output_cache import Origin, OutputCache
 from worker.engine.proposers.repeat_shape import Shape, aligned_length, next_verify
-from worker.engine.proposers.token_index import ORDERS, TokenIndex, tail_keys
+from worker.engine.proposers.token_index import ORDERS, TokenIndex, follow, tail_keys
 
 #: The walk stops once the chance that the whole draft so far is accepted falls below this.
 MIN_REACH = 0.02
@@ -99,7 +99,7 @@ Fragile = Mapping[int, int]
 #: One occurrence being walked: the sequence it is in, where its continuation starts, and
 #: where that sequence is fragile (only a cached output knows: the request's own text is
 #: matched in other contexts than it was written in).
-Occurrence = tuple[list[int], int, Fragile]
+Occurrence = tuple[TokenIndex, int, Fragile]
 #: A source's match: the context length matched and the occurrences found at it.
 Match = tuple[int, list[Occurrence]]
 #: The sources a draft comes from: the request's own prompt and output, other outputs.
@@ -242,7 +242,7 @@ class SuffixProposer:
             if key is not None:
                 starts = self._local.occurrences(order, key)
                 if starts:
-                    own = (ORDERS[order], [(self._local.tokens, s, _FIRM) for s in starts])
+                    own = (ORDERS[order], [(self._local, s, _FIRM) for s in starts])
                     break
         repeat = self._repeats(history)
         if repeat[1]:
@@ -257,7 +257,7 @@ class SuffixProposer:
                 if origin.prompt != self._origin.prompt:  # another request's answer
                     starts = [s for s in starts if s != origin.lead_in]
                 if starts:
-                    found += [(index.tokens, s, cache.fragile(entry)) for s in starts]
+                    found += [(index, s, cache.fragile(entry)) for s in starts]
                     cache.touch(entry)
             if found:
                 return own, (ORDERS[order], found)
@@ -286,17 +286,17 @@ class SuffixProposer:
                 continue
             # An answer still being written (another slot's) is compared as far as it goes.
             lead_in = origin.lead_in
-            end = min(written, len(index.tokens) - lead_in)
-            theirs = index.tokens[lead_in + kept:lead_in + end]
+            end = min(written, len(index) - lead_in)
+            theirs = index[lead_in + kept:lead_in + end]
             if theirs != list(history[head + kept:head + end]):
                 self._kept[entry] = None
                 continue
             self._kept[entry] = end
-            if lead_in + written < len(index.tokens):  # it goes on past this output
+            if lead_in + written < len(index):  # it goes on past this output
                 if not found:
                     self._repeating = {k - lead_in: shape
                                        for k, shape in cache.shapes(entry).items()}
-                found.append((index.tokens, lead_in + written, cache.fragile(entry)))
+                found.append((index, lead_in + written, cache.fragile(entry)))
                 cache.touch(entry)
         return (max(len(history), LEAD_IN), found) if found else (0, [])
 
@@ -321,49 +321,29 @@ class SuffixProposer:
         twenty verifies). A cached output may draft its own end: a repeat ends there too.
 
         The walk stops where ``length`` says no longer draft could be kept: what it walked
-        past that was never verified."""
+        past that was never verified. Following the occurrences is native code
+        (:func:`~worker.engine.proposers.token_index.follow`); what each token is worth is
+        decided here."""
         depth, occurrences = match
-        stats = self._shared.stats
+        stats, ends = self._shared.stats, self._shared.ends
         scale = self._records[source].scale()
         walked = Candidate(source)
-        wraps = source == OWN
-        # Only a cached output knows fragile positions; the request's own text has none.
-        shaky_any = any(shaky for _, _, shaky in occurrences)
+        shared = source == SHARED
         reach = 1.0
-        for i in range(width):
-            counts: dict[int, int] = {}
-            going: list[tuple[Occurrence, int]] = []
-            for occurrence in occurrences:
-                seq, start, _ = occurrence
-                j = start + i
-                if j < len(seq):
-                    t = seq[j]
-                elif wraps:
-                    t = walked.tokens[j - len(seq)]
-                else:
-                    continue
-                counts[t] = counts.get(t, 0) + 1
-                going.append((occurrence, t))
-            if not counts:
-                break
-            token = max(counts, key=counts.__getitem__)  # ties: the most recent occurrence
-            if source == OWN and self._shared.ends(token):
-                break
-            fragile = max((shaky.get(start + i, 0) for (_, start, shaky), t in going
-                           if t == token), default=0) if shaky_any else 0
-            p, cell = stats.confidence(depth + i, len(going), counts[token],
-                                       source == SHARED, fragile)
+
+        def take(i: int, token: int, support: int, agree: int, fragile: int) -> bool:
+            nonlocal reach
+            if not shared and ends(token):
+                return False
+            p, cell = stats.confidence(depth + i, support, agree, shared, fragile)
             p *= scale
             reach *= p
             if p < p_min or reach < MIN_REACH:
-                break
+                return False
             walked.tokens.append(token)
             walked.confidences.append(p)
             walked.cells.append(cell)
-            if not length.add(p, width - i - 1):
-                break
-            if len(counts) > 1:
-                occurrences = [occurrence for occurrence, t in going if t == token]
-            elif len(going) < len(occurrences):
-                occurrences = [occurrence for occurrence, _ in going]
+            return length.add(p, width - i - 1)
+
+        follow(occurrences, width, source == OWN, take)
         return walked
