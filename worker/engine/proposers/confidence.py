@@ -29,6 +29,8 @@ to part there, with every token after it conditional on that.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 #: Prior acceptance of a continuation by matched depth bucket (1, 2, 3-4, 5-8, 9-16, 17-32,
 #: 33+ tokens): an opinion, corrected per cell by :class:`AcceptanceStats`.
 DEPTH_PRIOR = (0.3, 0.45, 0.6, 0.75, 0.9, 0.95, 0.98)
@@ -81,6 +83,19 @@ def count_estimate(depth: int, support: int, agree: int, fragile: int) -> float:
     return guess * FRAGILE_PRIOR[fragile]
 
 
+#: Matches this deep or deeper share the last :data:`DEPTH_PRIOR` bucket.
+DEEP = 1 << (len(DEPTH_PRIOR) - 1)
+
+
+@lru_cache(maxsize=4096)
+def _first_guess(depth: int, support: int, agree: int, shared: bool,
+                 fragile: int) -> tuple[Cell, float]:
+    """A candidate's cell and count estimate (``depth`` at most :data:`DEEP`), remembered:
+    the walk asks for every drafted token, and the same few evidence counts recur."""
+    return (evidence_cell(depth, support, agree, shared, fragile),
+            count_estimate(depth, support, agree, fragile))
+
+
 class AcceptanceStats:
     """Measured acceptance per evidence cell; one per engine, shared across generations."""
 
@@ -90,8 +105,7 @@ class AcceptanceStats:
     def confidence(self, depth: int, support: int, agree: int, shared: bool,
                    fragile: int) -> tuple[float, Cell]:
         """The calibrated acceptance probability of a candidate, and its cell."""
-        cell = evidence_cell(depth, support, agree, shared, fragile)
-        guess = count_estimate(depth, support, agree, fragile)
+        cell, guess = _first_guess(min(depth, DEEP), support, agree, shared, fragile)
         hits, trials = self._cells.get(cell, (0.0, 0.0))
         return (hits + PRIOR_TRIALS * guess) / (trials + PRIOR_TRIALS), cell
 
