@@ -463,6 +463,185 @@ static PyObject *holding(PyObject *module, PyObject *args) {
 }
 
 
+
+/* ---- the acceptance calibration (confidence.py) ------------------------------------- */
+
+/* The evidence cells: (source, depth bucket, support bucket, agreement, fragility). */
+#define DEPTH_BUCKETS 7
+#define SUPPORT_BUCKETS 5
+#define AGREEMENTS 4
+#define FRAGILITIES 3
+#define N_CELLS (2 * DEPTH_BUCKETS * SUPPORT_BUCKETS * AGREEMENTS * FRAGILITIES)
+
+typedef struct {
+    PyObject_HEAD
+    double depth_prior[DEPTH_BUCKETS];
+    double fragile_prior[FRAGILITIES];
+    double prior_occurrences, prior_trials, max_trials;
+    double hits[N_CELLS], trials[N_CELLS];
+} Calibration;
+
+static PyTypeObject CalibrationType;
+
+static int bit_length(Py_ssize_t x) {
+    int n = 0;
+    while (x > 0) {
+        n++;
+        x >>= 1;
+    }
+    return n;
+}
+
+/* A bucket as Python's ``TABLE[min(x.bit_length(), len(TABLE)) - 1]`` indexes (-1: the last). */
+static int bucket_of(Py_ssize_t x, int buckets) {
+    int b = bit_length(x);
+    b = (b < buckets ? b : buckets) - 1;
+    return b < 0 ? buckets - 1 : b;
+}
+
+/* The calibrated acceptance probability of a candidate, and its cell (confidence.py). */
+static double confidence(const Calibration *c, Py_ssize_t depth, Py_ssize_t support,
+                         Py_ssize_t agree, int shared, long fragile, int *cell) {
+    double share = (double)agree / (double)support;
+    int agreement = share >= 1.0 ? 0 : share >= 0.75 ? 1 : share >= 0.5 ? 2 : 3;
+    int depth_bucket = bucket_of(depth, DEPTH_BUCKETS);
+    int support_bucket = bit_length(support) < 4 ? bit_length(support) : 4;
+    *cell = (((shared * DEPTH_BUCKETS + depth_bucket) * SUPPORT_BUCKETS + support_bucket) *
+                 AGREEMENTS + agreement) * FRAGILITIES + (int)fragile;
+    double prior = c->depth_prior[depth_bucket];
+    double guess = ((double)agree + c->prior_occurrences * prior) /
+                   ((double)support + c->prior_occurrences);
+    guess = guess * c->fragile_prior[fragile];
+    return (c->hits[*cell] + c->prior_trials * guess) / (c->trials[*cell] + c->prior_trials);
+}
+
+static int read_doubles(PyObject *values, double *out, Py_ssize_t n, const char *what) {
+    PyObject *seq = PySequence_Fast(values, what);
+    if (seq == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd values, not %zd", what,
+                     PySequence_Fast_GET_SIZE(seq), n);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        if (out[i] == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+static int Calibration_init(Calibration *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"depth_prior", "prior_occurrences", "prior_trials", "max_trials",
+                             "fragile_prior", NULL};
+    PyObject *depth_prior, *fragile_prior;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OdddO", kwlist, &depth_prior,
+                                     &self->prior_occurrences, &self->prior_trials,
+                                     &self->max_trials, &fragile_prior) ||
+        read_doubles(depth_prior, self->depth_prior, DEPTH_BUCKETS, "depth_prior") < 0 ||
+        read_doubles(fragile_prior, self->fragile_prior, FRAGILITIES, "fragile_prior") < 0)
+        return -1;
+    memset(self->hits, 0, sizeof self->hits);
+    memset(self->trials, 0, sizeof self->trials);
+    return 0;
+}
+
+static int check_evidence(Py_ssize_t depth, Py_ssize_t support, Py_ssize_t agree,
+                          long fragile) {
+    if (depth < 1 || support < 1 || agree < 1 || agree > support || fragile < 0 ||
+        fragile >= FRAGILITIES) {
+        PyErr_Format(PyExc_ValueError,
+                     "evidence must have depth >= 1, 1 <= agree <= support and fragility "
+                     "0..%d, got depth %zd, support %zd, agree %zd, fragility %ld",
+                     FRAGILITIES - 1, depth, support, agree, fragile);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Calibration_confidence(Calibration *self, PyObject *args) {
+    Py_ssize_t depth, support, agree;
+    int shared;
+    long fragile;
+    if (!PyArg_ParseTuple(args, "nnnpl", &depth, &support, &agree, &shared, &fragile) ||
+        check_evidence(depth, support, agree, fragile) < 0)
+        return NULL;
+    int cell;
+    double p = confidence(self, depth, support, agree, shared, fragile, &cell);
+    return Py_BuildValue("(di)", p, cell);
+}
+
+static PyObject *Calibration_record(Calibration *self, PyObject *args) {
+    int cell, accepted;
+    if (!PyArg_ParseTuple(args, "ip", &cell, &accepted)) return NULL;
+    if (cell < 0 || cell >= N_CELLS) {
+        PyErr_Format(PyExc_ValueError, "no evidence cell %d", cell);
+        return NULL;
+    }
+    self->hits[cell] += accepted;
+    self->trials[cell] += 1.0;
+    if (self->trials[cell] > self->max_trials) {
+        self->hits[cell] /= 2.0;
+        self->trials[cell] /= 2.0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *doubles(const double *values, Py_ssize_t n) {
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *v = PyFloat_FromDouble(values[i]);
+        if (v == NULL) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static PyObject *Calibration_getstate(Calibration *self, PyObject *unused) {
+    return Py_BuildValue("(NdddNNN)", doubles(self->depth_prior, DEPTH_BUCKETS),
+                         self->prior_occurrences, self->prior_trials, self->max_trials,
+                         doubles(self->fragile_prior, FRAGILITIES),
+                         doubles(self->hits, N_CELLS), doubles(self->trials, N_CELLS));
+}
+
+static PyObject *Calibration_setstate(Calibration *self, PyObject *state) {
+    PyObject *depth_prior, *fragile_prior, *hits, *trials;
+    if (!PyArg_ParseTuple(state, "OdddOOO", &depth_prior, &self->prior_occurrences,
+                          &self->prior_trials, &self->max_trials, &fragile_prior, &hits,
+                          &trials) ||
+        read_doubles(depth_prior, self->depth_prior, DEPTH_BUCKETS, "depth_prior") < 0 ||
+        read_doubles(fragile_prior, self->fragile_prior, FRAGILITIES, "fragile_prior") < 0 ||
+        read_doubles(hits, self->hits, N_CELLS, "hits") < 0 ||
+        read_doubles(trials, self->trials, N_CELLS, "trials") < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Calibration_methods[] = {
+    {"confidence", (PyCFunction)Calibration_confidence, METH_VARARGS,
+     "confidence(depth, support, agree, shared, fragile) -> (probability, cell)"},
+    {"record", (PyCFunction)Calibration_record, METH_VARARGS,
+     "record(cell, accepted): one verified draft token of the cell."},
+    {"__getstate__", (PyCFunction)Calibration_getstate, METH_NOARGS, "Priors and counts."},
+    {"__setstate__", (PyCFunction)Calibration_setstate, METH_O, "Priors and counts."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CalibrationType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "worker.engine.proposers._lookup.Calibration",
+    .tp_doc = "Measured acceptance per evidence cell (confidence.py's AcceptanceStats).",
+    .tp_basicsize = sizeof(Calibration),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Calibration_init,
+    .tp_methods = Calibration_methods,
+};
+
 /* ---- the suffix drafter's walk ------------------------------------------------------ */
 
 typedef struct {
@@ -485,26 +664,38 @@ static int fragility_at(const Walker *w, Py_ssize_t at, long *out) {
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* follow(occurrences, width, wraps, take): SuffixProposer._walk's token-by-token walk of the
- * occurrences' continuations. Each step takes the token most of the live occurrences go on
- * with (ties: the earliest in ``occurrences``, the most recent), and calls
- * ``take(i, token, support, agree, fragile)``: the live occurrences, how many of them go on
- * with it, and the highest fragility an agreeing one holds it at. The walk goes on while
- * ``take`` returns True, keeping only the agreeing occurrences; an occurrence that runs past
- * its sequence's end goes on with the walk's own tokens when ``wraps``, else it ends. */
+/* follow(occurrences, width, wraps, ends, stats, depth, shared, scale, p_min, min_reach,
+ *        length) -> (tokens, confidences, cells): SuffixProposer._walk's token-by-token walk
+ * of the occurrences' continuations (its docstring says why each rule is there).
+ *
+ * Each step takes the token most of the live occurrences go on with (ties: the earliest in
+ * ``occurrences``, the most recent) and keeps only the occurrences that agree; an occurrence
+ * that runs past its sequence's end goes on with the walk's own tokens when ``wraps``, else
+ * it ends. The token is drafted at its calibrated confidence (``stats``, with the evidence:
+ * the match's depth so far, the live occurrences, how many agree, the highest fragility an
+ * agreeing one holds it at) times ``scale``. The walk stops before a token ``ends`` says
+ * ends a generation (None: none does), a token below ``p_min``, a draft whose chance of
+ * being accepted whole falls below ``min_reach``, and after the token where
+ * ``length.add(p, tokens left)`` says no longer draft could be kept. */
 static PyObject *follow(PyObject *module, PyObject *args) {
-    PyObject *occurrences, *take;
-    Py_ssize_t width;
-    int wraps;
-    if (!PyArg_ParseTuple(args, "O!npO", &PyList_Type, &occurrences, &width, &wraps, &take))
+    PyObject *occurrences, *ends, *stats_obj, *length;
+    Py_ssize_t width, depth;
+    int wraps, shared;
+    double scale, p_min, min_reach;
+    if (!PyArg_ParseTuple(args, "O!npOO!npdddO", &PyList_Type, &occurrences, &width, &wraps,
+                          &ends, &CalibrationType, &stats_obj, &depth, &shared, &scale,
+                          &p_min, &min_reach, &length))
         return NULL;
+    const Calibration *stats = (const Calibration *)stats_obj;
     Py_ssize_t n = PyList_GET_SIZE(occurrences);
-    if (n == 0 || width <= 0) Py_RETURN_NONE;
-    Walker *live = PyMem_Malloc(n * sizeof(Walker));
-    int64_t *walked = PyMem_Malloc(width * sizeof(int64_t));
-    int64_t *distinct = PyMem_Malloc(n * sizeof(int64_t));
-    Py_ssize_t *counts = PyMem_Malloc(n * sizeof(Py_ssize_t));
+    PyObject *tokens = PyList_New(0), *confidences = PyList_New(0), *cells = PyList_New(0);
+    PyObject *add = PyUnicode_InternFromString("add");
+    Walker *live = PyMem_Malloc((n ? n : 1) * sizeof(Walker));
+    int64_t *walked = PyMem_Malloc((width > 0 ? width : 1) * sizeof(int64_t));
+    int64_t *distinct = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
+    Py_ssize_t *counts = PyMem_Malloc((n ? n : 1) * sizeof(Py_ssize_t));
     PyObject *result = NULL;
+    if (tokens == NULL || confidences == NULL || cells == NULL || add == NULL) goto done;
     if (live == NULL || walked == NULL || distinct == NULL || counts == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -523,6 +714,7 @@ static PyObject *follow(PyObject *module, PyObject *args) {
         PyObject *fragile = PyTuple_GET_ITEM(occ, 2);
         live[o].fragile = PyDict_GET_SIZE(fragile) ? fragile : NULL;
     }
+    double reach = 1.0;
     for (Py_ssize_t i = 0; i < width; i++) {
         /* What each live occurrence goes on with; the distinct tokens in first-seen order. */
         Py_ssize_t going = 0, kinds = 0;
@@ -552,27 +744,71 @@ static PyObject *follow(PyObject *module, PyObject *args) {
             if (counts[d] > counts[best]) best = d;
         }
         int64_t token = distinct[best];
+        PyObject *token_obj = PyLong_FromLongLong(token);
+        if (token_obj == NULL) goto done;
+        if (ends != Py_None) {
+            PyObject *verdict = PyObject_CallOneArg(ends, token_obj);
+            int stop = verdict == NULL ? -1 : PyObject_IsTrue(verdict);
+            Py_XDECREF(verdict);
+            if (stop) {
+                Py_DECREF(token_obj);
+                if (stop < 0) goto done;
+                break;
+            }
+        }
         long fragile = 0;
         Py_ssize_t agree = 0;
         for (Py_ssize_t o = 0; o < n; o++) {
             if (live[o].token != token) continue;
             long level;
-            if (fragility_at(&live[o], live[o].start + i, &level) < 0) goto done;
+            if (fragility_at(&live[o], live[o].start + i, &level) < 0) {
+                Py_DECREF(token_obj);
+                goto done;
+            }
             if (level > fragile) fragile = level;
             live[agree++] = live[o];
         }
-        PyObject *verdict = PyObject_CallFunction(take, "nLnnl", i, (long long)token, n, agree,
-                                                  fragile);
-        if (verdict == NULL) goto done;
-        int more = PyObject_IsTrue(verdict);
-        Py_DECREF(verdict);
+        if (fragile < 0 || fragile >= FRAGILITIES) {
+            Py_DECREF(token_obj);
+            PyErr_Format(PyExc_ValueError, "no fragility %ld", fragile);
+            goto done;
+        }
+        int cell;
+        double p = confidence(stats, depth + i, n, agree, shared, fragile, &cell) * scale;
+        reach *= p;
+        if (p < p_min || reach < min_reach) {
+            Py_DECREF(token_obj);
+            break;
+        }
+        PyObject *p_obj = PyFloat_FromDouble(p), *cell_obj = PyLong_FromLong(cell);
+        int failed = p_obj == NULL || cell_obj == NULL || PyList_Append(tokens, token_obj) < 0 ||
+                     PyList_Append(confidences, p_obj) < 0 || PyList_Append(cells, cell_obj) < 0;
+        Py_DECREF(token_obj);
+        if (failed) {
+            Py_XDECREF(p_obj);
+            Py_XDECREF(cell_obj);
+            goto done;
+        }
+        Py_DECREF(cell_obj);
+        PyObject *left = PyLong_FromSsize_t(width - i - 1);
+        PyObject *verdict = left == NULL ? NULL
+                                         : PyObject_CallMethodObjArgs(length, add, p_obj, left,
+                                                                      NULL);
+        Py_DECREF(p_obj);
+        Py_XDECREF(left);
+        int more = verdict == NULL ? -1 : PyObject_IsTrue(verdict);
+        Py_XDECREF(verdict);
         if (more < 0) goto done;
         if (!more) break;
         walked[i] = token;
         n = agree;
     }
-    result = Py_NewRef(Py_None);
+    result = PyTuple_Pack(3, tokens, confidences, cells);
 done:
+    Py_XDECREF(tokens);
+    Py_XDECREF(confidences);
+    Py_XDECREF(cells);
+    Py_XDECREF(add);
     PyMem_Free(live);
     PyMem_Free(walked);
     PyMem_Free(distinct);
@@ -582,7 +818,8 @@ done:
 
 static PyMethodDef module_methods[] = {
     {"follow", follow, METH_VARARGS,
-     "follow(occurrences, width, wraps, take): the suffix drafter's walk (SuffixProposer._walk)."},
+     "follow(occurrences, width, wraps, ends, stats, depth, shared, scale, p_min, min_reach, "
+     "length) -> (tokens, confidences, cells): the suffix drafter's walk."},
     {"holding", holding, METH_VARARGS,
      "holding(items, order, key, entry): the (id, index) pairs but entry's that hold the "
      "context, in items' order."},
@@ -600,7 +837,7 @@ PyMODINIT_FUNC PyInit__lookup(void) {
         for (Py_ssize_t i = 0; i < ORDERS[k]; i++) power *= BASE;
         POWERS[k] = power;
     }
-    if (PyType_Ready(&TokenIndexType) < 0) return NULL;
+    if (PyType_Ready(&TokenIndexType) < 0 || PyType_Ready(&CalibrationType) < 0) return NULL;
     PyObject *module = PyModule_Create(&lookup_module);
     if (module == NULL) return NULL;
     PyObject *orders = Py_BuildValue("(nnnnnnn)", ORDERS[0], ORDERS[1], ORDERS[2], ORDERS[3],
@@ -609,7 +846,8 @@ PyMODINIT_FUNC PyInit__lookup(void) {
         PyModule_AddIntConstant(module, "MAX_OCCURRENCES", MAX_OCCURRENCES) < 0 ||
         PyModule_AddIntConstant(module, "BYTES_PER_TOKEN", BYTES_PER_TOKEN) < 0 ||
         PyModule_AddObject(module, "BASE", PyLong_FromUnsignedLongLong(BASE)) < 0 ||
-        PyModule_AddObjectRef(module, "TokenIndex", (PyObject *)&TokenIndexType) < 0) {
+        PyModule_AddObjectRef(module, "TokenIndex", (PyObject *)&TokenIndexType) < 0 ||
+        PyModule_AddObjectRef(module, "Calibration", (PyObject *)&CalibrationType) < 0) {
         Py_XDECREF(orders);
         Py_DECREF(module);
         return NULL;

@@ -1,7 +1,7 @@
 """Types of the native token index (``_lookup.c``; token_index.py documents it)."""
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import overload
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol, overload
 
 ORDERS: tuple[int, ...]
 MAX_OCCURRENCES: int
@@ -29,5 +29,20 @@ class TokenIndex:
 def holding(items: Iterable[tuple[int, TokenIndex]], order: int, key: int,
             entry: int | None) -> list[tuple[int, TokenIndex]]: ...
 
+class Calibration:
+    def __init__(self, depth_prior: Sequence[float], prior_occurrences: float,
+                 prior_trials: float, max_trials: float,
+                 fragile_prior: Sequence[float]) -> None: ...
+    def confidence(self, depth: int, support: int, agree: int, shared: bool,
+                   fragile: int) -> tuple[float, int]: ...
+    def record(self, cell: int, accepted: bool) -> None: ...
+    def __getstate__(self) -> tuple[object, ...]: ...
+    def __setstate__(self, state: tuple[object, ...]) -> None: ...
+
+class _Length(Protocol):
+    def add(self, p: float, left: int | None = ...) -> bool: ...
+
 def follow(occurrences: list[tuple[TokenIndex, int, Mapping[int, int]]], width: int,
-           wraps: bool, take: Callable[[int, int, int, int, int], bool]) -> None: ...
+           wraps: bool, ends: Callable[[int], bool] | None, stats: Calibration, depth: int,
+           shared: bool, scale: float, p_min: float, min_reach: float,
+           length: _Length) -> tuple[list[int], list[float], list[int]]: ...

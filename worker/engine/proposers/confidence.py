@@ -29,7 +29,7 @@ to part there, with every token after it conditional on that.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from worker.engine.proposers.token_index import Calibration
 
 #: Prior acceptance of a continuation by matched depth bucket (1, 2, 3-4, 5-8, 9-16, 17-32,
 #: 33+ tokens): an opinion, corrected per cell by :class:`AcceptanceStats`.
@@ -55,7 +55,8 @@ FRAGILE_PRIOR = (1.0, 0.9, 0.6)
 #: The :func:`fragility` of a near-tie.
 NEAR_TIE = 2
 
-Cell = tuple[int, int, int, int, int]
+#: An evidence cell, numbered: (source, depth bucket, support bucket, agreement, fragility).
+Cell = int
 
 
 def fragility(margin: float) -> int:
@@ -64,59 +65,26 @@ def fragility(margin: float) -> int:
     return NEAR_TIE if margin < NEAR_TIE_MARGIN else 1 if margin < FRAGILE_MARGIN else 0
 
 
-def evidence_cell(depth: int, support: int, agree: int, shared: bool,
-                  fragile: int) -> Cell:
-    """The bucket of (source, depth, support, agreement, :func:`fragility`) a candidate's
-    outcome is counted in."""
-    share = agree / support
-    agreement = 0 if share >= 1.0 else 1 if share >= 0.75 else 2 if share >= 0.5 else 3
-    return (int(shared), min(depth.bit_length(), len(DEPTH_PRIOR)) - 1,
-            min(support.bit_length(), 4), agreement, fragile)
+class AcceptanceStats(Calibration):
+    """Measured acceptance per evidence cell; one per engine, shared across generations.
 
+    A candidate's cell buckets its evidence: the source, the matched depth (1, 2, 3-4, 5-8,
+    9-16, 17-32, 33+ tokens), the support (1, 2-3, 4-7, 8+ occurrences), the agreeing share
+    (all, 3/4+, 1/2+, less) and its :func:`fragility`. Its first guess is the count estimate
+    ``(agree + k q) / (support + k)``, the share of occurrences that went on this way shrunk
+    towards the depth prior ``q`` by ``k`` = :data:`PRIOR_OCCURRENCES` (times the
+    :data:`FRAGILE_PRIOR` of its fragility); its confidence is ``(hits + m guess) / (trials +
+    m)`` with ``m`` = :data:`PRIOR_TRIALS` pseudo-trials, and a cell's counts are halved past
+    :data:`MAX_TRIALS`.
 
-def count_estimate(depth: int, support: int, agree: int, fragile: int) -> float:
-    """``(agree + k q) / (support + k)``: the share of occurrences that went on this way,
-    shrunk towards the depth prior ``q`` by ``k`` pseudo-occurrences (times the
-    :data:`FRAGILE_PRIOR` of its :func:`fragility`)."""
-    prior = DEPTH_PRIOR[min(depth.bit_length(), len(DEPTH_PRIOR)) - 1]
-    guess = (agree + PRIOR_OCCURRENCES * prior) / (support + PRIOR_OCCURRENCES)
-    return guess * FRAGILE_PRIOR[fragile]
-
-
-#: Matches this deep or deeper share the last :data:`DEPTH_PRIOR` bucket.
-DEEP = 1 << (len(DEPTH_PRIOR) - 1)
-
-
-@lru_cache(maxsize=4096)
-def _first_guess(depth: int, support: int, agree: int, shared: bool,
-                 fragile: int) -> tuple[Cell, float]:
-    """A candidate's cell and count estimate (``depth`` at most :data:`DEEP`), remembered:
-    the walk asks for every drafted token, and the same few evidence counts recur."""
-    return (evidence_cell(depth, support, agree, shared, fragile),
-            count_estimate(depth, support, agree, fragile))
-
-
-class AcceptanceStats:
-    """Measured acceptance per evidence cell; one per engine, shared across generations."""
+    The arithmetic is native code (``_lookup.c``'s ``Calibration``): the suffix drafter's walk
+    asks it for every token it drafts. ``confidence(depth, support, agree, shared, fragile)``
+    returns the probability and the cell; ``record(cell, accepted)`` counts one verified
+    draft token of the cell (accepted, or the first rejected)."""
 
     def __init__(self) -> None:
-        self._cells: dict[Cell, list[float]] = {}
-
-    def confidence(self, depth: int, support: int, agree: int, shared: bool,
-                   fragile: int) -> tuple[float, Cell]:
-        """The calibrated acceptance probability of a candidate, and its cell."""
-        cell, guess = _first_guess(min(depth, DEEP), support, agree, shared, fragile)
-        hits, trials = self._cells.get(cell, (0.0, 0.0))
-        return (hits + PRIOR_TRIALS * guess) / (trials + PRIOR_TRIALS), cell
-
-    def record(self, cell: Cell, accepted: bool) -> None:
-        """One verified draft token of ``cell`` was accepted (or was the first rejected)."""
-        stats = self._cells.setdefault(cell, [0.0, 0.0])
-        stats[0] += accepted
-        stats[1] += 1.0
-        if stats[1] > MAX_TRIALS:
-            stats[0] /= 2.0
-            stats[1] /= 2.0
+        super().__init__(DEPTH_PRIOR, PRIOR_OCCURRENCES, PRIOR_TRIALS, MAX_TRIALS,
+                         FRAGILE_PRIOR)
 
 
 #: How much of its record a request keeps per verify (about the last ten verifies count).

@@ -65,6 +65,8 @@ class OutputCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[int, TokenIndex] = OrderedDict()
         self._bytes: dict[int, int] = {}
+        #: The sum of :attr:`_bytes`, kept as they change (every verify extends an entry).
+        self._total = 0
         self._origins: dict[int, Origin] = {}
         #: Entries per prompt hash: a repeat's lookup of earlier answers to its prompt, at
         #: every draft step, costs nothing while there are none (the usual case).
@@ -117,7 +119,9 @@ class OutputCache:
                 if level == NEAR_TIE and rows is not None:
                     shapes[len(index) + i] = (i, rows)
         index.append(tokens)  # indexed when looked up (holding)
-        self._bytes[entry] = index.nbytes() + BYTES_PER_FRAGILE * (len(fragile) + len(shapes))
+        size = index.nbytes() + BYTES_PER_FRAGILE * (len(fragile) + len(shapes))
+        self._total += size - self._bytes[entry]
+        self._bytes[entry] = size
         self._entries.move_to_end(entry)
         if self._bytes[entry] > self.max_bytes:
             self._drop(entry)  # alone larger than the whole cache: not worth keeping
@@ -157,7 +161,7 @@ class OutputCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(self._bytes.values())
+        return self._total
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -173,7 +177,7 @@ class OutputCache:
 
     def _drop(self, entry: int) -> None:
         del self._entries[entry]
-        del self._bytes[entry]
+        self._total -= self._bytes.pop(entry)
         prompt = self._origins.pop(entry).prompt
         same = self._by_prompt[prompt]
         same.discard(entry)

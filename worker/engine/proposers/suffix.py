@@ -321,29 +321,13 @@ class SuffixProposer:
         twenty verifies). A cached output may draft its own end: a repeat ends there too.
 
         The walk stops where ``length`` says no longer draft could be kept: what it walked
-        past that was never verified. Following the occurrences is native code
-        (:func:`~worker.engine.proposers.token_index.follow`); what each token is worth is
-        decided here."""
+        past that was never verified. The walk is native code
+        (:func:`~worker.engine.proposers.token_index.follow`): it ran at every draft step of
+        every slot, and its Python was the drafter's largest host cost after the lookups."""
         depth, occurrences = match
-        stats, ends = self._shared.stats, self._shared.ends
-        scale = self._records[source].scale()
-        walked = Candidate(source)
         shared = source == SHARED
-        reach = 1.0
-
-        def take(i: int, token: int, support: int, agree: int, fragile: int) -> bool:
-            nonlocal reach
-            if not shared and ends(token):
-                return False
-            p, cell = stats.confidence(depth + i, support, agree, shared, fragile)
-            p *= scale
-            reach *= p
-            if p < p_min or reach < MIN_REACH:
-                return False
-            walked.tokens.append(token)
-            walked.confidences.append(p)
-            walked.cells.append(cell)
-            return length.add(p, width - i - 1)
-
-        follow(occurrences, width, source == OWN, take)
-        return walked
+        tokens, confidences, cells = follow(
+            occurrences, width, not shared, None if shared else self._shared.ends,
+            self._shared.stats, depth, shared, self._records[source].scale(), p_min,
+            MIN_REACH, length)
+        return Candidate(source, tokens, confidences, cells)

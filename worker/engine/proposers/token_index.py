@@ -32,6 +32,7 @@ try:
         BASE,
         MAX_OCCURRENCES,
         ORDERS,
+        Calibration,
         TokenIndex,
         follow,
         holding,
@@ -42,8 +43,8 @@ except ImportError as exc:  # a gateway-only install: no compiler, no drafter (s
         "built: reinstall specfleet with a C compiler present (pip install -e . or make "
         "install)") from exc
 
-__all__ = ["BASE", "MASK", "MAX_OCCURRENCES", "ORDERS", "TokenIndex", "follow", "holding",
-           "tail_keys"]
+__all__ = ["BASE", "MASK", "MAX_OCCURRENCES", "ORDERS", "Calibration", "TokenIndex", "follow",
+           "holding", "tail_keys"]
 
 #: Context lengths indexed (``ORDERS``), longest first: a match is at least as long as the
 #: order it was found at; extending it while drafting is exact (the walk filters occurrences
