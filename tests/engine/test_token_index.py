@@ -6,8 +6,10 @@ byte accounting at every size, and copies of each."""
 from __future__ import annotations
 
 import copy
+import importlib
 import pickle
 import random
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -204,3 +206,14 @@ def test_the_accounted_bytes_bound_the_allocation_at_every_size(vocab: int) -> N
         index.append([rng.randrange(vocab) for _ in range(rng.choice((1, 3, 17)))])
         index.catch_up()
         assert index.allocated() <= index.nbytes(), len(index)
+
+
+def test_a_worker_without_the_native_index_is_told_how_to_build_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway-only install may lack the extension (setup.py: optional, no compiler); a
+    worker that imports the drafter there fails naming the module and the fix."""
+    monkeypatch.setitem(sys.modules, "worker.engine.proposers._lookup", None)
+    monkeypatch.delitem(sys.modules, "worker.engine.proposers.token_index")
+    with pytest.raises(ImportError, match=r"_lookup, the suffix drafter's native token index, "
+                                          r"is not built: reinstall specfleet with a C compiler"):
+        importlib.import_module("worker.engine.proposers.token_index")

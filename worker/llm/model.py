@@ -83,6 +83,9 @@ class Model:
         self.ptr = ptr
         self.vocab = llama_cpp.llama_model_get_vocab(ptr)
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        #: :meth:`is_eog` per token asked so far: the suffix drafter asks of every token it
+        #: walks, and each answer from llama.cpp is a foreign call (~1.5 us).
+        self._eog: dict[int, bool] = {}
 
     # -- facts -----------------------------------------------------------------------------
     @property
@@ -164,7 +167,10 @@ class Model:
 
     # -- tokens ----------------------------------------------------------------------------
     def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        found = self._eog.get(token)
+        if found is None:
+            found = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        return found
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = False) -> list[int]:
