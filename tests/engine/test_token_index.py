@@ -182,6 +182,12 @@ def test_the_index_reads_as_its_token_sequence() -> None:
         index.append([-1])
     with pytest.raises(IndexError, match="order 7"):
         index.occurrences(len(ORDERS), 0)
+    with pytest.raises(TypeError, match="once"):
+        TokenIndex.__init__(index, [1])
+    bare = TokenIndex.__new__(TokenIndex)  # never initialised: empty, and usable
+    assert (len(bare), bare[0:3], bare.tail_keys()) == (0, [], [None] * len(ORDERS))
+    bare.extend([4, 5, 4])
+    assert bare.occurrences(ORDERS.index(1), tail_keys([4])[-1]) == [1]
 
 
 def test_a_copy_is_an_index_of_the_same_tokens() -> None:

@@ -192,18 +192,28 @@ static int append_tokens(TokenIndex *self, PyObject *iterable) {
 
 /* ---- the type ----------------------------------------------------------------------- */
 
+/* Allocated ready to use: every method may run on an index made by ``__new__`` alone. */
+static PyObject *TokenIndex_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    TokenIndex *self = (TokenIndex *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    if (reserve(self, 1) < 0) goto fail;
+    self->prefix[0] = 0;
+    for (int k = 0; k < N_ORDERS; k++) {
+        if (table_init(&self->tables[k], INITIAL_LOG2_SLOTS) < 0) goto fail;
+    }
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
 static int TokenIndex_init(TokenIndex *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"tokens", NULL};
     PyObject *tokens = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &tokens)) return -1;
-    if (self->prefix != NULL) {
+    if (self->len > 0) {
         PyErr_SetString(PyExc_TypeError, "a TokenIndex is initialised once");
         return -1;
-    }
-    if (reserve(self, 1) < 0) return -1;
-    self->prefix[0] = 0;
-    for (int k = 0; k < N_ORDERS; k++) {
-        if (table_init(&self->tables[k], INITIAL_LOG2_SLOTS) < 0) return -1;
     }
     if (tokens != NULL && (append_tokens(self, tokens) < 0 || catch_up(self) < 0)) return -1;
     return 0;
@@ -257,6 +267,7 @@ static PyObject *occurrences(TokenIndex *self, Py_ssize_t order, uint64_t key) {
             return NULL;
         }
         Py_DECREF(start);
+        if (chain[end] >= end) break; /* chains only go back (a guard, never taken) */
         end = chain[end];
     }
     return found;
@@ -417,7 +428,7 @@ static PyTypeObject TokenIndexType = {
     .tp_doc = "An append-only token sequence with its context index (token_index.py).",
     .tp_basicsize = sizeof(TokenIndex),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
+    .tp_new = TokenIndex_new,
     .tp_init = (initproc)TokenIndex_init,
     .tp_dealloc = (destructor)TokenIndex_dealloc,
     .tp_methods = TokenIndex_methods,
