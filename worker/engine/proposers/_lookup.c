@@ -1,16 +1,21 @@
-/* The suffix drafter's token index in native code (token_index.py says what it indexes and
- * why; this file is how it is stored).
+/* The suffix drafter's inner loops in native code: the token index (token_index.py says
+ * what it indexes and why; this file is how it is stored), the output cache's probe of every
+ * cached output (holding), the walk of a match's occurrences (follow: SuffixProposer._walk
+ * says why each of its rules is there) and the calibration its confidences come from
+ * (Calibration: confidence.py's AcceptanceStats, whose docstring states the arithmetic).
  *
  * The drafter looks its history's tail up in the request's own index and in every cached
- * output's at every draft step; in Python the lookups, their per-entry catch-up and the walk's
- * reads of token lists were most of the drafter's host time, which was 43-50 % of the default
- * method's host time per committed token on a 2-core CPU (bench/drafter_host.py). Here a
- * sequence is four flat arrays (tokens, prefix hashes, and per order a chain of previous
- * occurrences) and per order an open-addressing table from a context's hash to its most
- * recent end, so a lookup touches a few cache lines instead of a few dozen Python objects.
+ * output's at every draft step, and walks what it found token by token; in Python that was
+ * 43-50 % of the default method's host time per committed token on a 2-core CPU
+ * (bench/drafter_host.py). Here a sequence is flat arrays (tokens, prefix hashes, and per
+ * order a chain of previous occurrences) and per order an open-addressing table from a
+ * context's hash to its most recent end, so a lookup touches a few cache lines instead of a
+ * few dozen Python objects.
  *
- * The semantics are token_index.py's, bit for bit: the same polynomial hashes (so keys
- * computed in Python look up here), the same chains, the same newest-first occurrences.
+ * The hashes are token_index.tail_keys's (keys computed in Python look up here); the walk's
+ * and the calibration's results are the Python code's it replaced, bit for bit
+ * (tests/engine/test_token_index.py states both in plain Python; bench/drafter_host.py stops
+ * on any draft that differs from a recorded round's).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

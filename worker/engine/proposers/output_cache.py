@@ -139,9 +139,9 @@ class OutputCache:
                 entry: int | None) -> list[tuple[int, TokenIndex]]:
         """Every cached output except ``entry`` in which the context of hash ``key`` and
         length ``ORDERS[order]`` occurred (with a follower), most recently used first. One
-        dict probe per output: the drafter then builds occurrence lists only where there are
-        some (building one for every output at every order cost ~55 calls a draft step at
-        eight slots)."""
+        table probe per output, in native code (``token_index.holding``): the drafter then
+        builds occurrence lists only where there are some (building one for every output at
+        every order cost ~55 calls a draft step at eight slots)."""
         return holding(reversed(self._entries.items()), order, key, entry)
 
     def answers(self, entry: int | None, prompt: int) -> Iterator[tuple[int, TokenIndex]]:

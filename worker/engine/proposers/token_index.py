@@ -16,7 +16,8 @@ integer operations whatever its length.
 :class:`TokenIndex` is native code (``_lookup.c``, built with the package): the drafter looks
 its tail up in the request's index and in every cached output's at every draft step, and in
 Python those lookups and their catch-up were the largest part of its host time
-(``bench/drafter_host.py``; docs/engine.md, "Host time"). This module keeps the hash
+(``bench/drafter_host.py``; docs/engine.md, "Host work the drafter does every step
+anyway"). This module keeps the hash
 function in Python (:func:`tail_keys`) for histories without an index.
 
 A hash collision only yields a wrong proposal, which verification rejects; it can never
