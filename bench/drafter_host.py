@@ -2,7 +2,8 @@
 
 ``bench/slots.py``'s host ms a token (a step's wall time less the target's decode) puts the
 default drafter above plain's on a 2-core CPU (docs/benchmarks.md). This bench says how much of
-it is the drafter's Python, measured apart from everything else. Per K, one ``bench/slots.py``
+it is the drafter's own (its Python and its native loops, ``_lookup.c``), measured apart from
+everything else. Per K, one ``bench/slots.py``
 round (Gemma 3 270M Q4_K_M, the default method, device verify on: no logits row is read) runs
 once unrecorded for its host time, once with every suffix drafter's calls recorded (``start``,
 ``propose``, ``observe``) with what they read from outside (the clock their row costs learn
