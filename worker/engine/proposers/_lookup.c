@@ -693,6 +693,9 @@ static int fragility_at(const Walker *w, Py_ssize_t at, long *out) {
  * ends a generation (None: none does), a token below ``p_min``, a draft whose chance of
  * being accepted whole falls below ``min_reach``, and after the token where
  * ``length.add(p, tokens left)`` says no longer draft could be kept. */
+/* The name of the draft-length chooser's method, interned once at import. */
+static PyObject *ADD_NAME;
+
 static PyObject *follow(PyObject *module, PyObject *args) {
     PyObject *occurrences, *ends, *stats_obj, *length;
     Py_ssize_t width, depth;
@@ -705,13 +708,12 @@ static PyObject *follow(PyObject *module, PyObject *args) {
     const Calibration *stats = (const Calibration *)stats_obj;
     Py_ssize_t n = PyList_GET_SIZE(occurrences);
     PyObject *tokens = PyList_New(0), *confidences = PyList_New(0), *cells = PyList_New(0);
-    PyObject *add = PyUnicode_InternFromString("add");
     Walker *live = PyMem_Malloc((n ? n : 1) * sizeof(Walker));
     int64_t *walked = PyMem_Malloc((width > 0 ? width : 1) * sizeof(int64_t));
     int64_t *distinct = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
     Py_ssize_t *counts = PyMem_Malloc((n ? n : 1) * sizeof(Py_ssize_t));
     PyObject *result = NULL;
-    if (tokens == NULL || confidences == NULL || cells == NULL || add == NULL) goto done;
+    if (tokens == NULL || confidences == NULL || cells == NULL) goto done;
     if (live == NULL || walked == NULL || distinct == NULL || counts == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -808,8 +810,8 @@ static PyObject *follow(PyObject *module, PyObject *args) {
         Py_DECREF(cell_obj);
         PyObject *left = PyLong_FromSsize_t(width - i - 1);
         PyObject *verdict = left == NULL ? NULL
-                                         : PyObject_CallMethodObjArgs(length, add, p_obj, left,
-                                                                      NULL);
+                                         : PyObject_CallMethodObjArgs(length, ADD_NAME, p_obj,
+                                                                      left, NULL);
         Py_DECREF(p_obj);
         Py_XDECREF(left);
         int more = verdict == NULL ? -1 : PyObject_IsTrue(verdict);
@@ -824,7 +826,6 @@ done:
     Py_XDECREF(tokens);
     Py_XDECREF(confidences);
     Py_XDECREF(cells);
-    Py_XDECREF(add);
     PyMem_Free(live);
     PyMem_Free(walked);
     PyMem_Free(distinct);
@@ -853,7 +854,10 @@ PyMODINIT_FUNC PyInit__lookup(void) {
         for (Py_ssize_t i = 0; i < ORDERS[k]; i++) power *= BASE;
         POWERS[k] = power;
     }
-    if (PyType_Ready(&TokenIndexType) < 0 || PyType_Ready(&CalibrationType) < 0) return NULL;
+    ADD_NAME = PyUnicode_InternFromString("add");
+    if (ADD_NAME == NULL || PyType_Ready(&TokenIndexType) < 0 ||
+        PyType_Ready(&CalibrationType) < 0)
+        return NULL;
     PyObject *module = PyModule_Create(&lookup_module);
     if (module == NULL) return NULL;
     PyObject *orders = Py_BuildValue("(nnnnnnn)", ORDERS[0], ORDERS[1], ORDERS[2], ORDERS[3],
