@@ -23,14 +23,16 @@ Gemma 3 270M Q4_K_M in this process, one engine loaded for the suffix drafter (i
 - **Where the time goes**: one verify row's target distribution (T 0.7, top-p 0.9) timed on
   a real Gemma logits row, against a plain decode step.
 - **Sampled rows on the device** (``--device-compare``, instead of the parts above): T 0.7
-  alone (what the device draws for: docs/sampling.md, "Sampling on the device"), plain /
+  alone (what the device draws for on a CPU too: a nucleus over Gemma's vocabulary is sorted
+  on the device only on a GPU, docs/sampling.md, "Sampling on the device"), plain /
   n-gram / suffix on the side-by-side workloads, one engine with device verify on and one
   with it off, interleaved request by request: host ms a token (the step's wall time less
   the target's decode), tokens per second, logits rows read a token, and how many requests
   came out token for token the same on both. Then the draws alone, row by row: the last
   ``DRAW_ROWS`` tokens of ``copy`` and ``prose`` decoded once, each row's token drawn on the
   device for ``--draw-seeds`` seeds and compared with the host's draw from the same row and
-  uniform (T 0.7 and 1.0 alone, T 0.7 with top-k 40, T 1.0 with min-p 0.05: ``DRAWN``):
+  uniform (T 0.7 and 1.0 alone, T 0.7 with top-k 40 or top-p 0.9, T 1.0 with min-p 0.05,
+  T 1.0 with top-p 0.95: ``DRAWN``):
   how many differ, and how likely the host's token was where they
   do (a draw near a boundary of the cumulative distribution: docs/sampling.md).
 
@@ -76,7 +78,7 @@ from worker.engine.sampling import (  # noqa: E402
     target_distribution,
 )
 from worker.launch import EngineCapacity  # noqa: E402
-from worker.llm import Batch, Context, ContextSpec  # noqa: E402
+from worker.llm import Batch, Context, ContextSpec, device_sampling  # noqa: E402
 from worker.testmodels import write_qwen35_hybrid  # noqa: E402
 from worker.testmodels.recipe import Strengths  # noqa: E402
 
@@ -101,10 +103,12 @@ MTP_PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
 #: Rows of one workload whose draws are compared device against host (--device-compare).
 DRAW_ROWS = 32
 #: What the row-by-row draw comparison draws with: the temperature alone, and with each cut the
-#: device draws (common values: llama.cpp's default top-k, a usual min-p).
+#: device draws (common values: llama.cpp's default top-k, a usual min-p, usual top-p).
 DRAWN = {"T 0.7": SamplingParams(temperature=0.7), "T 1": SamplingParams(temperature=1.0),
          "T 0.7, top-k 40": SamplingParams(temperature=0.7, top_k=40),
-         "T 1, min-p 0.05": SamplingParams(temperature=1.0, min_p=0.05)}
+         "T 1, min-p 0.05": SamplingParams(temperature=1.0, min_p=0.05),
+         "T 0.7, top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+         "T 1, top-p 0.95": SamplingParams(temperature=1.0, top_p=0.95)}
 Result = dict[str, float]
 Results = dict[str, dict[str, list[Result]]]
 
@@ -270,7 +274,10 @@ def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
     """The last :data:`DRAW_ROWS` tokens of ``ids`` decoded once on the host (their rows read)
     and once per seed on a context that draws them on the device: per temperature, the draws
     compared, those that differ, and the largest probability the host's token had where they
-    differ, for each of :data:`DRAWN`."""
+    differ, for each of :data:`DRAWN`. A nucleus is sorted on the device here whatever the
+    backend (on a CPU a real worker reads such rows: ``device_sampling.CPU_SORT_MAX``): this
+    measures the draws' agreement, not their cost."""
+    device_sampling.CPU_SORT_MAX = engine.model.n_vocab
     ids = ids[-DRAW_ROWS:]
     n = len(ids)
     spec = ContextSpec(n_ctx=2 * n, n_batch=n, n_ubatch=n, n_seq_max=1, n_outputs_max=n,
@@ -285,8 +292,8 @@ def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
             dists = [target_distribution(r, params, [], 0) for r in rows]
             differ, worst = 0, 0.0
             for seed in range(seeds):
-                assert device.sample_on_device(0, KeyedDraws(seed, params.temperature,
-                                                             params.top_k, params.min_p))
+                assert device.sample_on_device(0, KeyedDraws(
+                    seed, params.temperature, params.top_k, params.min_p, params.top_p))
                 device.seq_clear(0)
                 device.decode(batch)
                 for i, dist in enumerate(dists):

@@ -8,10 +8,10 @@ very tokens seed for seed, one slot and several; plain sampling on the device gi
 tokens seed for seed (its 256 ids leave float32 rounding no boundary to tip), and every row
 keeps its own draw (or top two, a greedy sequence's beside it) whatever the decode before and
 whichever sequences sit idle; speculation on the device keeps the target distribution (a
-chi-square that catches a verify accepting every draft); the top-k and min-p cuts are drawn
-there too, seed for seed the host's; no logits row is read; and requests the device cannot
-draw for (a top-p nucleus, penalties, bias, logprobs, a grammar, the MTP head's sampled
-drafts, a device without the draw's ops) still read their rows on the host.
+chi-square that catches a verify accepting every draft); the top-k, top-p and min-p cuts are
+drawn there too, seed for seed the host's; no logits row is read; and requests the device
+cannot draw for (penalties, bias, logprobs, a grammar, the MTP head's sampled drafts, a device
+without the draw's ops) still read their rows on the host.
 """
 
 from __future__ import annotations
@@ -182,13 +182,15 @@ LAYOUTS = [(6, 1, 1), (1, 6, 1), (1, 1, 6), (2, 3, 2), (3, 2, 2),
 
 
 #: What a sequence of the idle-layout test draws with, by kind: the temperature alone, or with
-#: the top-k and min-p cuts.
-DRAWN = {"keyed": WARM, "cut": SamplingParams(temperature=1.1, top_k=4, min_p=0.01)}
+#: the top-k, top-p and min-p cuts.
+DRAWN = {"keyed": WARM, "cut": SamplingParams(temperature=1.1, top_k=4, min_p=0.01),
+         "nucleus": SamplingParams(temperature=1.3, top_p=0.8)}
 
 
 @pytest.mark.parametrize("kinds", [("top2", "top2", "top2"), ("top2", "keyed", "top2"),
-                                   ("keyed", "keyed", "keyed"), ("cut", "top2", "keyed")],
-                         ids=["greedy", "mixed", "sampled", "cuts"])
+                                   ("keyed", "keyed", "keyed"), ("cut", "top2", "keyed"),
+                                   ("nucleus", "cut", "top2")],
+                         ids=["greedy", "mixed", "sampled", "cuts", "nucleus"])
 def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
                                                      kinds: tuple[str, ...]) -> None:
     """Three sequences reduced on the device (their two best tokens, or a keyed draw, with or
@@ -204,7 +206,7 @@ def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
     spec = ContextSpec(n_ctx=3 * N_CTX, n_batch=32, n_ubatch=32, n_seq_max=3,
                        n_outputs_max=24, n_outputs_max_per_seq=8, n_threads=1)
     drawn = {seq: DRAWN[kind] for seq, kind in enumerate(kinds) if kind in DRAWN}
-    draws = {seq: KeyedDraws(seq, params.temperature, params.top_k, params.min_p)
+    draws = {seq: KeyedDraws(seq, params.temperature, params.top_k, params.min_p, params.top_p)
              for seq, params in drawn.items()}
     with Model(ModelSpec(str(soft_dense), n_gpu_layers=GPU_LAYERS)) as model, \
             Context(model, spec) as device, Context(model, spec) as host, Batch(32) as batch:
@@ -268,36 +270,48 @@ def test_a_verify_that_keeps_every_draft_is_caught(
     assert p_value(stat, df) < P_FLOOR, f"missed it: chi2 = {stat:.1f} on {df} df"
 
 
-#: Cuts the device draws with, in an order that changes the top-k cut from request to request
-#: (a new graph each time) and keeps it (new inputs only).
+#: Cuts the device draws with, in an order that changes the graph's shape (the top-k cut, a
+#: nucleus or none) from request to request (a new graph each time) and keeps it (new inputs
+#: only: another temperature, min-p floor or top-p mass).
 CUTS = [SamplingParams(temperature=0.9, top_k=12), SamplingParams(temperature=0.9, min_p=0.1),
         SamplingParams(temperature=1.2, top_k=30, min_p=0.05),
-        SamplingParams(temperature=1.2, top_k=30), SamplingParams(temperature=0.9, top_k=12)]
+        SamplingParams(temperature=1.2, top_k=30), SamplingParams(temperature=0.9, top_k=12),
+        SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=1.4, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=30, top_p=0.8, min_p=0.02)]
 
 
-def test_cut_sampling_on_the_device_draws_the_hosts_tokens(
-        device: SpeculativeEngine, host: SpeculativeEngine, copy_prompt: list[int]) -> None:
-    """Top-k and min-p cuts are drawn on the device too: one after another on the same
+def test_cut_sampling_on_the_device_draws_the_hosts_tokens(soft_dense: Path) -> None:
+    """Top-k, top-p and min-p cuts are drawn on the device too: one after another on the same
     sequence, plain sampling and n-gram speculation there give the host's tokens of the same
     run seed for seed, no row read; and the cuts took mass the draws would have landed in (the
     same seeds without them differ).
 
-    Against the host's run of the same method, not plain's: this model has pairs of tokens
-    whose logits are equal but for rounding, and a verify's batch rounds them otherwise than a
-    one-row decode, so where such a pair is the k-th largest the cut keeps one or both by the
-    batch's shape (on the host as on the device; a near-tie, as a greedy one)."""
-    rows = device.target.rows_read
+    Against the host's run of the same method on an engine of the same history, not plain's:
+    this model has pairs of tokens whose logits are equal but for rounding, and the batches a
+    row's keys and values were computed in round them, so where such a pair is the k-th
+    largest or ends the nucleus the cut keeps one or the other by the batches' shapes (on the
+    host as on the device; a near-tie, as a greedy one). An engine whose prefix cache holds
+    the prompt from other batches parted from the host at the end of a nucleus (T 1.4, top-p
+    0.9: ids 57 and 234 equal on one engine, 1.2e-7 apart on the other), so both engines
+    here are fresh and are asked the same requests in the same order."""
     differ = 0
-    for params in CUTS:
-        for seed in SEEDS[:6]:
-            sampled = _seeded(seed, params)
-            for spec in (NGRAM, PLAIN):
-                on_host = host.generate(copy_prompt, 40, spec, sampling=sampled).tokens
-                got = device.generate(copy_prompt, 40, spec, sampling=sampled).tokens
-                assert got == on_host, f"{params} seed {seed} {spec.method}"
-            uncut = params.model_copy(update={"top_k": 0, "min_p": 0.0, "seed": seed})
-            differ += host.generate(copy_prompt, 40, PLAIN, sampling=uncut).tokens != on_host
-    assert device.target.rows_read == rows
+    with _engine(soft_dense) as device, _engine(soft_dense, device=False) as host:
+        text = [*PROMPT, *host.generate(PROMPT, 40, PLAIN).tokens]
+        assert device.generate(PROMPT, 40, PLAIN).tokens == text[len(PROMPT):]
+        rows = device.target.rows_read
+        for params in CUTS:
+            for seed in SEEDS[:6]:
+                uncut = params.model_copy(update={"top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                                  "seed": seed})
+                runs = []
+                for spec, sampled in ((NGRAM, _seeded(seed, params)),
+                                      (PLAIN, _seeded(seed, params)), (PLAIN, uncut)):
+                    on_host = host.generate(text, 40, spec, sampling=sampled).tokens
+                    got = device.generate(text, 40, spec, sampling=sampled).tokens
+                    assert got == on_host, f"{sampled} {spec.method}"
+                    runs.append(got)
+                differ += runs[1] != runs[2]
+        assert device.target.rows_read == rows
     assert differ >= len(CUTS) * 3, "the cuts never changed a draw"
 
 
@@ -312,13 +326,11 @@ def test_the_top_k_cut_keeps_every_id_tied_with_the_kth() -> None:
 
 
 @pytest.mark.parametrize(("params", "logprobs", "grammar"), [
-    (SamplingParams(temperature=0.9, top_p=0.9), None, None),
-    (SamplingParams(temperature=0.9, top_k=20, top_p=0.95), None, None),
     (SamplingParams(temperature=0.9, presence_penalty=0.5), None, None),
     (SamplingParams(temperature=0.9, logit_bias={7: 2.0}), None, None),
     (WARM, 2, None),
     (WARM, None, "[0-9a-f]{1,40}"),
-], ids=["top_p", "top_k+top_p", "penalty", "bias", "logprobs", "grammar"])
+], ids=["penalty", "bias", "logprobs", "grammar"])
 def test_requests_the_device_cannot_draw_for_read_their_rows(
         device: SpeculativeEngine, host: SpeculativeEngine, params: SamplingParams,
         logprobs: int | None, grammar: str | None) -> None:
@@ -342,7 +354,7 @@ def test_a_device_without_the_draws_ops_keeps_the_request_on_the_host(
     """Where the output device lacks an op of the draw (llama.cpp asks the sampler at attach),
     the sequence is not left with a sampler that samples nothing: it reads its rows, and the
     request samples as on the host."""
-    monkeypatch.setattr(device_sampling, "device_supports_draws", lambda buft, top_k=0: False)
+    monkeypatch.setattr(device_sampling, "device_supports_draws", lambda buft, shape: False)
     request = SlotRequest(copy_prompt, 30, NGRAM, _seeded(2))
     with _engine(soft_dense) as engine:
         slot = engine.admit(request)
@@ -351,6 +363,30 @@ def test_a_device_without_the_draws_ops_keeps_the_request_on_the_host(
         engine.step()
         assert _run(engine, [request])[0].tokens == _run(host, [request])[0].tokens
         assert engine.target.rows_read > 0
+
+
+def test_a_nucleus_the_cpu_would_sort_slower_than_the_host_is_read(
+        soft_dense: Path, host: SpeculativeEngine, copy_prompt: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU backend a nucleus is sorted on the device only for rows up to
+    ``CPU_SORT_MAX`` ids (wider, ggml's one-thread sort costs more than the host's nucleus):
+    with the bound below this model's 256 ids, a top-p request reads its rows and samples as
+    on the host, while a top-k request beside it still draws on the device."""
+    monkeypatch.setattr(device_sampling, "CPU_SORT_MAX", 128)
+    nucleus = SlotRequest(copy_prompt, 30, NGRAM, _seeded(2, SamplingParams(temperature=0.9,
+                                                                            top_p=0.8)))
+    cut = SlotRequest(copy_prompt, 30, NGRAM, _seeded(2, SamplingParams(temperature=0.9,
+                                                                        top_k=20)))
+    with _engine(soft_dense) as engine:
+        rows = engine.target.rows_read
+        assert _run(engine, [cut])[0].tokens == _run(host, [cut])[0].tokens
+        assert engine.target.rows_read == rows
+        assert _run(engine, [nucleus])[0].tokens == _run(host, [nucleus])[0].tokens
+        assert engine.target.rows_read > rows
+    monkeypatch.setattr(device_sampling, "CPU_SORT_MAX", 256)
+    with _engine(soft_dense) as engine:
+        assert _run(engine, [nucleus])[0].tokens == _run(host, [nucleus])[0].tokens
+        assert engine.target.rows_read == 0
 
 
 def test_the_heads_sampled_drafts_are_verified_on_the_host(hybrid_model: Path) -> None:
@@ -373,7 +409,8 @@ def test_which_requests_draw_on_the_device() -> None:
     assert draws == KeyedDraws(42, WARM.temperature)
     cut = SamplingParams(temperature=0.8, top_k=9, min_p=0.2, seed=4)
     assert verifies_on_device(cut, None, False) == KeyedDraws(4, 0.8, 9, 0.2)
-    assert verifies_on_device(cut.model_copy(update={"top_p": 0.9}), None, False) is False
+    nucleus = cut.model_copy(update={"top_p": 0.9})
+    assert verifies_on_device(nucleus, None, False) == KeyedDraws(4, 0.8, 9, 0.2, 0.9)
     assert verifies_on_device(SamplingParams(), None, False) is True
     assert verifies_on_device(WARM, None, False, head_drafts=True) is False
     assert verifies_on_device(SamplingParams(), None, False, head_drafts=True) is True

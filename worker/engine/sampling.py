@@ -299,13 +299,14 @@ class DeviceGreedySampler(_DeviceVerify, GreedySampler):
 @dataclass(frozen=True)
 class KeyedDraws:
     """A sampled request's draws on the device (:class:`~worker.llm.device_sampling.Draws`):
-    its temperature, its top-k and min-p cuts (0: none), and the keyed uniform of each
-    position, the very ones :meth:`RandomSampler.verify` uses."""
+    its temperature, its top-k, top-p and min-p cuts (0, 1 and 0: none), and the keyed
+    uniform of each position, the very ones :meth:`RandomSampler.verify` uses."""
 
     seed: int
     temperature: float
     top_k: int = 0
     min_p: float = 0.0
+    top_p: float = 1.0
 
     def uniforms(self, positions: Sequence[int]) -> list[float]:
         return [keyed_uniform(self.seed, p, Stream.TARGET) for p in positions]
@@ -328,19 +329,19 @@ def verifies_on_device(params: SamplingParams, logprobs: int | None, constrained
                        head_drafts: bool = False) -> bool | KeyedDraws:
     """How a request's verify rows can be reduced on the device: True (greedy on the raw
     logits: each row's top two), its :class:`KeyedDraws` (sampled from the temperature and the
-    top-k and min-p cuts: each row's keyed draw; the seed is fixed here, drawn when the request
-    has none), or False (read on the host). Neither with a grammar mask or logprobs (they need
-    the row), nor with a bias or penalties. Sampled requests also not with a top-p nucleus
-    (the device's draw would need the row sorted), nor when the draft head drafts for them
-    (``head_drafts``: its drafts are sampled from its own distribution, and their test needs
-    both distributions' values at the draft)."""
+    top-k, top-p and min-p cuts: each row's keyed draw; the seed is fixed here, drawn when the
+    request has none), or False (read on the host). Neither with a grammar mask or logprobs
+    (they need the row), nor with a bias or penalties. Sampled requests also not when the
+    draft head drafts for them (``head_drafts``: its drafts are sampled from its own
+    distribution, and their test needs both distributions' values at the draft)."""
     if params.adjusted or logprobs is not None or constrained:
         return False
     if params.greedy:
         return True
-    if head_drafts or params.top_p < 1.0:
+    if head_drafts:
         return False
-    return KeyedDraws(request_seed(params), params.temperature, params.top_k, params.min_p)
+    return KeyedDraws(request_seed(params), params.temperature, params.top_k, params.min_p,
+                      params.top_p)
 
 
 def request_seed(params: SamplingParams) -> int:

@@ -18,7 +18,7 @@ from llama_cpp import llama_cpp_ext
 from shared.logs import get_logger
 from worker.llm.backend import LlamaError, note_decode
 from worker.llm.batch import Batch
-from worker.llm.device_sampling import Draws, KeyedChain, Top2Chain
+from worker.llm.device_sampling import Draws, KeyedChain, Shape, Top2Chain
 from worker.llm.model import Model
 
 #: How a sequence's rows are reduced on the device (:meth:`Context.sample_on_device`).
@@ -155,9 +155,9 @@ class Context:
         #: of them (batch indices: they have a sampled id and no logits).
         self._keyed: dict[int, KeyedChain] = {}
         self._keyed_rows: set[int] = set()
-        #: Whether the output device runs a draw's ops, by the draw's top-k cut (absent: not
+        #: Whether the output device runs a draw's ops, by the draw's shape (absent: not
         #: known until an attach).
-        self._draws_run: dict[int, bool] = {}
+        self._draws_run: dict[Shape, bool] = {}
         #: Logits rows read into Python (what the device path exists to avoid: a verify row of
         #: a 262k vocabulary is a megabyte copied off a GPU and reduced on the host).
         self.rows_read = 0
@@ -268,38 +268,37 @@ class Context:
         copied to the host or read by Python. Returns ``how``, or False where the output
         device cannot run a draw's ops (the rows are then read).
 
-        A change of kind (or of a draw's top-k cut, the size of an op in its graph) costs the
-        next decode a graph rebuild (~18 ms on a 2-core CPU), so a sequence keeps its chain
-        while its requests can use it (new draws of the same cut for a sequence that draws
-        already are only new inputs). llama.cpp aborts on a chain attached twice
+        A change of kind (or of a draw's :class:`~worker.llm.device_sampling.Shape`: its top-k
+        cut, the size of an op in its graph, or a nucleus or none) costs the next decode a
+        graph rebuild (~18 ms on a 2-core CPU), so a sequence keeps its chain while its
+        requests can use it (new draws of the same shape for a sequence that draws already
+        are only new inputs). llama.cpp aborts on a chain attached twice
         or a bare sampler, and never frees one: each attach builds its own chain, which is
         freed once detached."""
         if how is True and seq in self._chains:
             return how
         keyed = self._keyed.get(seq)
-        if not isinstance(how, bool) and keyed is not None and keyed.top_k == how.top_k:
+        if not isinstance(how, bool) and keyed is not None and keyed.shape == Shape.of(how):
             keyed.draws = how
             return how
         self._detach(seq)
         if how is False or (not isinstance(how, bool)
-                            and self._draws_run.get(how.top_k) is False):
+                            and self._draws_run.get(Shape.of(how)) is False):
             return False
         if isinstance(how, bool):
             top2 = Top2Chain()
             self._attach(seq, top2.chain, top2.free)
             self._chains[seq] = top2
             return how
-        keyed = KeyedChain(how)
+        keyed = KeyedChain(how, self._n_vocab)
         self._attach(seq, keyed.chain, keyed.free)
         self._keyed[seq] = keyed
-        self._draws_run[how.top_k] = keyed.supported
+        self._draws_run[keyed.shape] = keyed.supported
         if keyed.supported:
             return how
         self._detach(seq)
         keyed.settle()  # a failed probe is raised, not taken for a missing op
-        log.warning("device_sampling.unsupported", seq=seq,
-                    reason="the output device lacks an op of the keyed draw: sampled rows "
-                           "are read on the host")
+        log.warning("device_sampling.unsupported", seq=seq, reason=keyed.refusal)
         return False
 
     def _attach(self, seq: int, chain: Any, free: Callable[[], None]) -> None:

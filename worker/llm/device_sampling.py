@@ -22,7 +22,9 @@ distribution (``exp((z - max z) / T)``, 0 for ids the top-k and min-p cuts drop)
 cumulative sum in id order, and the number of ids whose cumulative weight is still at or
 below ``u x total``. That index is the token plain host sampling draws with ``u``
 (``Distribution.pick``), up to float32 rounding (docs/sampling.md, "Sampling on the device").
-The top-p nucleus is not drawn here: it needs the row sorted.
+A top-p nucleus sorts the row on the device (``ggml_argsort``, as llama.cpp's own ``top_p``
+backend sampler does) only to find where the nucleus ends; the draw stays in id order, and
+ties at its end are kept by id, as the host's nucleus keeps them (:func:`_nucleus`).
 
 The cumulative sum is taken in two levels (within blocks of :data:`BLOCK` ids, then over the
 block totals): ggml's CPU ``cumsum`` adds one float32 at a time, and past a running sum near
@@ -63,15 +65,24 @@ _LIB_DIR = Path(llama_cpp.__file__).parent / "lib"
 _P = ctypes.c_void_p
 _F32 = ctypes.c_float
 _I64 = ctypes.c_int64
-#: ggml_type (ggml.h).
+#: ggml_type and ggml_sort_order (ggml.h).
 _GGML_TYPE_F32, _GGML_TYPE_I32 = 0, 26
+_GGML_SORT_ORDER_DESC = 1
 #: Ids per block of the two-level cumulative sum.
 BLOCK = 512
 #: The logits width llama.cpp probes a sampler's graph with (``llama_sampler_backend_probe``):
 #: the same for our own check of the device's ops.
 _PROBE_WIDTH = 128 * 1024
 #: Tensors one row's graph creates, with room to spare (the probe context's size).
-_PROBE_TENSORS = 96
+_PROBE_TENSORS = 192
+#: The widest row whose top-p nucleus the CPU backend sorts (a sequence whose output layer is
+#: on the CPU: a CPU build with device verify forced on, or a model partly offloaded). ggml's
+#: CPU argsort is one ``std::sort`` a row; measured (2-core Xeon, one thread) against the
+#: host's nucleus, which sorts only the ids above a floor: 256 ids 0.04 ms against 0.06, 4,096
+#: ids 0.39 against 0.07, Gemma's 262,144 ids 30 ms against 3.4. Wider rows are read.
+CPU_SORT_MAX = 1024
+#: ``ggml_backend_dev_type`` (ggml-backend.h) of the CPU and of accelerators beside it.
+_DEVICE_TYPE_CPU, _DEVICE_TYPE_ACCEL = 0, 3
 #: The min-p floor of a row without one: below every scaled logit (they are at most 0, and
 #: finite), and finite, so no infinity meets a device's fast-math arithmetic.
 NO_FLOOR = -1e30
@@ -79,14 +90,17 @@ NO_FLOOR = -1e30
 
 class Draws(Protocol):
     """What a sequence sampled on the device draws with: its temperature (> 0), its cuts
-    (``top_k`` 0 and ``min_p`` 0: none), and the uniform in [0, 1) that decides the token at
-    each position."""
+    (``top_k`` 0, ``top_p`` 1 and ``min_p`` 0: none), and the uniform in [0, 1) that decides
+    the token at each position."""
 
     @property
     def temperature(self) -> float: ...
 
     @property
     def top_k(self) -> int: ...
+
+    @property
+    def top_p(self) -> float: ...
 
     @property
     def min_p(self) -> float: ...
@@ -117,6 +131,7 @@ def _ggml() -> ctypes.CDLL:
         ("ggml_set_input", [_P], None),
         ("ggml_set_output", [_P], None),
         ("ggml_top_k", [_P, _P, ctypes.c_int], _P),
+        ("ggml_argsort", [_P, _P, ctypes.c_int], _P),
         ("ggml_nelements", [_P], _I64),
         ("ggml_reshape_1d", [_P, _P, _I64], _P),
         ("ggml_reshape_2d", [_P, _P, _I64, _I64], _P),
@@ -139,6 +154,7 @@ def _ggml() -> ctypes.CDLL:
         ("ggml_backend_tensor_set", [_P, _P, ctypes.c_size_t, ctypes.c_size_t], None),
         ("ggml_backend_buft_get_device", [_P], _P),
         ("ggml_backend_dev_supports_op", [_P, _P], ctypes.c_bool),
+        ("ggml_backend_dev_type", [_P], ctypes.c_int),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
@@ -150,15 +166,17 @@ def draw_graph(ctx: int, logits: int, candidates: int | None, inputs: RowInputs,
     """The graph of one row's draw in ggml context ``ctx``: ``logits`` (a row of n floats),
     the row's ``inputs`` (one float each) and ``candidates`` (the ids behind the logits'
     entries; None: entry i is id i); ``top_k`` (0 or n and over: none) cuts the row to the ids
-    at or above its k-th largest logit. Returns the sampled id (an I32 tensor of one) and every
-    tensor made, for a check of the device's ops.
+    at or above its k-th largest logit, and ``inputs.mass`` (None: none) to the top-p nucleus.
+    Returns the sampled id (an I32 tensor of one) and every tensor made, for a check of the
+    device's ops.
 
     The weights are ``target_distribution``'s, op for op in float32: ``s = (z - max z) / T``,
     ``exp(s)`` where ``s`` is at or above the min-p floor (``inputs.floor``) and the k-th
-    largest ``s``, 0 elsewhere. The index is n' - #{i : cdf[i] > u x total} over the padded
-    n' = m x BLOCK entries, clamped to [0, n - 1]: the first id whose cumulative weight exceeds
-    ``u x total``, as ``Distribution.pick`` (``searchsorted(..., side="right")``); an id cut
-    adds nothing to the sum, so it is never the first to pass."""
+    largest ``s`` and in the nucleus of those, 0 elsewhere. The index is
+    n' - #{i : cdf[i] > u x total} over the padded n' = m x BLOCK entries, clamped to
+    [0, n - 1]: the first id whose cumulative weight exceeds ``u x total``, as
+    ``Distribution.pick`` (``searchsorted(..., side="right")``); an id cut adds nothing to the
+    sum, so it is never the first to pass."""
     g = _ggml()
     made: list[int] = []
 
@@ -168,31 +186,87 @@ def draw_graph(ctx: int, logits: int, candidates: int | None, inputs: RowInputs,
 
     n = int(g.ggml_nelements(logits))
     row = keep(g.ggml_reshape_1d(ctx, logits, n))
-    column = keep(g.ggml_reshape_2d(ctx, row, 1, n))
-    peak = keep(g.ggml_get_rows(ctx, column, keep(g.ggml_argmax(ctx, row))))
+    peak = keep(g.ggml_get_rows(ctx, _column(ctx, row, keep), keep(g.ggml_argmax(ctx, row))))
     scaled = keep(g.ggml_div(ctx, keep(g.ggml_sub(ctx, row, peak)), inputs.temperature))
 
     def at_least(floor: int) -> int:
         """1 where ``scaled`` >= ``floor`` (a tensor of one), else 0."""
-        below = keep(g.ggml_step(ctx, keep(g.ggml_add(
-            ctx, keep(g.ggml_scale_bias(ctx, scaled, -1.0, 0.0)), floor))))
-        return keep(g.ggml_scale_bias(ctx, below, -1.0, 1.0))
+        return _not(ctx, keep(g.ggml_step(ctx, keep(g.ggml_add(
+            ctx, keep(g.ggml_scale_bias(ctx, scaled, -1.0, 0.0)), floor)))), keep)
 
+    exps = keep(g.ggml_exp(ctx, scaled))
     kept = at_least(inputs.floor)
     if 0 < top_k < n:
-        best = keep(g.ggml_get_rows(ctx, keep(g.ggml_reshape_2d(ctx, scaled, 1, n)),
+        best = keep(g.ggml_get_rows(ctx, _column(ctx, scaled, keep),
                                     keep(g.ggml_top_k(ctx, scaled, top_k))))
         lowest = keep(g.ggml_argmax(ctx, keep(g.ggml_scale_bias(
             ctx, keep(g.ggml_reshape_1d(ctx, best, top_k)), -1.0, 0.0))))
-        kept = keep(g.ggml_mul(ctx, kept, at_least(keep(g.ggml_get_rows(ctx, best, lowest)))))
-    weights = keep(g.ggml_mul(ctx, keep(g.ggml_exp(ctx, scaled)), kept))
+        cut = at_least(keep(g.ggml_get_rows(ctx, best, lowest)))
+        kept = keep(g.ggml_mul(ctx, kept, cut))
+        exps_cut = keep(g.ggml_mul(ctx, exps, cut))
+    else:
+        exps_cut = exps
+    if inputs.mass is not None:
+        kept = keep(g.ggml_mul(ctx, kept, _nucleus(ctx, scaled, exps_cut, inputs.mass, keep)))
+    weights = keep(g.ggml_mul(ctx, exps, kept))
     return _inverse_cdf(ctx, weights, candidates, inputs.uniform, keep), made
 
 
-def _inverse_cdf(ctx: int, weights: int, candidates: int | None, uniform: int,
-                 keep: Callable[[int], int]) -> int:
-    """The id ``uniform`` draws from a row of n ``weights`` (``draw_graph``'s index), every
-    tensor made handed to ``keep``."""
+def _column(ctx: int, row: int, keep: Callable[[int], int]) -> int:
+    """A row of n as n rows of one, which ``ggml_get_rows`` picks entries of."""
+    g = _ggml()
+    return keep(g.ggml_reshape_2d(ctx, row, 1, g.ggml_nelements(row)))
+
+
+def _not(ctx: int, mask: int, keep: Callable[[int], int]) -> int:
+    """1 - ``mask``."""
+    return keep(_ggml().ggml_scale_bias(ctx, mask, -1.0, 1.0))
+
+
+def _nucleus(ctx: int, scaled: int, weights: int, mass: int,
+             keep: Callable[[int], int]) -> int:
+    """1 for the ids of the top-p nucleus of a row, 0 elsewhere: the smallest set of the most
+    likely ids whose ``weights`` (0 for an id a cut dropped) hold ``mass`` of their total, as
+    the host's ``_nucleus`` (``worker/engine/sampling.py``), in id order.
+
+    The row is sorted by ``scaled`` (descending) only to find where the nucleus ends: ``c``,
+    the number of sorted entries whose cumulative weight is still below ``mass x total``,
+    plus one, and ``t``, the ``scaled`` of the c-th. The nucleus is every id above ``t`` and,
+    of the ids at ``t``, as many of the lowest as make ``c`` in all: how the host orders ties
+    (by id), whatever order the device's sort gave them. Sorted by ``scaled``, not by the
+    weights: two ``scaled`` values close below 0 can round to one float32 weight, and the host
+    orders them by ``scaled`` (its float64 weights keep them apart)."""
+    g = _ggml()
+    n = int(g.ggml_nelements(scaled))
+    order = keep(g.ggml_argsort(ctx, scaled, _GGML_SORT_ORDER_DESC))
+    by_weight = keep(g.ggml_get_rows(ctx, _column(ctx, weights, keep), order))
+    cdf, total = _cumsum(ctx, keep(g.ggml_reshape_1d(ctx, by_weight, n)), keep)
+    goal = keep(g.ggml_mul(ctx, mass, total))
+    # #{cdf < goal} (the padding past n holds the total, never below it), clamped to a row.
+    below = keep(g.ggml_clamp(ctx, keep(g.ggml_sum(ctx, keep(g.ggml_step(ctx, keep(g.ggml_add(
+        ctx, keep(g.ggml_scale_bias(ctx, cdf, -1.0, 0.0)), goal)))))), 0.0, float(n - 1)))
+    last = keep(g.ggml_cast(ctx, below, _GGML_TYPE_I32))
+    by_scaled = keep(g.ggml_get_rows(ctx, _column(ctx, scaled, keep), order))
+    edge = keep(g.ggml_get_rows(ctx, by_scaled, last))  # t
+    over = keep(g.ggml_sub(ctx, scaled, edge))
+    above = keep(g.ggml_step(ctx, over))
+    under = keep(g.ggml_step(ctx, keep(g.ggml_scale_bias(ctx, over, -1.0, 0.0))))
+    at_edge = _not(ctx, keep(g.ggml_add(ctx, above, under)), keep)
+    # The ids at t to keep: c - #{above t}, the lowest first (their rank in id order).
+    room = keep(g.ggml_sub(ctx, keep(g.ggml_scale_bias(ctx, below, 1.0, 1.5)),
+                           keep(g.ggml_sum(ctx, above))))
+    ranks, _ = _cumsum(ctx, at_edge, keep)
+    rank = keep(g.ggml_view_1d(ctx, keep(g.ggml_reshape_1d(ctx, ranks, g.ggml_nelements(
+        ranks))), n, 0))
+    within = keep(g.ggml_step(ctx, keep(g.ggml_scale_bias(
+        ctx, keep(g.ggml_sub(ctx, rank, room)), -1.0, 0.0))))
+    return keep(g.ggml_add(ctx, above, keep(g.ggml_mul(ctx, at_edge, within))))
+
+
+def _cumsum(ctx: int, weights: int, keep: Callable[[int], int]) -> tuple[int, int]:
+    """The cumulative sum of a row of n ``weights`` in two levels (the module's docstring),
+    padded with zeros to m x :data:`BLOCK` entries (a BLOCK x m tensor), and its total (one
+    float)."""
     g = _ggml()
     n = int(g.ggml_nelements(weights))
     block = min(BLOCK, n)
@@ -206,7 +280,17 @@ def _inverse_cdf(ctx: int, weights: int, candidates: int | None, uniform: int,
     ends = keep(g.ggml_cumsum(ctx, totals))
     starts = keep(g.ggml_reshape_2d(ctx, keep(g.ggml_sub(ctx, ends, totals)), 1, m))
     cdf = keep(g.ggml_add(ctx, within, starts))
-    total = keep(g.ggml_view_1d(ctx, ends, 1, (m - 1) * ctypes.sizeof(_F32)))
+    return cdf, keep(g.ggml_view_1d(ctx, ends, 1, (m - 1) * ctypes.sizeof(_F32)))
+
+
+def _inverse_cdf(ctx: int, weights: int, candidates: int | None, uniform: int,
+                 keep: Callable[[int], int]) -> int:
+    """The id ``uniform`` draws from a row of n ``weights`` (``draw_graph``'s index), every
+    tensor made handed to ``keep``."""
+    g = _ggml()
+    n = int(g.ggml_nelements(weights))
+    cdf, total = _cumsum(ctx, weights, keep)
+    padded = int(g.ggml_nelements(cdf))
     target = keep(g.ggml_mul(ctx, uniform, total))
     above = keep(g.ggml_sum(ctx, keep(g.ggml_step(ctx, keep(g.ggml_sub(ctx, cdf, target))))))
     above = keep(g.ggml_clamp(ctx, above, float(padded - n + 1), float(padded)))
@@ -220,17 +304,21 @@ def _inverse_cdf(ctx: int, weights: int, candidates: int | None, uniform: int,
 
 class RowInputs(NamedTuple):
     """One row's input tensors of its draw (one float each): the temperature, the min-p floor
-    (``log(min_p)`` on the scaled logits, :data:`NO_FLOOR` without one) and the uniform."""
+    (``log(min_p)`` on the scaled logits, :data:`NO_FLOOR` without one), the uniform, and the
+    top-p mass (None: a graph without a nucleus; an input the graph does not use would have
+    no memory to be set in)."""
 
     temperature: int
     floor: int
     uniform: int
+    mass: int | None = None
 
     @staticmethod
-    def new(ctx: int) -> RowInputs:
+    def new(ctx: int, nucleus: bool = False) -> RowInputs:
         """Fresh inputs in ``ctx``: a row's own, shared with no other row (the module's
         docstring)."""
-        return RowInputs(_input(ctx), _input(ctx), _input(ctx))
+        return RowInputs(_input(ctx), _input(ctx), _input(ctx),
+                         _input(ctx) if nucleus else None)
 
 
 def _input(ctx: int) -> int:
@@ -276,11 +364,36 @@ def _device_runs(buft: int | None, made: Callable[[int, int], list[int]]) -> boo
         g.ggml_free(ctx)
 
 
-def device_supports_draws(buft: int | None, top_k: int = 0) -> bool:
-    """Whether the device behind ``buft`` runs every op of a row's keyed draw cut to
-    ``top_k``."""
+class Shape(NamedTuple):
+    """What of a draw's cuts shapes its graph rather than its inputs: the top-k (the size of
+    an op) and whether it has a nucleus (its ops are there or not). Draws of one shape share
+    a chain; the temperature, the min-p floor and the top-p mass are only inputs."""
+
+    top_k: int = 0
+    nucleus: bool = False
+
+    @staticmethod
+    def of(draws: Draws) -> Shape:
+        return Shape(draws.top_k, draws.top_p < 1.0)
+
+
+def device_supports_draws(buft: int | None, shape: Shape) -> bool:
+    """Whether the device behind ``buft`` runs every op of a row's keyed draw of ``shape``
+    (a nucleus needs ``argsort``: ggml's CUDA runs it on a 262k row only when built with
+    CUB)."""
     return _device_runs(buft, lambda ctx, logits: draw_graph(
-        ctx, logits, None, RowInputs.new(ctx), top_k)[1])
+        ctx, logits, None, RowInputs.new(ctx, shape.nucleus), shape.top_k)[1])
+
+
+def sorts_cheaply(buft: int | None, n_vocab: int) -> bool:
+    """Whether the device behind ``buft`` sorts a row of ``n_vocab`` ids for a nucleus at less
+    cost than the host's nucleus: a GPU does; the CPU backend only up to
+    :data:`CPU_SORT_MAX` ids."""
+    g = _ggml()
+    device = g.ggml_backend_buft_get_device(buft) if buft else None
+    on_cpu = not device or g.ggml_backend_dev_type(device) in (_DEVICE_TYPE_CPU,
+                                                               _DEVICE_TYPE_ACCEL)
+    return not on_cpu or n_vocab <= CPU_SORT_MAX
 
 
 def device_supports_top2(buft: int | None) -> bool:
@@ -299,6 +412,8 @@ class DeviceChain:
         #: Whether the output device runs the sampler's ops (``backend_init``'s answer); a
         #: chain llama.cpp took without them samples nothing.
         self.supported = False
+        #: Why it does not, where it does not.
+        self.refusal = "the output device lacks an op of the sampler: its rows are read on the host"
         self._error: BaseException | None = None
         i = llama_cpp
         # The callbacks and the interface must outlive the chain: llama.cpp holds pointers.
@@ -394,17 +509,18 @@ class Top2Chain(DeviceChain):
 class KeyedChain(DeviceChain):
     """A sampled sequence's chain of a single keyed-draw sampler, and the draws behind it.
 
-    ``draws`` may be replaced between requests of the same ``top_k`` (a sequence keeps its
-    chain: an attach costs the next decode a graph rebuild); the temperature and the min-p
-    floor are inputs, so they change nothing in the graph, but ``top_k`` is the size of an op
-    in it: another cut needs another chain."""
+    ``draws`` may be replaced between requests of the same :class:`Shape` (a sequence keeps
+    its chain: an attach costs the next decode a graph rebuild); the temperature, the min-p
+    floor and the top-p mass are inputs, so they change nothing in the graph, but ``top_k`` is
+    the size of an op in it and a nucleus adds ops: another shape needs another chain."""
 
     _NAME = ctypes.create_string_buffer(b"specfleet-keyed-dist")
 
-    def __init__(self, draws: Draws) -> None:
+    def __init__(self, draws: Draws, n_vocab: int) -> None:
         self.draws = draws
-        #: The cut the graph is built with (``draws`` keep it while they are replaced).
-        self.top_k = draws.top_k
+        #: The shape the graph is built with (``draws`` keep it while they are replaced).
+        self.shape = Shape.of(draws)
+        self._n_vocab = n_vocab
         #: Each row's input tensors in the graph being built.
         self._inputs: list[RowInputs] = []
         self._staged: deque[float] = deque()
@@ -427,12 +543,17 @@ class KeyedChain(DeviceChain):
                              f"left {left} staged uniform(s) unused")
 
     def supports(self, buft: int | None) -> bool:
-        return device_supports_draws(buft, self.top_k)
+        if self.shape.nucleus and not sorts_cheaply(buft, self._n_vocab):
+            self.refusal = (f"the output layer is on the CPU, where sorting {self._n_vocab} ids "
+                            "for a top-p nucleus costs more than the host's nucleus: sampled "
+                            "rows are read on the host")
+            return False
+        return device_supports_draws(buft, self.shape)
 
     def build(self, ctx: int, row: Any) -> None:
-        inputs = RowInputs.new(ctx)
+        inputs = RowInputs.new(ctx, self.shape.nucleus)
         self._inputs.append(inputs)
-        row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, inputs, self.top_k)
+        row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, inputs, self.shape.top_k)
         _outputs(row.sampled)
         # Neither the row's logits nor its probabilities go back to the host: only the id.
         row.logits = row.probs = None
@@ -442,6 +563,7 @@ class KeyedChain(DeviceChain):
         min_p = self.draws.min_p
         temperature = _F32(self.draws.temperature)
         floor = _F32(math.log(min_p) if min_p > 0.0 else NO_FLOOR)
+        mass = _F32(self.draws.top_p)
         for inputs in self._inputs:
             if self._staged:
                 value = _F32(self._staged.popleft())
@@ -451,6 +573,8 @@ class KeyedChain(DeviceChain):
             g.ggml_backend_tensor_set(inputs.temperature, ctypes.byref(temperature), 0, 4)
             g.ggml_backend_tensor_set(inputs.floor, ctypes.byref(floor), 0, 4)
             g.ggml_backend_tensor_set(inputs.uniform, ctypes.byref(value), 0, 4)
+            if inputs.mass is not None:
+                g.ggml_backend_tensor_set(inputs.mass, ctypes.byref(mass), 0, 4)
 
     def reset(self) -> None:
         self._inputs.clear()
