@@ -35,6 +35,10 @@ failure and exits non-zero if any check failed.
 - ``device-verify``: the same bench at K = 1 and 8 with greedy verify rows reduced on the
   device and with every row read by Python: tokens per second, the host's share of a step,
   logits rows read a token (none with it on; docs/engine.md, "Verify on the device").
+- ``device-draws``: sampled rows drawn on the GPU (``bench/spec_sampling.py
+  --device-compare --gpu``, small): every draw kind, a top-p nucleus over Gemma's vocabulary
+  included, draws on the device and is compared with the host's draw; no logits row is read
+  with device verify on at T 0.7 and top-p 0.9.
 - ``spec-targets``: issue 47's targets for the default drafter on the GPU, from
   ``bench/slots.py`` (plain against default, 2 rounds, 64 tokens a request, the worker's
   defaults: verify on the device, replayable shapes): at least plain's aggregate at K = 1,
@@ -460,6 +464,33 @@ def check_device_verify(ctx: Context, check: Check) -> None:
                       "the default drafter read no logits row with device verify on")
 
 
+def check_device_draws(ctx: Context, check: Check) -> None:
+    """Sampled rows drawn on the GPU (``bench/spec_sampling.py --device-compare --gpu``): the
+    side by side at T 0.7 and top-p 0.9 reads no logits row with device verify on, and every
+    draw kind, the top-p nucleus over Gemma's 262,144 ids included (ggml's CUDA argsort, CUB
+    for so wide a row), draws on the device, each compared with the host's draw from the same
+    row and uniform."""
+    if ctx.args.device == "cpu":
+        check.status = "skipped"
+        check.notes.append("on a CPU a nucleus over Gemma's vocabulary is read, not drawn "
+                           "(device_sampling.CPU_SORT_MAX); tests/engine/test_draw_graph.py "
+                           "computes the graph on the CPU backend")
+        return
+    done = _bench(ctx, check, "spec_sampling.py", "--device-compare", "--reps", "1", "--seeds",
+                  "1", "--tokens", "32", "--draw-seeds", "10", "--markdown", *_gemma(ctx),
+                  timeout=900)
+    if done.returncode != 0:
+        return
+    summary, end = json.JSONDecoder().raw_decode(done.stdout)  # then its markdown tables
+    check.figures = {"draws": summary["draws"], "output": done.stdout[end:].strip()}
+    check.require(all(v == 1.0 for d in summary["draws"].values()
+                      for k, v in d.items() if k.endswith("on the device")),
+                  "every draw kind, a top-p nucleus included, draws on the device")
+    check.require(all(c["rows_read_per_token"] == 0 for by_config in summary["medians"].values()
+                      for name, c in by_config.items() if name.endswith("device-on")),
+                  "no logits row read with device verify on (T 0.7, top-p 0.9)")
+
+
 #: Issue 47's targets for the default drafter on a GPU: its aggregate over plain's at every
 #: K of the task mix, over plain's on copy-heavy requests at K = 1, and the most of its step
 #: the host may take (wall time less the target's decodes).
@@ -665,7 +696,8 @@ CHECKS: dict[str, Callable[[Context, Check], None]] = {
     "sampling": check_sampling, "greedy": check_greedy, "device-rows": check_device_rows,
     "deterministic": check_deterministic,
     "service": check_service, "decode-timing": check_decode_timing, "slots": check_slots,
-    "device-verify": check_device_verify, "spec-targets": check_spec_targets,
+    "device-verify": check_device_verify, "device-draws": check_device_draws,
+    "spec-targets": check_spec_targets,
     "device-group": check_device_group,
 }
 

