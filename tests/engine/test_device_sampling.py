@@ -33,7 +33,9 @@ from worker.engine.core.draft import Draft
 from worker.engine.engine import EngineConfig, SpeculativeEngine
 from worker.engine.sampling import (
     DeviceRandomSampler,
+    GreedySampler,
     KeyedDraws,
+    Penalties,
     RandomSampler,
     target_distribution,
     verifies_on_device,
@@ -315,6 +317,77 @@ def test_cut_sampling_on_the_device_draws_the_hosts_tokens(soft_dense: Path) -> 
     assert differ >= len(CUTS) * 3, "the cuts never changed a draw"
 
 
+#: Bias and penalties the device applies before its draw, alone and with cuts.
+PENALISED = [SamplingParams(temperature=1.0, repetition_penalty=1.3),
+             SamplingParams(temperature=1.1, presence_penalty=0.8, frequency_penalty=0.4),
+             SamplingParams(temperature=0.9, logit_bias={7: 3.0, 100: -50.0}),
+             SamplingParams(temperature=1.2, top_k=30, top_p=0.9, repetition_penalty=1.2,
+                            frequency_penalty=0.3, logit_bias={12: 1.5})]
+
+
+def test_penalised_sampling_on_the_device_draws_the_hosts_tokens(soft_dense: Path) -> None:
+    """The bias and the repetition, presence and frequency penalties are applied on the
+    device, each verify row for the tokens it has seen (the committed ones and the drafts
+    before it): plain sampling and n-gram speculation there give the host's tokens seed for
+    seed, no row read, and the penalties changed the draws (the same seeds without them
+    differ). Fresh engines of one history, as the cut test's."""
+    differ = 0
+    with _engine(soft_dense) as device, _engine(soft_dense, device=False) as host:
+        text = [*PROMPT, *host.generate(PROMPT, 40, PLAIN).tokens]
+        assert device.generate(PROMPT, 40, PLAIN).tokens == text[len(PROMPT):]
+        rows = device.target.rows_read
+        for params in PENALISED:
+            for seed in SEEDS[:4]:
+                bare = params.model_copy(update={
+                    "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "logit_bias": {}, "seed": seed})
+                runs = []
+                for spec, sampled in ((NGRAM, _seeded(seed, params)),
+                                      (PLAIN, _seeded(seed, params)), (PLAIN, bare)):
+                    on_host = host.generate(text, 60, spec, sampling=sampled).tokens
+                    got = device.generate(text, 60, spec, sampling=sampled).tokens
+                    assert got == on_host, f"{sampled} {spec.method}"
+                    runs.append(got)
+                differ += runs[1] != runs[2]
+        assert device.target.rows_read == rows
+    assert differ >= len(PENALISED) * 2, "the penalties never changed a draw"
+
+
+def test_a_growing_history_grows_the_chain(soft_dense: Path) -> None:
+    """A row's adjustment covers every id its request has seen (the repetition penalty): as
+    the history grows past the chain's room, the chain is replaced by a wider one before the
+    decode, and every row's draw is still the host's from its penalised logits."""
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.4, frequency_penalty=0.2)
+    spec = ContextSpec(n_ctx=N_CTX, n_batch=32, n_ubatch=32, n_seq_max=1, n_outputs_max=32,
+                       n_outputs_max_per_seq=32, n_threads=1)
+    history = list(range(0, 60, 2))  # the prompt: 30 ids
+    draws = KeyedDraws(9, params.temperature, penalties=Penalties(params, history, 30))
+    rooms = []
+    with Model(ModelSpec(str(soft_dense), n_gpu_layers=GPU_LAYERS)) as model, \
+            Context(model, spec) as device, Context(model, spec) as host, Batch(32) as batch:
+        assert device.sample_on_device(0, draws) is draws
+        rows = 0
+        for step in range(40):
+            new = history if step == 0 else [(37 * step + 5 * i) % 256 for i in range(6)]
+            batch.clear()
+            batch.add(new, 0 if step == 0 else len(history), True, seq=0)
+            row0 = batch.n_tokens - len(new)
+            device.decode(batch)
+            host.decode(batch)
+            known = history if step == 0 else history + new
+            for i in range(len(new)):
+                at = (0 if step == 0 else len(history)) + i + 1
+                u = draws.uniforms([at])[0]
+                want = target_distribution(host.logits(row0 + i), params, known[:at], 30)
+                assert device.sampled(row0 + i) == want.pick(u), f"step {step} row {i}"
+                rows += 1
+            if step:
+                history += new
+            rooms.append(device._keyed[0].capacity)  # the chain in use (a test's peek)
+        assert device.rows_read == 0
+    assert rooms[0] == 64 and rooms[-1] == 256 and 128 in rooms, rooms
+
+
 def test_the_top_k_cut_keeps_every_id_tied_with_the_kth() -> None:
     """vLLM's rule, which the device's graph follows: ties at the k-th largest logit are kept
     (a rule that does not depend on how a sort orders them)."""
@@ -326,11 +399,11 @@ def test_the_top_k_cut_keeps_every_id_tied_with_the_kth() -> None:
 
 
 @pytest.mark.parametrize(("params", "logprobs", "grammar"), [
-    (SamplingParams(temperature=0.9, presence_penalty=0.5), None, None),
-    (SamplingParams(temperature=0.9, logit_bias={7: 2.0}), None, None),
+    (SamplingParams(presence_penalty=0.5), None, None),
+    (SamplingParams(logit_bias={7: 2.0}), None, None),
     (WARM, 2, None),
     (WARM, None, "[0-9a-f]{1,40}"),
-], ids=["penalty", "bias", "logprobs", "grammar"])
+], ids=["greedy-penalty", "greedy-bias", "logprobs", "grammar"])
 def test_requests_the_device_cannot_draw_for_read_their_rows(
         device: SpeculativeEngine, host: SpeculativeEngine, params: SamplingParams,
         logprobs: int | None, grammar: str | None) -> None:
@@ -343,7 +416,7 @@ def test_requests_the_device_cannot_draw_for_read_their_rows(
     slot = device.admit(request)
     device.cancel(slot)
     device.step()
-    assert type(slot.sampler) is RandomSampler
+    assert type(slot.sampler) in (RandomSampler, GreedySampler)
     assert _run(device, [request])[0].tokens == _run(host, [request])[0].tokens
     assert device.target.rows_read > rows
 

@@ -1,7 +1,8 @@
 """The device's keyed draw, graph by graph: ``draw_graph`` built in a ggml context of its own and
 computed by ggml's CPU backend on rows made to test it (ties at the k-th logit and at the end
 of the top-p nucleus, rows over several blocks of the cumulative sum, padding), against the
-host's ``target_distribution``. An engine test draws through llama.cpp on a model's rows
+host's ``target_distribution``; the bias and penalties' adjustment against the host's
+``penalised_logits``, bit for bit. An engine test draws through llama.cpp on a model's rows
 (``test_device_sampling.py``); here the rows are chosen, so the edge cases are there for sure.
 """
 
@@ -15,9 +16,15 @@ import numpy as np
 import pytest
 
 from shared.protocol import SamplingParams
-from worker.engine.sampling import _nucleus, target_distribution
+from worker.engine.sampling import _nucleus, adjustment, penalised_logits, target_distribution
 from worker.llm import device_sampling
-from worker.llm.device_sampling import NO_FLOOR, RowInputs, draw_graph
+from worker.llm.device_sampling import (
+    NO_FLOOR,
+    AdjustInputs,
+    RowInputs,
+    _adjusted,
+    draw_graph,
+)
 
 _P = ctypes.c_void_p
 #: Room for one row's graph and its tensors' data (a few rows of a few thousand floats each).
@@ -171,3 +178,52 @@ def test_a_nucleus_over_every_id_draws_as_no_cut(ggml: tuple[ctypes.CDLL, ctypes
     uncut = SamplingParams(temperature=1.0)
     want = [target_distribution(z, uncut, [], 0).pick(u) for u in uniforms]
     assert _draws(ggml, z, SamplingParams(temperature=1.0, top_p=0.9999999), uniforms) == want
+
+
+ADJUSTED = [SamplingParams(temperature=1.0, repetition_penalty=1.3),
+            SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.3),
+            SamplingParams(temperature=1.0, logit_bias={3: 5.0, 40: -100.0, 77: 0.25}),
+            SamplingParams(temperature=1.0, logit_bias={5: 2.0, 9: -1.5},
+                           repetition_penalty=0.8, presence_penalty=-0.5,
+                           frequency_penalty=0.2)]
+
+
+@pytest.mark.parametrize("params", ADJUSTED, ids=["repetition", "presence+frequency", "bias",
+                                                  "all"])
+def test_the_adjusted_row_is_the_hosts_bit_for_bit(ggml: tuple[ctypes.CDLL, ctypes.CDLL],
+                                                   params: SamplingParams) -> None:
+    """The device's bias and penalties (gather, change, scatter back over room for more ids
+    than change: the padding changes nothing) give the host's ``penalised_logits`` exactly,
+    on logits of both signs (the repetition penalty divides above 0 and multiplies below)."""
+    n, capacity = 700, 256
+    rng = np.random.default_rng(len(str(params)))
+    z = (rng.standard_normal(n) * 4).astype(np.float32)
+    history = rng.integers(0, n, 120).tolist()
+    change = adjustment(params, history, 50)
+    assert 0 < len(change.ids) < capacity
+    with graph(ggml, n, False) as g:
+        inputs = AdjustInputs.new(g.ctx, capacity)
+        out = _adjusted(g.ctx, g.logits, inputs, lambda t: t)
+        g.set(g.logits, z)
+        padded = change.padded(capacity, n)
+        for tensor, values in zip(inputs, padded, strict=True):
+            ctypes.memmove(ggml[0].ggml_get_data(tensor), values.ctypes.data, values.nbytes)
+        got = g.compute(out, n, np.float32)
+    want = penalised_logits(z, params, history, 50)
+    assert not np.array_equal(want, z), "the adjustment changed nothing"
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+def test_padding_an_adjustment_adds_distinct_ids_it_does_not_change() -> None:
+    """Room for more ids than an adjustment changes is filled with other ids, each distinct
+    (a scatter to one id twice is undefined), changed by nothing."""
+    params = SamplingParams(temperature=1.0, logit_bias={0: 1.0, 2: -1.0}, presence_penalty=0.5)
+    change = adjustment(params, [1, 4, 4], 1)  # id 1 is the prompt's: no penalty but repetition
+    assert change.ids.tolist() == [0, 2, 4] and change.minus.tolist() == [0, 0, 0.5]
+    padded = change.padded(9, 12)
+    assert len(set(padded.ids.tolist())) == 9
+    assert padded.ids[:3].tolist() == [0, 2, 4]
+    assert padded.bias[3:].tolist() == [0] * 6 and padded.penalty[3:].tolist() == [1] * 6
+    assert padded.minus[3:].tolist() == [0] * 6
+    with pytest.raises(ValueError, match="3 ids over 2"):
+        change.padded(2, 12)

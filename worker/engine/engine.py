@@ -206,8 +206,10 @@ class SpeculativeEngine:
                                       request.prefix_cache)
         reused = self.prefix.apply(placement, self.target, self.head, follows)
         seq = placement.seq
+        history = list(request.prompt_tokens)
         on_device = self.plan.device_verify and verifies_on_device(
-            request.sampling, request.logprobs, constraint is not UNCONSTRAINED, follows)
+            request.sampling, request.logprobs, constraint is not UNCONSTRAINED, follows,
+            history)
         on_device = self.target.sample_on_device(seq, on_device)
         sampler = make_sampler(request.sampling, len(request.prompt_tokens), on_device)
         proposer = request.proposer or make_proposer(
@@ -223,7 +225,7 @@ class SpeculativeEngine:
             stream=TextStream(self.model, request.stop),
             counters=counters,
             rollback_before=self.rollback.telemetry(seq),
-            history=list(request.prompt_tokens),
+            history=history,
             constraint=constraint,
             prefilled=placement.keep,
         )

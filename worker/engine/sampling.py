@@ -31,8 +31,8 @@ device").
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
@@ -43,6 +43,7 @@ from worker.engine.core.distribution import Distribution
 from worker.engine.core.draft import Draft
 from worker.engine.core.sampler import Sampler
 from worker.llm import Context
+from worker.llm.device_sampling import Adjustment
 
 _MASK64 = (1 << 64) - 1
 #: Log-probability floors (relative to the top token) tried in turn to find the ``top_p``
@@ -95,32 +96,48 @@ def accept_or_resample(p: Distribution, q: Distribution, x: int, u: float) -> tu
     return False, p.residual(q).pick(min(rest / (1.0 - a), np.nextafter(1.0, 0.0)))
 
 
+def adjustment(params: SamplingParams, history: Sequence[int], n_prompt: int) -> Adjustment:
+    """What ``logit_bias`` and the penalties change in the logits of a row that has seen
+    ``history`` (its first ``n_prompt`` tokens the prompt): the bias of each biased id, the
+    repetition penalty of every id of ``history``, and the presence and frequency penalties of
+    each id of its generated part, as one :class:`~worker.llm.device_sampling.Adjustment`.
+    One decision for both sides: the host applies it (:func:`penalised_logits`) and the
+    device's draw applies it op for op (``device_sampling._adjusted``)."""
+    f32 = np.float32
+    none = np.zeros(0, np.int64)
+    bias_ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
+    seen = (np.unique(np.asarray(history, dtype=np.int64))
+            if params.repetition_penalty != 1.0 and len(history) else none)
+    generated = history[n_prompt:]
+    gen_ids, counts = (np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+                       if (params.presence_penalty or params.frequency_penalty)
+                       and len(generated) else (none, none))
+    ids = np.union1d(np.union1d(bias_ids, seen), gen_ids)
+    bias = np.zeros(len(ids), f32)
+    bias[np.searchsorted(ids, bias_ids)] = np.fromiter(params.logit_bias.values(), f32,
+                                                       len(bias_ids))
+    penalty = np.ones(len(ids), f32)
+    penalty[np.searchsorted(ids, seen)] = params.repetition_penalty
+    minus = np.zeros(len(ids), f32)
+    minus[np.searchsorted(ids, gen_ids)] = (params.presence_penalty
+                                            + params.frequency_penalty * counts).astype(f32)
+    return Adjustment(ids.astype(np.int32), bias, penalty, minus)
+
+
 def penalised_logits(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
                      n_prompt: int) -> np.ndarray:
     """``logits`` (a view, left untouched) with ``logit_bias`` added, the repetition penalty
     over every token of ``history`` and the presence / frequency penalties over its generated
-    part (``history[n_prompt:]``); the view itself when none is on. The bias is part of the
-    target distribution, so drafts are verified against it and speculation stays lossless."""
+    part (``history[n_prompt:]``): :func:`adjustment`, applied in float32; the view itself when
+    none is on. The bias is part of the target distribution, so drafts are verified against
+    it and speculation stays lossless."""
     if not params.adjusted:
         return logits
+    change = adjustment(params, history, n_prompt)
     z = logits.astype(np.float32, copy=True)
-    if params.logit_bias:
-        _add_bias(z, params)
-    if params.repetition_penalty != 1.0 and history:
-        seen = np.unique(np.asarray(history, dtype=np.int64))
-        v = z[seen]
-        z[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
-    generated = history[n_prompt:]
-    if (params.presence_penalty or params.frequency_penalty) and generated:
-        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
-        z[ids] -= params.presence_penalty + params.frequency_penalty * counts
+    v = z[change.ids] + change.bias
+    z[change.ids] = np.where(v > 0, v / change.penalty, v * change.penalty) - change.minus
     return z
-
-
-def _add_bias(z: np.ndarray, params: SamplingParams) -> None:
-    """``logit_bias`` added in place to the row ``z``."""
-    ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
-    z[..., ids] += np.fromiter(params.logit_bias.values(), dtype=np.float32)
 
 
 def target_distribution(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
@@ -297,19 +314,48 @@ class DeviceGreedySampler(_DeviceVerify, GreedySampler):
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """A request's bias and penalties, for the device's draws: its parameters and its
+    slot's history (the engine's own list, which grows as tokens are committed)."""
+
+    params: SamplingParams
+    history: list[int]
+    n_prompt: int
+
+    def before(self, position: int, batch: Mapping[int, int]) -> list[int]:
+        """The tokens a row drawing the token at ``position`` has seen: the committed ones,
+        then the decode's own (its drafts) up to that position."""
+        history = self.history
+        return history[:position] + [batch[q] for q in range(len(history), position)]
+
+
+@dataclass(frozen=True)
 class KeyedDraws:
     """A sampled request's draws on the device (:class:`~worker.llm.device_sampling.Draws`):
-    its temperature, its top-k, top-p and min-p cuts (0, 1 and 0: none), and the keyed
-    uniform of each position, the very ones :meth:`RandomSampler.verify` uses."""
+    its temperature, its top-k, top-p and min-p cuts (0, 1 and 0: none), the keyed uniform of
+    each position (the very ones :meth:`RandomSampler.verify` uses), and its bias and
+    penalties (None: none), each row's :func:`adjustment`."""
 
     seed: int
     temperature: float
     top_k: int = 0
     min_p: float = 0.0
     top_p: float = 1.0
+    penalties: Penalties | None = field(default=None, compare=False)
+
+    @property
+    def adjusts(self) -> bool:
+        return self.penalties is not None
 
     def uniforms(self, positions: Sequence[int]) -> list[float]:
         return [keyed_uniform(self.seed, p, Stream.TARGET) for p in positions]
+
+    def adjustments(self, positions: Sequence[int],
+                    batch: Mapping[int, int]) -> list[Adjustment]:
+        pen = self.penalties
+        if pen is None:
+            return []
+        return [adjustment(pen.params, pen.before(p, batch), pen.n_prompt) for p in positions]
 
 
 class DeviceRandomSampler(_DeviceVerify, RandomSampler):
@@ -326,22 +372,28 @@ class DeviceRandomSampler(_DeviceVerify, RandomSampler):
 
 
 def verifies_on_device(params: SamplingParams, logprobs: int | None, constrained: bool,
-                       head_drafts: bool = False) -> bool | KeyedDraws:
+                       head_drafts: bool = False,
+                       history: list[int] | None = None) -> bool | KeyedDraws:
     """How a request's verify rows can be reduced on the device: True (greedy on the raw
-    logits: each row's top two), its :class:`KeyedDraws` (sampled from the temperature and the
-    top-k, top-p and min-p cuts: each row's keyed draw; the seed is fixed here, drawn when the
-    request has none), or False (read on the host). Neither with a grammar mask or logprobs
-    (they need the row), nor with a bias or penalties. Sampled requests also not when the
-    draft head drafts for them (``head_drafts``: its drafts are sampled from its own
-    distribution, and their test needs both distributions' values at the draft)."""
-    if params.adjusted or logprobs is not None or constrained:
+    logits: each row's top two), its :class:`KeyedDraws` (sampled from the bias, the
+    penalties, the temperature and the top-k, top-p and min-p cuts: each row's keyed draw;
+    the seed is fixed here, drawn when the request has none), or False (read on the host).
+    Never with a grammar mask or logprobs (they need the row). Sampled requests also not when
+    the draft head drafts for them (``head_drafts``: its drafts are sampled from its own
+    distribution, and their test needs both distributions' values at the draft); with a bias
+    or penalties only given ``history``, the slot's own list, its prompt so far (the device
+    adjusts each row for what it has seen). Greedy requests with a bias or penalties read
+    their rows: the top-two chain takes the raw logits."""
+    if logprobs is not None or constrained:
         return False
     if params.greedy:
-        return True
-    if head_drafts:
+        return not params.adjusted
+    if head_drafts or (params.adjusted and history is None):
         return False
+    penalties = (Penalties(params, history, len(history))
+                 if params.adjusted and history is not None else None)
     return KeyedDraws(request_seed(params), params.temperature, params.top_k, params.min_p,
-                      params.top_p)
+                      params.top_p, penalties)
 
 
 def request_seed(params: SamplingParams) -> int:

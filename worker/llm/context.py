@@ -186,8 +186,10 @@ class Context:
             batch.drop(len(pads))
 
     def _stage_draws(self, batch: Batch) -> None:
-        """Give each sequence that draws on the device the uniforms of its output rows in this
-        batch: row at position p draws the token at p + 1."""
+        """Give each sequence that draws on the device the uniforms (and adjustments) of its
+        output rows in this batch: row at position p draws the token at p + 1. A chain whose
+        adjustments outgrew it is replaced by one with room (:meth:`_regrow`) before the
+        decode, which then builds its graph anew."""
         raw = batch.raw
         positions: dict[int, list[int]] = {seq: [] for seq in self._keyed}
         outputs = np.ctypeslib.as_array(raw.logits, shape=(batch.n_tokens,))
@@ -196,8 +198,31 @@ class Context:
             if mine is not None:
                 mine.append(raw.pos[row] + 1)
                 self._keyed_rows.add(row)
-        for seq, keyed in self._keyed.items():
-            keyed.stage(positions[seq])
+        tokens: dict[int, dict[int, int]] = {seq: {} for seq, keyed in self._keyed.items()
+                                             if keyed.shape.adjusts}
+        if tokens:
+            for row in range(batch.n_tokens):
+                held = tokens.get(raw.seq_id[row][0])
+                if held is not None:
+                    held[raw.pos[row]] = raw.token[row]
+        for seq, keyed in list(self._keyed.items()):
+            held = tokens.get(seq, {})
+            need = keyed.stage(positions[seq], held)
+            if need > keyed.capacity:
+                self._regrow(seq, keyed, need).stage(positions[seq], held)
+
+    def _regrow(self, seq: int, keyed: KeyedChain, need: int) -> KeyedChain:
+        """``seq``'s keyed chain replaced by one whose rows' adjustments have room for
+        ``need`` ids (rounded up to a power of two, so a growing history rebuilds the graph
+        a few times, not at every new id)."""
+        grown = KeyedChain(keyed.draws, self._n_vocab, 1 << max(6, (need - 1).bit_length()))
+        self._detach(seq)
+        self._attach(seq, grown.chain, grown.free)
+        self._keyed[seq] = grown
+        if not grown.supported:  # the same shape ran on this device a moment ago
+            grown.settle()
+            raise LlamaError(f"the output device refused a keyed chain of {grown.capacity} ids")
+        return grown
 
     def synchronize(self) -> None:
         """Wait until the last decode has finished on the device.

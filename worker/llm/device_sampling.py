@@ -24,7 +24,9 @@ below ``u x total``. That index is the token plain host sampling draws with ``u`
 (``Distribution.pick``), up to float32 rounding (docs/sampling.md, "Sampling on the device").
 A top-p nucleus sorts the row on the device (``ggml_argsort``, as llama.cpp's own ``top_p``
 backend sampler does) only to find where the nucleus ends; the draw stays in id order, and
-ties at its end are kept by id, as the host's nucleus keeps them (:func:`_nucleus`).
+ties at its end are kept by id, as the host's nucleus keeps them (:func:`_nucleus`). A bias
+and penalties change the row first, bit for bit as the host does (:class:`Adjustment`,
+:func:`_adjusted`).
 
 The cumulative sum is taken in two levels (within blocks of :data:`BLOCK` ids, then over the
 block totals): ggml's CPU ``cumsum`` adds one float32 at a time, and past a running sum near
@@ -52,12 +54,13 @@ from __future__ import annotations
 import ctypes
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import llama_cpp
+import numpy as np
 
 from worker.llm.backend import LlamaError
 
@@ -73,6 +76,8 @@ BLOCK = 512
 #: The logits width llama.cpp probes a sampler's graph with (``llama_sampler_backend_probe``):
 #: the same for our own check of the device's ops.
 _PROBE_WIDTH = 128 * 1024
+#: The ids an adjustment of the probe's graph changes.
+_PROBE_IDS = 64
 #: Tensors one row's graph creates, with room to spare (the probe context's size).
 _PROBE_TENSORS = 192
 #: The widest row whose top-p nucleus the CPU backend sorts (a sequence whose output layer is
@@ -105,9 +110,53 @@ class Draws(Protocol):
     @property
     def min_p(self) -> float: ...
 
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits change before the draw (penalties, a bias: :class:`Adjustment`)."""
+        ...
+
     def uniforms(self, positions: Sequence[int]) -> list[float]:
         """The uniform deciding the token at each of ``positions``."""
         ...
+
+    def adjustments(self, positions: Sequence[int],
+                    batch: Mapping[int, int]) -> list[Adjustment]:
+        """What changes the logits of the row drawing the token at each of ``positions`` (it
+        has seen the tokens before that position: ``batch`` maps the positions this decode
+        holds to its tokens, drafts included); only where :attr:`adjusts`."""
+        ...
+
+
+class Adjustment(NamedTuple):
+    """One row's logits changed before its draw, for the ids it changes, as the host's
+    ``penalised_logits`` changes them: ``z[ids]`` becomes ``rep(z[ids] + bias) - minus``, where
+    ``rep(v)`` is ``v / penalty`` above 0 and ``v * penalty`` at or below (a penalty of 1: none).
+    Float32 arrays of one length; ``ids`` distinct (int32)."""
+
+    ids: np.ndarray
+    bias: np.ndarray
+    penalty: np.ndarray
+    minus: np.ndarray
+
+    def padded(self, capacity: int, n_vocab: int) -> Adjustment:
+        """This adjustment over ``capacity`` ids: the rest are ids it does not change, each
+        changed by nothing (a bias of 0, a penalty of 1, nothing taken off, which gives a
+        float32 back unchanged), distinct from its own (a scatter to one id twice is
+        undefined in ggml)."""
+        missing = capacity - len(self.ids)
+        if missing < 0:
+            raise ValueError(f"an adjustment of {len(self.ids)} ids over {capacity}")
+        spare = np.setdiff1d(np.arange(min(n_vocab, capacity + len(self.ids)), dtype=np.int32),
+                             self.ids, assume_unique=True)[:missing]
+        f32 = np.float32
+        return Adjustment(np.concatenate([self.ids, spare]).astype(np.int32),
+                          np.concatenate([self.bias, np.zeros(missing, f32)]).astype(f32),
+                          np.concatenate([self.penalty, np.ones(missing, f32)]).astype(f32),
+                          np.concatenate([self.minus, np.zeros(missing, f32)]).astype(f32))
+
+
+#: An adjustment that changes no id (a row llama.cpp builds beyond the staged ones).
+_UNCHANGED = Adjustment(np.zeros(0, np.int32), *(np.zeros(0, np.float32),) * 3)
 
 
 class _InitParams(ctypes.Structure):
@@ -142,6 +191,8 @@ def _ggml() -> ctypes.CDLL:
         ("ggml_sub", binary, _P),
         ("ggml_mul", binary, _P),
         ("ggml_get_rows", binary, _P),
+        ("ggml_set_rows", [_P, _P, _P, _P], _P),
+        ("ggml_dup", unary, _P),
         ("ggml_exp", unary, _P),
         ("ggml_argmax", unary, _P),
         ("ggml_cumsum", unary, _P),
@@ -186,6 +237,8 @@ def draw_graph(ctx: int, logits: int, candidates: int | None, inputs: RowInputs,
 
     n = int(g.ggml_nelements(logits))
     row = keep(g.ggml_reshape_1d(ctx, logits, n))
+    if inputs.adjust is not None:
+        row = _adjusted(ctx, row, inputs.adjust, keep)
     peak = keep(g.ggml_get_rows(ctx, _column(ctx, row, keep), keep(g.ggml_argmax(ctx, row))))
     scaled = keep(g.ggml_div(ctx, keep(g.ggml_sub(ctx, row, peak)), inputs.temperature))
 
@@ -210,6 +263,31 @@ def draw_graph(ctx: int, logits: int, candidates: int | None, inputs: RowInputs,
         kept = keep(g.ggml_mul(ctx, kept, _nucleus(ctx, scaled, exps_cut, inputs.mass, keep)))
     weights = keep(g.ggml_mul(ctx, exps, kept))
     return _inverse_cdf(ctx, weights, candidates, inputs.uniform, keep), made
+
+
+def _adjusted(ctx: int, row: int, adjust: AdjustInputs, keep: Callable[[int], int]) -> int:
+    """A copy of ``row`` with its row's :class:`Adjustment` applied: the ids it changes
+    gathered, changed op for op as the host's ``penalised_logits`` changes them (float32:
+    ``v = z + bias``, ``v / penalty`` where ``v > 0`` else ``v * penalty``, less ``minus``;
+    the two sides mixed by multiplying with 0 and 1, which is exact) and scattered back."""
+    g = _ggml()
+    n = int(g.ggml_nelements(row))
+    cap = int(g.ggml_nelements(adjust.ids))
+    column = keep(g.ggml_reshape_2d(ctx, keep(g.ggml_dup(ctx, row)), 1, n))
+
+    def lined(t: int) -> int:  # one value an id, as the gathered ids are laid out
+        return keep(g.ggml_reshape_2d(ctx, t, 1, cap))
+
+    value = keep(g.ggml_add(ctx, keep(g.ggml_get_rows(ctx, column, adjust.ids)),
+                            lined(adjust.bias)))
+    above = keep(g.ggml_step(ctx, value))
+    penalty = lined(adjust.penalty)
+    penalised = keep(g.ggml_add(
+        ctx, keep(g.ggml_mul(ctx, keep(g.ggml_div(ctx, value, penalty)), above)),
+        keep(g.ggml_mul(ctx, keep(g.ggml_mul(ctx, value, penalty)), _not(ctx, above, keep)))))
+    changed = keep(g.ggml_sub(ctx, penalised, lined(adjust.minus)))
+    return keep(g.ggml_reshape_1d(ctx, keep(g.ggml_set_rows(ctx, column, changed, adjust.ids)),
+                                  n))
 
 
 def _column(ctx: int, row: int, keep: Callable[[int], int]) -> int:
@@ -302,29 +380,45 @@ def _inverse_cdf(ctx: int, weights: int, candidates: int | None, uniform: int,
     return index
 
 
+class AdjustInputs(NamedTuple):
+    """One row's :class:`Adjustment` as input tensors of ``capacity`` entries each."""
+
+    ids: int
+    bias: int
+    penalty: int
+    minus: int
+
+    @staticmethod
+    def new(ctx: int, capacity: int) -> AdjustInputs:
+        return AdjustInputs(_input(ctx, capacity, _GGML_TYPE_I32), _input(ctx, capacity),
+                            _input(ctx, capacity), _input(ctx, capacity))
+
+
 class RowInputs(NamedTuple):
     """One row's input tensors of its draw (one float each): the temperature, the min-p floor
-    (``log(min_p)`` on the scaled logits, :data:`NO_FLOOR` without one), the uniform, and the
+    (``log(min_p)`` on the scaled logits, :data:`NO_FLOOR` without one), the uniform, the
     top-p mass (None: a graph without a nucleus; an input the graph does not use would have
-    no memory to be set in)."""
+    no memory to be set in), and its adjustment (None: the raw logits)."""
 
     temperature: int
     floor: int
     uniform: int
     mass: int | None = None
+    adjust: AdjustInputs | None = None
 
     @staticmethod
-    def new(ctx: int, nucleus: bool = False) -> RowInputs:
+    def new(ctx: int, nucleus: bool = False, capacity: int = 0) -> RowInputs:
         """Fresh inputs in ``ctx``: a row's own, shared with no other row (the module's
-        docstring)."""
+        docstring); ``capacity``: the ids its adjustment changes (0: none)."""
         return RowInputs(_input(ctx), _input(ctx), _input(ctx),
-                         _input(ctx) if nucleus else None)
+                         _input(ctx) if nucleus else None,
+                         AdjustInputs.new(ctx, capacity) if capacity else None)
 
 
-def _input(ctx: int) -> int:
-    """A new one-float input tensor of ``ctx``."""
+def _input(ctx: int, n: int = 1, kind: int = _GGML_TYPE_F32) -> int:
+    """A new input tensor of ``ctx``: ``n`` floats (or int32s)."""
     g = _ggml()
-    t = g.ggml_new_tensor_1d(ctx, _GGML_TYPE_F32, 1)
+    t = g.ggml_new_tensor_1d(ctx, kind, n)
     g.ggml_set_input(t)
     return int(t)
 
@@ -365,16 +459,19 @@ def _device_runs(buft: int | None, made: Callable[[int, int], list[int]]) -> boo
 
 
 class Shape(NamedTuple):
-    """What of a draw's cuts shapes its graph rather than its inputs: the top-k (the size of
-    an op) and whether it has a nucleus (its ops are there or not). Draws of one shape share
-    a chain; the temperature, the min-p floor and the top-p mass are only inputs."""
+    """What of a draw shapes its graph rather than its inputs: the top-k (the size of an op),
+    whether it has a nucleus and whether it adjusts the logits (their ops are there or not).
+    Draws of one shape share a chain; the temperature, the min-p floor, the top-p mass and
+    the adjustments' values are only inputs (how many ids they change is the chain's
+    capacity, which grows: :meth:`KeyedChain.stage`)."""
 
     top_k: int = 0
     nucleus: bool = False
+    adjusts: bool = False
 
     @staticmethod
     def of(draws: Draws) -> Shape:
-        return Shape(draws.top_k, draws.top_p < 1.0)
+        return Shape(draws.top_k, draws.top_p < 1.0, draws.adjusts)
 
 
 def device_supports_draws(buft: int | None, shape: Shape) -> bool:
@@ -382,7 +479,8 @@ def device_supports_draws(buft: int | None, shape: Shape) -> bool:
     (a nucleus needs ``argsort``: ggml's CUDA runs it on a 262k row only when built with
     CUB)."""
     return _device_runs(buft, lambda ctx, logits: draw_graph(
-        ctx, logits, None, RowInputs.new(ctx, shape.nucleus), shape.top_k)[1])
+        ctx, logits, None, RowInputs.new(ctx, shape.nucleus, _PROBE_IDS if shape.adjusts else 0),
+        shape.top_k)[1])
 
 
 def sorts_cheaply(buft: int | None, n_vocab: int) -> bool:
@@ -511,27 +609,36 @@ class KeyedChain(DeviceChain):
 
     ``draws`` may be replaced between requests of the same :class:`Shape` (a sequence keeps
     its chain: an attach costs the next decode a graph rebuild); the temperature, the min-p
-    floor and the top-p mass are inputs, so they change nothing in the graph, but ``top_k`` is
-    the size of an op in it and a nucleus adds ops: another shape needs another chain."""
+    floor, the top-p mass and the adjustments' values are inputs, so they change nothing in
+    the graph, but ``top_k`` is the size of an op in it and a nucleus or an adjustment adds
+    ops: another shape needs another chain. So does an adjustment of more ids than the
+    chain's ``capacity`` (:meth:`stage` says how many the coming decode's rows change)."""
 
     _NAME = ctypes.create_string_buffer(b"specfleet-keyed-dist")
 
-    def __init__(self, draws: Draws, n_vocab: int) -> None:
+    def __init__(self, draws: Draws, n_vocab: int, capacity: int = 0) -> None:
         self.draws = draws
         #: The shape the graph is built with (``draws`` keep it while they are replaced).
         self.shape = Shape.of(draws)
         self._n_vocab = n_vocab
+        #: The ids each row's adjustment has room for (0 without adjustments).
+        self.capacity = min(max(capacity, 1), n_vocab) if self.shape.adjusts else 0
         #: Each row's input tensors in the graph being built.
         self._inputs: list[RowInputs] = []
         self._staged: deque[float] = deque()
+        self._adjustments: deque[Adjustment] = deque()
         self._short = 0  # rows llama.cpp set inputs for beyond the staged uniforms
         super().__init__()
 
-    def stage(self, positions: Sequence[int]) -> None:
+    def stage(self, positions: Sequence[int], batch: Mapping[int, int]) -> int:
         """The coming decode's rows of this sequence draw the tokens at ``positions``, in
-        batch order (empty: it has none)."""
+        batch order (empty: it has none); ``batch`` maps the positions the decode holds to
+        its tokens. Returns how many ids the widest row's adjustment changes (0 without)."""
         self._staged = deque(self.draws.uniforms(positions))
+        self._adjustments = deque(self.draws.adjustments(positions, batch)
+                                  if self.shape.adjusts else ())
         self._short = 0
+        return max((len(a.ids) for a in self._adjustments), default=0)
 
     def settle(self) -> None:
         """After the decode: every staged uniform went to a row, and nothing failed."""
@@ -539,6 +646,7 @@ class KeyedChain(DeviceChain):
         if self._staged or self._short:
             left, short = len(self._staged), self._short
             self._staged.clear()
+            self._adjustments.clear()
             raise LlamaError(f"llama.cpp sampled {short} row(s) with no staged uniform and "
                              f"left {left} staged uniform(s) unused")
 
@@ -551,7 +659,7 @@ class KeyedChain(DeviceChain):
         return device_supports_draws(buft, self.shape)
 
     def build(self, ctx: int, row: Any) -> None:
-        inputs = RowInputs.new(ctx, self.shape.nucleus)
+        inputs = RowInputs.new(ctx, self.shape.nucleus, self.capacity)
         self._inputs.append(inputs)
         row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, inputs, self.shape.top_k)
         _outputs(row.sampled)
@@ -575,6 +683,11 @@ class KeyedChain(DeviceChain):
             g.ggml_backend_tensor_set(inputs.uniform, ctypes.byref(value), 0, 4)
             if inputs.mass is not None:
                 g.ggml_backend_tensor_set(inputs.mass, ctypes.byref(mass), 0, 4)
+            if inputs.adjust is not None:
+                adjustment = (self._adjustments.popleft() if self._adjustments
+                              else _UNCHANGED).padded(self.capacity, self._n_vocab)
+                for tensor, values in zip(inputs.adjust, adjustment, strict=True):
+                    g.ggml_backend_tensor_set(tensor, values.ctypes.data, 0, values.nbytes)
 
     def reset(self) -> None:
         self._inputs.clear()
