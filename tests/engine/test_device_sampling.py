@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +38,14 @@ from worker.engine.sampling import (
     KeyedDraws,
     Penalties,
     RandomSampler,
+    penalised_logits,
     target_distribution,
     verifies_on_device,
 )
 from worker.engine.slot import SlotRequest
 from worker.launch import EngineCapacity
 from worker.llm import Batch, Context, ContextSpec, Model, ModelSpec, device_sampling
+from worker.llm.device_sampling import Greedy
 from worker.testmodels import write_dense_llama
 from worker.testmodels.recipe import Strengths
 
@@ -323,20 +326,23 @@ PENALISED = [SamplingParams(temperature=1.0, repetition_penalty=1.3),
              SamplingParams(temperature=0.9, logit_bias={7: 3.0, 100: -50.0}),
              SamplingParams(temperature=1.2, top_k=30, top_p=0.9, repetition_penalty=1.2,
                             frequency_penalty=0.3, logit_bias={12: 1.5})]
+#: A greedy request with penalties: each row's top two of its adjusted logits.
+GREEDY_PENALISED = SamplingParams(repetition_penalty=1.5, presence_penalty=0.4,
+                                  logit_bias={3: 0.5})
 
 
 def test_penalised_sampling_on_the_device_draws_the_hosts_tokens(soft_dense: Path) -> None:
     """The bias and the repetition, presence and frequency penalties are applied on the
     device, each verify row for the tokens it has seen (the committed ones and the drafts
-    before it): plain sampling and n-gram speculation there give the host's tokens seed for
-    seed, no row read, and the penalties changed the draws (the same seeds without them
-    differ). Fresh engines of one history, as the cut test's."""
+    before it): plain sampling (greedy too) and n-gram speculation there give the host's
+    tokens seed for seed, no row read, and the penalties changed the tokens (the same seeds
+    without them differ). Fresh engines of one history, as the cut test's."""
     differ = 0
     with _engine(soft_dense) as device, _engine(soft_dense, device=False) as host:
         text = [*PROMPT, *host.generate(PROMPT, 40, PLAIN).tokens]
         assert device.generate(PROMPT, 40, PLAIN).tokens == text[len(PROMPT):]
         rows = device.target.rows_read
-        for params in PENALISED:
+        for params in [*PENALISED, GREEDY_PENALISED]:
             for seed in SEEDS[:4]:
                 bare = params.model_copy(update={
                     "repetition_penalty": 1.0, "presence_penalty": 0.0,
@@ -350,23 +356,27 @@ def test_penalised_sampling_on_the_device_draws_the_hosts_tokens(soft_dense: Pat
                     runs.append(got)
                 differ += runs[1] != runs[2]
         assert device.target.rows_read == rows
-    assert differ >= len(PENALISED) * 2, "the penalties never changed a draw"
+    assert differ >= len(PENALISED) * 2 + 1, "the penalties never changed a draw"
 
 
-def test_a_growing_history_grows_the_chain(soft_dense: Path) -> None:
+@pytest.mark.parametrize("greedy", [False, True], ids=["drawn", "greedy"])
+def test_a_growing_history_grows_the_chain(soft_dense: Path, greedy: bool) -> None:
     """A row's adjustment covers every id its request has seen (the repetition penalty): as
     the history grows past the chain's room, the chain is replaced by a wider one before the
-    decode, and every row's draw is still the host's from its penalised logits."""
-    params = SamplingParams(temperature=1.0, repetition_penalty=1.4, frequency_penalty=0.2)
+    decode, and every row's draw (or top token, greedy) is still the host's from its
+    penalised logits."""
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, repetition_penalty=1.4,
+                            frequency_penalty=0.2)
     spec = ContextSpec(n_ctx=N_CTX, n_batch=32, n_ubatch=32, n_seq_max=1, n_outputs_max=32,
-                       n_outputs_max_per_seq=32, n_threads=1)
+                       n_outputs_max_per_seq=32, n_threads=1, device_top2=greedy)
     history = list(range(0, 60, 2))  # the prompt: 30 ids
-    draws = KeyedDraws(9, params.temperature, penalties=Penalties(params, history, 30))
+    penalties = Penalties(params, history, 30)
+    draws = Greedy(penalties) if greedy else KeyedDraws(9, 1.0, penalties=penalties)
     rooms = []
     with Model(ModelSpec(str(soft_dense), n_gpu_layers=GPU_LAYERS)) as model, \
-            Context(model, spec) as device, Context(model, spec) as host, Batch(32) as batch:
+            Context(model, spec) as device, \
+            Context(model, replace(spec, device_top2=False)) as host, Batch(32) as batch:
         assert device.sample_on_device(0, draws) is draws
-        rows = 0
         for step in range(40):
             new = history if step == 0 else [(37 * step + 5 * i) % 256 for i in range(6)]
             batch.clear()
@@ -377,13 +387,19 @@ def test_a_growing_history_grows_the_chain(soft_dense: Path) -> None:
             known = history if step == 0 else history + new
             for i in range(len(new)):
                 at = (0 if step == 0 else len(history)) + i + 1
-                u = draws.uniforms([at])[0]
-                want = target_distribution(host.logits(row0 + i), params, known[:at], 30)
-                assert device.sampled(row0 + i) == want.pick(u), f"step {step} row {i}"
-                rows += 1
+                z = host.logits(row0 + i)
+                if isinstance(draws, Greedy):
+                    want = int(np.argmax(penalised_logits(z, params, known[:at], 30)))
+                    assert device.top2(row0 + i)[0] == want, f"step {step} row {i}"
+                else:
+                    u = draws.uniforms([at])[0]
+                    want = target_distribution(z, params, known[:at], 30).pick(u)
+                    assert device.sampled(row0 + i) == want, f"step {step} row {i}"
             if step:
                 history += new
-            rooms.append(device._keyed[0].capacity)  # the chain in use (a test's peek)
+            chain = device._chains[0] if greedy else device._keyed[0]  # a test's peek
+            assert chain.adjusting is not None
+            rooms.append(chain.adjusting.capacity)
         assert device.rows_read == 0
     assert rooms[0] == 64 and rooms[-1] == 256 and 128 in rooms, rooms
 
@@ -399,11 +415,10 @@ def test_the_top_k_cut_keeps_every_id_tied_with_the_kth() -> None:
 
 
 @pytest.mark.parametrize(("params", "logprobs", "grammar"), [
-    (SamplingParams(presence_penalty=0.5), None, None),
-    (SamplingParams(logit_bias={7: 2.0}), None, None),
     (WARM, 2, None),
+    (SamplingParams(), 2, None),
     (WARM, None, "[0-9a-f]{1,40}"),
-], ids=["greedy-penalty", "greedy-bias", "logprobs", "grammar"])
+], ids=["logprobs", "greedy-logprobs", "grammar"])
 def test_requests_the_device_cannot_draw_for_read_their_rows(
         device: SpeculativeEngine, host: SpeculativeEngine, params: SamplingParams,
         logprobs: int | None, grammar: str | None) -> None:

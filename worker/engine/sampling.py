@@ -43,7 +43,7 @@ from worker.engine.core.distribution import Distribution
 from worker.engine.core.draft import Draft
 from worker.engine.core.sampler import Sampler
 from worker.llm import Context
-from worker.llm.device_sampling import Adjustment
+from worker.llm.device_sampling import Adjustment, Greedy
 
 _MASK64 = (1 << 64) - 1
 #: Log-probability floors (relative to the top token) tried in turn to find the ``top_p``
@@ -307,7 +307,9 @@ class DeviceGreedySampler(_DeviceVerify, GreedySampler):
     """Greedy verification from each row's top two, reduced on the device
     (:meth:`~worker.llm.Context.sample_on_device`). Only for a request
     :func:`verifies_on_device` gives True (its target is the raw logits' argmax, unmasked, and
-    it asks for no logprobs), so each row's choice is its argmax, as :class:`GreedySampler`'s."""
+    it asks for no logprobs) or :class:`~worker.llm.device_sampling.Greedy` (the argmax of the
+    logits its bias and penalties adjust on the device, bit for bit as
+    :func:`penalised_logits`), so each row's choice is :class:`GreedySampler`'s."""
 
     def _choice(self, ctx: Context, row: int) -> int:
         return ctx.top2(row)[0]
@@ -323,10 +325,16 @@ class Penalties:
     n_prompt: int
 
     def before(self, position: int, batch: Mapping[int, int]) -> list[int]:
-        """The tokens a row drawing the token at ``position`` has seen: the committed ones,
+        """The tokens a row choosing the token at ``position`` has seen: the committed ones,
         then the decode's own (its drafts) up to that position."""
         history = self.history
         return history[:position] + [batch[q] for q in range(len(history), position)]
+
+    def adjustments(self, positions: Sequence[int],
+                    batch: Mapping[int, int]) -> list[Adjustment]:
+        """Each row's :func:`adjustment` (:class:`~worker.llm.device_sampling.Adjusts`)."""
+        return [adjustment(self.params, self.before(p, batch), self.n_prompt)
+                for p in positions]
 
 
 @dataclass(frozen=True)
@@ -343,19 +351,8 @@ class KeyedDraws:
     top_p: float = 1.0
     penalties: Penalties | None = field(default=None, compare=False)
 
-    @property
-    def adjusts(self) -> bool:
-        return self.penalties is not None
-
     def uniforms(self, positions: Sequence[int]) -> list[float]:
         return [keyed_uniform(self.seed, p, Stream.TARGET) for p in positions]
-
-    def adjustments(self, positions: Sequence[int],
-                    batch: Mapping[int, int]) -> list[Adjustment]:
-        pen = self.penalties
-        if pen is None:
-            return []
-        return [adjustment(pen.params, pen.before(p, batch), pen.n_prompt) for p in positions]
 
 
 class DeviceRandomSampler(_DeviceVerify, RandomSampler):
@@ -373,25 +370,25 @@ class DeviceRandomSampler(_DeviceVerify, RandomSampler):
 
 def verifies_on_device(params: SamplingParams, logprobs: int | None, constrained: bool,
                        head_drafts: bool = False,
-                       history: list[int] | None = None) -> bool | KeyedDraws:
+                       history: list[int] | None = None) -> bool | Greedy | KeyedDraws:
     """How a request's verify rows can be reduced on the device: True (greedy on the raw
-    logits: each row's top two), its :class:`KeyedDraws` (sampled from the bias, the
-    penalties, the temperature and the top-k, top-p and min-p cuts: each row's keyed draw;
-    the seed is fixed here, drawn when the request has none), or False (read on the host).
-    Never with a grammar mask or logprobs (they need the row). Sampled requests also not when
-    the draft head drafts for them (``head_drafts``: its drafts are sampled from its own
-    distribution, and their test needs both distributions' values at the draft); with a bias
-    or penalties only given ``history``, the slot's own list, its prompt so far (the device
-    adjusts each row for what it has seen). Greedy requests with a bias or penalties read
-    their rows: the top-two chain takes the raw logits."""
-    if logprobs is not None or constrained:
-        return False
-    if params.greedy:
-        return not params.adjusted
-    if head_drafts or (params.adjusted and history is None):
+    logits: each row's top two), :class:`~worker.llm.device_sampling.Greedy` (greedy with a
+    bias or penalties: each row's top two of its adjusted logits), its :class:`KeyedDraws`
+    (sampled from the bias, the penalties, the temperature and the top-k, top-p and min-p
+    cuts: each row's keyed draw; the seed is fixed here, drawn when the request has none), or
+    False (read on the host). Never with a grammar mask or logprobs (they need the row).
+    Sampled requests also not when the draft head drafts for them (``head_drafts``: its
+    drafts are sampled from its own distribution, and their test needs both distributions'
+    values at the draft). A bias or penalties need ``history``, the slot's own list, its
+    prompt so far (the device adjusts each row for what it has seen)."""
+    if logprobs is not None or constrained or (params.adjusted and history is None):
         return False
     penalties = (Penalties(params, history, len(history))
                  if params.adjusted and history is not None else None)
+    if params.greedy:
+        return Greedy(penalties) if penalties is not None else True
+    if head_drafts:
+        return False
     return KeyedDraws(request_seed(params), params.temperature, params.top_k, params.min_p,
                       params.top_p, penalties)
 
@@ -403,7 +400,7 @@ def request_seed(params: SamplingParams) -> int:
 
 
 def make_sampler(params: SamplingParams, n_prompt: int,
-                 on_device: bool | KeyedDraws = False) -> Sampler:
+                 on_device: bool | Greedy | KeyedDraws = False) -> Sampler:
     """The sampler of one request; ``n_prompt`` tokens of its history are the prompt;
     ``on_device``: how its sequence is sampled on the device (:func:`verifies_on_device`)."""
     if isinstance(on_device, KeyedDraws):

@@ -18,11 +18,11 @@ from llama_cpp import llama_cpp_ext
 from shared.logs import get_logger
 from worker.llm.backend import LlamaError, note_decode
 from worker.llm.batch import Batch
-from worker.llm.device_sampling import Draws, KeyedChain, Shape, Top2Chain
+from worker.llm.device_sampling import Draws, Greedy, KeyedChain, Shape, Top2Chain
 from worker.llm.model import Model
 
 #: How a sequence's rows are reduced on the device (:meth:`Context.sample_on_device`).
-_How = TypeVar("_How", bound=bool | Draws)
+_How = TypeVar("_How", bound=bool | Greedy | Draws)
 
 log = get_logger("llm")
 
@@ -173,8 +173,8 @@ class Context:
         self._keyed_rows.clear()
         pads = batch.pad_even() if self.spec.deterministic else []
         try:
-            if self._keyed:
-                self._stage_draws(batch)
+            if self._keyed or self._chains:
+                self._stage(batch)
             rc = llama_cpp.llama_decode(self.ptr, batch.raw)
             if rc != 0:
                 raise LlamaError(f"llama_decode failed with code {rc} ({batch.n_tokens} tokens)")
@@ -185,43 +185,54 @@ class Context:
                 llama_cpp.llama_memory_seq_rm(self.mem, seq, pos, -1)
             batch.drop(len(pads))
 
-    def _stage_draws(self, batch: Batch) -> None:
-        """Give each sequence that draws on the device the uniforms (and adjustments) of its
-        output rows in this batch: row at position p draws the token at p + 1. A chain whose
-        adjustments outgrew it is replaced by one with room (:meth:`_regrow`) before the
-        decode, which then builds its graph anew."""
+    def _stage(self, batch: Batch) -> None:
+        """Give each sequence that draws on the device the uniforms of its output rows in
+        this batch (row at position p draws the token at p + 1), and each whose chain adjusts
+        its logits their adjustments. A chain whose adjustments outgrew it is replaced by one
+        with room (:meth:`_regrow`) before the decode, which then builds its graph anew."""
+        chains: dict[int, KeyedChain | Top2Chain] = {
+            seq: top2 for seq, top2 in self._chains.items() if top2.adjusting}
+        chains.update(self._keyed)
+        if not chains:
+            return
         raw = batch.raw
-        positions: dict[int, list[int]] = {seq: [] for seq in self._keyed}
+        positions: dict[int, list[int]] = {seq: [] for seq in chains}
         outputs = np.ctypeslib.as_array(raw.logits, shape=(batch.n_tokens,))
         for row in np.flatnonzero(outputs).tolist():
-            mine = positions.get(raw.seq_id[row][0])
+            seq = raw.seq_id[row][0]
+            mine = positions.get(seq)
             if mine is not None:
                 mine.append(raw.pos[row] + 1)
-                self._keyed_rows.add(row)
-        tokens: dict[int, dict[int, int]] = {seq: {} for seq, keyed in self._keyed.items()
-                                             if keyed.shape.adjusts}
+                if seq in self._keyed:
+                    self._keyed_rows.add(row)
+        tokens: dict[int, dict[int, int]] = {seq: {} for seq, chain in chains.items()
+                                             if chain.adjusting}
         if tokens:
             for row in range(batch.n_tokens):
                 held = tokens.get(raw.seq_id[row][0])
                 if held is not None:
                     held[raw.pos[row]] = raw.token[row]
-        for seq, keyed in list(self._keyed.items()):
+        for seq, chain in chains.items():
             held = tokens.get(seq, {})
-            need = keyed.stage(positions[seq], held)
-            if need > keyed.capacity:
-                self._regrow(seq, keyed, need).stage(positions[seq], held)
+            need = chain.stage(positions[seq], held)
+            if chain.adjusting and need > chain.adjusting.capacity:
+                self._regrow(seq, chain, need).stage(positions[seq], held)
 
-    def _regrow(self, seq: int, keyed: KeyedChain, need: int) -> KeyedChain:
-        """``seq``'s keyed chain replaced by one whose rows' adjustments have room for
-        ``need`` ids (rounded up to a power of two, so a growing history rebuilds the graph
-        a few times, not at every new id)."""
-        grown = KeyedChain(keyed.draws, self._n_vocab, 1 << max(6, (need - 1).bit_length()))
+    def _regrow(self, seq: int, chain: KeyedChain | Top2Chain,
+                need: int) -> KeyedChain | Top2Chain:
+        """``seq``'s chain replaced by one of its kind whose rows' adjustments have room for
+        ``need`` ids (rounded up to a power of two, so a growing history rebuilds the graph a
+        few times, not at every new id)."""
+        grown = chain.wider(1 << max(6, (need - 1).bit_length()))
         self._detach(seq)
         self._attach(seq, grown.chain, grown.free)
-        self._keyed[seq] = grown
+        if isinstance(grown, KeyedChain):
+            self._keyed[seq] = grown
+        else:
+            self._chains[seq] = grown
         if not grown.supported:  # the same shape ran on this device a moment ago
             grown.settle()
-            raise LlamaError(f"the output device refused a keyed chain of {grown.capacity} ids")
+            raise LlamaError(f"the output device refused a chain with room for {need} ids")
         return grown
 
     def synchronize(self) -> None:
@@ -288,42 +299,51 @@ class Context:
         """How every output row of ``seq`` is reduced on the device from the next decode on:
         ``True``: to its two best tokens (a fresh
         :class:`~worker.llm.device_sampling.Top2Chain`: :meth:`top2` answers); a
-        :class:`~worker.llm.device_sampling.Draws`: to the token its uniforms draw
-        (:meth:`sampled` answers); ``False``: not at all. Then no logits row of ``seq`` is
-        copied to the host or read by Python. Returns ``how``, or False where the output
-        device cannot run a draw's ops (the rows are then read).
+        :class:`~worker.llm.device_sampling.Greedy`: to its two best tokens of the logits its
+        penalties adjust; a :class:`~worker.llm.device_sampling.Draws`: to the token its
+        uniforms draw (:meth:`sampled` answers); ``False``: not at all. Then no logits row of
+        ``seq`` is copied to the host or read by Python. Returns ``how``, or False where the
+        output device cannot run the chain's ops (the rows are then read).
 
         A change of kind (or of a draw's :class:`~worker.llm.device_sampling.Shape`: its top-k
-        cut, the size of an op in its graph, or a nucleus or none) costs the next decode a
-        graph rebuild (~18 ms on a 2-core CPU), so a sequence keeps its chain while its
-        requests can use it (new draws of the same shape for a sequence that draws already
-        are only new inputs). llama.cpp aborts on a chain attached twice
-        or a bare sampler, and never frees one: each attach builds its own chain, which is
-        freed once detached."""
-        if how is True and seq in self._chains:
+        cut, the size of an op in its graph, a nucleus or none, penalties or none) costs the
+        next decode a graph rebuild (~18 ms on a 2-core CPU), so a sequence keeps its chain
+        while its requests can use it (new draws of the same shape, or new penalties, for a
+        sequence that has such a chain already are only new inputs). llama.cpp aborts on a
+        chain attached twice or a bare sampler, and never frees one: each attach builds its
+        own chain, which is freed once detached."""
+        top2 = self._chains.get(seq)
+        if top2 is not None and (how is True and not top2.adjusting):
+            return how
+        if top2 is not None and isinstance(how, Greedy) and top2.adjusting:
+            top2.adjusting.source = how.penalties
             return how
         keyed = self._keyed.get(seq)
-        if not isinstance(how, bool) and keyed is not None and keyed.shape == Shape.of(how):
-            keyed.draws = how
+        draws = how if not isinstance(how, bool | Greedy) else None
+        if draws is not None and keyed is not None and keyed.shape == Shape.of(draws):
+            keyed.redraw(draws)
             return how
         self._detach(seq)
-        if how is False or (not isinstance(how, bool)
-                            and self._draws_run.get(Shape.of(how)) is False):
+        if how is False or (draws is not None and self._draws_run.get(Shape.of(draws)) is False):
             return False
-        if isinstance(how, bool):
-            top2 = Top2Chain()
-            self._attach(seq, top2.chain, top2.free)
-            self._chains[seq] = top2
-            return how
-        keyed = KeyedChain(how, self._n_vocab)
-        self._attach(seq, keyed.chain, keyed.free)
-        self._keyed[seq] = keyed
-        self._draws_run[keyed.shape] = keyed.supported
-        if keyed.supported:
+        chain: Top2Chain | KeyedChain
+        if draws is None:
+            chain = Top2Chain(how.penalties, self._n_vocab) if isinstance(how, Greedy) \
+                else Top2Chain()
+            self._attach(seq, chain.chain, chain.free)
+            self._chains[seq] = chain
+            if how is True:
+                return how  # the context was made to carry it (``ContextSpec.device_top2``)
+        else:
+            chain = KeyedChain(draws, self._n_vocab)
+            self._attach(seq, chain.chain, chain.free)
+            self._keyed[seq] = chain
+            self._draws_run[chain.shape] = chain.supported
+        if chain.supported:
             return how
         self._detach(seq)
-        keyed.settle()  # a failed probe is raised, not taken for a missing op
-        log.warning("device_sampling.unsupported", seq=seq, reason=keyed.refusal)
+        chain.settle()  # a failed probe is raised, not taken for a missing op
+        log.warning("device_sampling.unsupported", seq=seq, reason=chain.refusal)
         return False
 
     def _attach(self, seq: int, chain: Any, free: Callable[[], None]) -> None:

@@ -111,20 +111,33 @@ class Draws(Protocol):
     def min_p(self) -> float: ...
 
     @property
-    def adjusts(self) -> bool:
-        """Whether the logits change before the draw (penalties, a bias: :class:`Adjustment`)."""
+    def penalties(self) -> Adjusts | None:
+        """What changes the logits before the draw (a bias, penalties), or None."""
         ...
 
     def uniforms(self, positions: Sequence[int]) -> list[float]:
         """The uniform deciding the token at each of ``positions``."""
         ...
 
+
+class Adjusts(Protocol):
+    """Where a sequence's rows' :class:`Adjustment` comes from (a request's bias and
+    penalties, over what each row has seen)."""
+
     def adjustments(self, positions: Sequence[int],
                     batch: Mapping[int, int]) -> list[Adjustment]:
-        """What changes the logits of the row drawing the token at each of ``positions`` (it
-        has seen the tokens before that position: ``batch`` maps the positions this decode
-        holds to its tokens, drafts included); only where :attr:`adjusts`."""
+        """What changes the logits of the row choosing the token at each of ``positions``
+        (it has seen the tokens before that position: ``batch`` maps the positions this
+        decode holds to its tokens, drafts included)."""
         ...
+
+
+class Greedy(NamedTuple):
+    """A greedy sequence reduced on the device to each row's top two, of its logits as
+    ``penalties`` adjust them (a greedy request with a bias or penalties; plain greedy is
+    ``True``)."""
+
+    penalties: Adjusts
 
 
 class Adjustment(NamedTuple):
@@ -430,14 +443,24 @@ def _outputs(*tensors: int) -> None:
         g.ggml_set_output(t)
 
 
-def top2_graph(ctx: int, logits: int) -> tuple[int, int, list[int]]:
+def top2_graph(ctx: int, logits: int,
+               adjust: AdjustInputs | None = None) -> tuple[int, int, list[int]]:
     """The graph of one greedy row's two best tokens in ggml context ``ctx``: their ids (an I32
-    tensor of two, in no set order) and their logits (two floats), and every tensor made."""
+    tensor of two, in no set order) and their logits (two floats, adjusted by ``adjust``
+    where given), and every tensor made."""
     g = _ggml()
-    row = g.ggml_reshape_1d(ctx, logits, g.ggml_nelements(logits))
-    ids = g.ggml_top_k(ctx, row, 2)
-    best = g.ggml_get_rows(ctx, g.ggml_reshape_2d(ctx, row, 1, g.ggml_nelements(row)), ids)
-    return ids, best, [row, ids, best]
+    made: list[int] = []
+
+    def keep(t: int) -> int:
+        made.append(t)
+        return t
+
+    row = keep(g.ggml_reshape_1d(ctx, logits, g.ggml_nelements(logits)))
+    if adjust is not None:
+        row = _adjusted(ctx, row, adjust, keep)
+    ids = keep(g.ggml_top_k(ctx, row, 2))
+    best = keep(g.ggml_get_rows(ctx, _column(ctx, row, keep), ids))
+    return ids, best, made
 
 
 def _device_runs(buft: int | None, made: Callable[[int, int], list[int]]) -> bool:
@@ -471,7 +494,7 @@ class Shape(NamedTuple):
 
     @staticmethod
     def of(draws: Draws) -> Shape:
-        return Shape(draws.top_k, draws.top_p < 1.0, draws.adjusts)
+        return Shape(draws.top_k, draws.top_p < 1.0, draws.penalties is not None)
 
 
 def device_supports_draws(buft: int | None, shape: Shape) -> bool:
@@ -494,9 +517,44 @@ def sorts_cheaply(buft: int | None, n_vocab: int) -> bool:
     return not on_cpu or n_vocab <= CPU_SORT_MAX
 
 
-def device_supports_top2(buft: int | None) -> bool:
-    """Whether the device behind ``buft`` runs every op of a row's top two."""
-    return _device_runs(buft, lambda ctx, logits: top2_graph(ctx, logits)[2])
+def device_supports_top2(buft: int | None, adjusts: bool = False) -> bool:
+    """Whether the device behind ``buft`` runs every op of a row's top two (``adjusts``: of
+    its adjusted logits)."""
+    return _device_runs(buft, lambda ctx, logits: top2_graph(
+        ctx, logits, AdjustInputs.new(ctx, _PROBE_IDS) if adjusts else None)[2])
+
+
+class RowAdjustments:
+    """A chain's rows' adjustments: where they come from, the ids each row's inputs have room
+    for (the chain's capacity: padded to it, :meth:`Adjustment.padded`), and the coming
+    decode's, staged in row order."""
+
+    def __init__(self, source: Adjusts, n_vocab: int, capacity: int) -> None:
+        self.source = source
+        self.capacity = min(max(capacity, 1), n_vocab)
+        self.n_vocab = n_vocab
+        self._staged: deque[Adjustment] = deque()
+
+    def stage(self, positions: Sequence[int], batch: Mapping[int, int]) -> int:
+        """Stage the adjustments of the rows choosing the tokens at ``positions``; returns
+        how many ids the widest changes."""
+        self._staged = deque(self.source.adjustments(positions, batch))
+        return max((len(a.ids) for a in self._staged), default=0)
+
+    def inputs(self, ctx: int) -> AdjustInputs:
+        return AdjustInputs.new(ctx, self.capacity)
+
+    def set(self, inputs: AdjustInputs) -> None:
+        """Set a row's inputs to the next staged adjustment (none left: a row llama.cpp
+        built beyond them, changed by nothing)."""
+        g = _ggml()
+        adjustment = (self._staged.popleft() if self._staged
+                      else _UNCHANGED).padded(self.capacity, self.n_vocab)
+        for tensor, values in zip(inputs, adjustment, strict=True):
+            g.ggml_backend_tensor_set(tensor, values.ctypes.data, 0, values.nbytes)
+
+    def clear(self) -> None:
+        self._staged.clear()
 
 
 class DeviceChain:
@@ -590,18 +648,54 @@ class DeviceChain:
 class Top2Chain(DeviceChain):
     """A greedy sequence's chain: each row reduced to its two best tokens, their ids as the
     row's candidates and their logits as its logits (``Context.top2`` reads them), nothing
-    chosen. llama.cpp's own ``top_k(2)`` builds the same graph but leaves the dummy row's
-    tensors unflagged (the module's docstring)."""
+    chosen; with ``penalties``, of the logits as they adjust them. llama.cpp's own
+    ``top_k(2)`` builds the same graph but leaves the dummy row's tensors unflagged (the
+    module's docstring)."""
 
     _NAME = ctypes.create_string_buffer(b"specfleet-top2")
 
+    def __init__(self, penalties: Adjusts | None = None, n_vocab: int = 0,
+                 capacity: int = 0) -> None:
+        #: The rows' adjustments (None: the raw logits).
+        self.adjusting = (RowAdjustments(penalties, n_vocab, capacity)
+                          if penalties is not None else None)
+        self._inputs: list[AdjustInputs] = []
+        super().__init__()
+
+    def wider(self, capacity: int) -> Top2Chain:
+        """A chain like this one whose rows' adjustments have room for ``capacity`` ids."""
+        assert self.adjusting is not None
+        return Top2Chain(self.adjusting.source, self.adjusting.n_vocab, capacity)
+
+    def stage(self, positions: Sequence[int], batch: Mapping[int, int]) -> int:
+        """The coming decode's rows of this sequence choose the tokens at ``positions``;
+        returns how many ids the widest row's adjustment changes (0 without)."""
+        return self.adjusting.stage(positions, batch) if self.adjusting else 0
+
     def supports(self, buft: int | None) -> bool:
-        return device_supports_top2(buft)
+        return device_supports_top2(buft, self.adjusting is not None)
 
     def build(self, ctx: int, row: Any) -> None:
-        ids, best, _ = top2_graph(ctx, row.logits)
+        inputs = None
+        if self.adjusting is not None:
+            inputs = self.adjusting.inputs(ctx)
+            self._inputs.append(inputs)
+        ids, best, _ = top2_graph(ctx, row.logits, inputs)
         _outputs(ids, best)
         row.candidates, row.logits = ids, best
+
+    def set_inputs(self) -> None:
+        if self.adjusting is not None:
+            for inputs in self._inputs:
+                self.adjusting.set(inputs)
+
+    def reset(self) -> None:
+        self._inputs.clear()
+
+    def settle(self) -> None:
+        super().settle()
+        if self.adjusting is not None:
+            self.adjusting.clear()
 
 
 class KeyedChain(DeviceChain):
@@ -612,41 +706,50 @@ class KeyedChain(DeviceChain):
     floor, the top-p mass and the adjustments' values are inputs, so they change nothing in
     the graph, but ``top_k`` is the size of an op in it and a nucleus or an adjustment adds
     ops: another shape needs another chain. So does an adjustment of more ids than the
-    chain's ``capacity`` (:meth:`stage` says how many the coming decode's rows change)."""
+    chain's room (:meth:`stage` says how many the coming decode's rows change)."""
 
     _NAME = ctypes.create_string_buffer(b"specfleet-keyed-dist")
 
     def __init__(self, draws: Draws, n_vocab: int, capacity: int = 0) -> None:
-        self.draws = draws
         #: The shape the graph is built with (``draws`` keep it while they are replaced).
         self.shape = Shape.of(draws)
         self._n_vocab = n_vocab
-        #: The ids each row's adjustment has room for (0 without adjustments).
-        self.capacity = min(max(capacity, 1), n_vocab) if self.shape.adjusts else 0
+        #: The rows' adjustments (None: the raw logits).
+        self.adjusting = (RowAdjustments(draws.penalties, n_vocab, capacity)
+                          if draws.penalties is not None else None)
+        self.draws = draws
         #: Each row's input tensors in the graph being built.
         self._inputs: list[RowInputs] = []
         self._staged: deque[float] = deque()
-        self._adjustments: deque[Adjustment] = deque()
         self._short = 0  # rows llama.cpp set inputs for beyond the staged uniforms
         super().__init__()
+
+    def redraw(self, draws: Draws) -> None:
+        """Draw with ``draws`` (of this chain's shape) from the next decode on."""
+        self.draws = draws
+        if self.adjusting is not None and draws.penalties is not None:
+            self.adjusting.source = draws.penalties
+
+    def wider(self, capacity: int) -> KeyedChain:
+        """A chain like this one whose rows' adjustments have room for ``capacity`` ids."""
+        return KeyedChain(self.draws, self._n_vocab, capacity)
 
     def stage(self, positions: Sequence[int], batch: Mapping[int, int]) -> int:
         """The coming decode's rows of this sequence draw the tokens at ``positions``, in
         batch order (empty: it has none); ``batch`` maps the positions the decode holds to
         its tokens. Returns how many ids the widest row's adjustment changes (0 without)."""
         self._staged = deque(self.draws.uniforms(positions))
-        self._adjustments = deque(self.draws.adjustments(positions, batch)
-                                  if self.shape.adjusts else ())
         self._short = 0
-        return max((len(a.ids) for a in self._adjustments), default=0)
+        return self.adjusting.stage(positions, batch) if self.adjusting else 0
 
     def settle(self) -> None:
         """After the decode: every staged uniform went to a row, and nothing failed."""
         super().settle()
+        if self.adjusting is not None:
+            self.adjusting.clear()
         if self._staged or self._short:
             left, short = len(self._staged), self._short
             self._staged.clear()
-            self._adjustments.clear()
             raise LlamaError(f"llama.cpp sampled {short} row(s) with no staged uniform and "
                              f"left {left} staged uniform(s) unused")
 
@@ -659,7 +762,8 @@ class KeyedChain(DeviceChain):
         return device_supports_draws(buft, self.shape)
 
     def build(self, ctx: int, row: Any) -> None:
-        inputs = RowInputs.new(ctx, self.shape.nucleus, self.capacity)
+        inputs = RowInputs.new(ctx, self.shape.nucleus,
+                               self.adjusting.capacity if self.adjusting else 0)
         self._inputs.append(inputs)
         row.sampled, _ = draw_graph(ctx, row.logits, row.candidates, inputs, self.shape.top_k)
         _outputs(row.sampled)
@@ -683,11 +787,8 @@ class KeyedChain(DeviceChain):
             g.ggml_backend_tensor_set(inputs.uniform, ctypes.byref(value), 0, 4)
             if inputs.mass is not None:
                 g.ggml_backend_tensor_set(inputs.mass, ctypes.byref(mass), 0, 4)
-            if inputs.adjust is not None:
-                adjustment = (self._adjustments.popleft() if self._adjustments
-                              else _UNCHANGED).padded(self.capacity, self._n_vocab)
-                for tensor, values in zip(inputs.adjust, adjustment, strict=True):
-                    g.ggml_backend_tensor_set(tensor, values.ctypes.data, 0, values.nbytes)
+            if inputs.adjust is not None and self.adjusting is not None:
+                self.adjusting.set(inputs.adjust)
 
     def reset(self) -> None:
         self._inputs.clear()
