@@ -348,7 +348,7 @@ def check_greedy(ctx: Context, check: Check) -> None:
 
 def check_device_rows(ctx: Context, check: Check) -> None:
     """Rows reduced on the device (greedy top two, keyed draws with and without the top-k,
-    top-p and min-p cuts, mixed) keep their own results
+    top-p and min-p cuts, of raw or penalised logits, mixed) keep their own results
     while sequences go idle in turn, the model's layers on the GPU: the suite's test of it
     (``test_every_row_is_its_own_while_sequences_go_idle``), offloaded."""
     env = {**os.environ, "SPECFLEET_TEST_GPU_LAYERS": "0" if ctx.args.device == "cpu" else "-1"}
@@ -358,7 +358,8 @@ def check_device_rows(ctx: Context, check: Check) -> None:
                           env=env, timeout=600)
     check.figures = {"pytest": done.stdout.strip().splitlines()[-1:]}
     check.require(done.returncode == 0, "every row's top two and draw are the host's, "
-                  "greedy, sampled (cut, nucleus) and mixed sequences going idle in turn")
+                  "greedy, sampled (cut, nucleus, penalised) and mixed sequences going idle "
+                  "in turn")
 
 
 def check_deterministic(ctx: Context, check: Check) -> None:

@@ -187,19 +187,22 @@ LAYOUTS = [(6, 1, 1), (1, 6, 1), (1, 1, 6), (2, 3, 2), (3, 2, 2),
 
 
 #: What a sequence of the idle-layout test draws with, by kind: the temperature alone, or with
-#: the top-k, top-p and min-p cuts.
+#: the top-k, top-p and min-p cuts, or with a bias and penalties (greedy too: "top2+").
 DRAWN = {"keyed": WARM, "cut": SamplingParams(temperature=1.1, top_k=4, min_p=0.01),
-         "nucleus": SamplingParams(temperature=1.3, top_p=0.8)}
+         "nucleus": SamplingParams(temperature=1.3, top_p=0.8),
+         "penalised": SamplingParams(temperature=1.0, repetition_penalty=1.3,
+                                     frequency_penalty=0.4, logit_bias={9: 2.0}),
+         "top2+": SamplingParams(repetition_penalty=1.6, presence_penalty=0.5)}
 
 
 @pytest.mark.parametrize("kinds", [("top2", "top2", "top2"), ("top2", "keyed", "top2"),
                                    ("keyed", "keyed", "keyed"), ("cut", "top2", "keyed"),
-                                   ("nucleus", "cut", "top2")],
-                         ids=["greedy", "mixed", "sampled", "cuts", "nucleus"])
+                                   ("nucleus", "cut", "top2"), ("penalised", "top2+", "keyed")],
+                         ids=["greedy", "mixed", "sampled", "cuts", "nucleus", "penalised"])
 def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
                                                      kinds: tuple[str, ...]) -> None:
     """Three sequences reduced on the device (their two best tokens, or a keyed draw, with or
-    without cuts), rows
+    without cuts, of their raw or adjusted logits), rows
     spread over them differently at every decode and some idle, against a context that reads
     the same rows: every row's top two lead with the host's argmax, every draw is the host's
     draw from its logits and uniform. ggml's allocator reuses the last graph's memory plan,
@@ -207,38 +210,47 @@ def test_every_row_is_its_own_while_sequences_go_idle(soft_dense: Path,
     rows was overwritten once its rows moved to another sequence; and llama.cpp builds an
     idle sequence's sampler on a dummy row, whose result its own top_k left unflagged: rows
     took another sequence's ids, 13 decodes of 18 here, until every row's result was an
-    output."""
+    output. The adjusted rows' chains grow (their histories do) while the others' stay."""
     spec = ContextSpec(n_ctx=3 * N_CTX, n_batch=32, n_ubatch=32, n_seq_max=3,
                        n_outputs_max=24, n_outputs_max_per_seq=8, n_threads=1)
     drawn = {seq: DRAWN[kind] for seq, kind in enumerate(kinds) if kind in DRAWN}
-    draws = {seq: KeyedDraws(seq, params.temperature, params.top_k, params.min_p, params.top_p)
-             for seq, params in drawn.items()}
+    seen: dict[int, list[int]] = {seq: [] for seq in range(len(kinds))}
+    penalties = {seq: Penalties(params, seen[seq], 0)
+                 for seq, params in drawn.items() if params.adjusted}
+    hows: dict[int, bool | Greedy | KeyedDraws] = {
+        seq: Greedy(penalties[seq]) if params.greedy else KeyedDraws(
+            seq, params.temperature, params.top_k, params.min_p, params.top_p,
+            penalties.get(seq)) for seq, params in drawn.items()}
     with Model(ModelSpec(str(soft_dense), n_gpu_layers=GPU_LAYERS)) as model, \
             Context(model, spec) as device, Context(model, spec) as host, Batch(32) as batch:
         for seq in range(len(kinds)):
-            how = draws.get(seq, True)
+            how = hows.get(seq, True)
             assert device.sample_on_device(seq, how) is how
-        pos = [0, 0, 0]
         for step, layout in enumerate(LAYOUTS):
             batch.clear()
-            rows = []
+            rows, added = [], {}
             for seq, n in enumerate(layout):
                 if n:
-                    row0 = batch.add([(11 * step + 5 * seq + i) % 256 for i in range(n)],
-                                     pos[seq], True, seq=seq)
-                    rows += [(row0 + i, seq, pos[seq] + i + 1) for i in range(n)]
-                    pos[seq] += n
+                    added[seq] = [(11 * step + 5 * seq + i) % 256 for i in range(n)]
+                    row0 = batch.add(added[seq], len(seen[seq]), True, seq=seq)
+                    rows += [(row0 + i, seq, len(seen[seq]) + i + 1) for i in range(n)]
             device.decode(batch)
             host.decode(batch)
             for row, seq, at in rows:
                 logits = host.logits(row)
-                if seq in draws:
-                    u = draws[seq].uniforms([at])[0]
-                    want = target_distribution(logits, drawn[seq], [], 0).pick(u)
+                before = [*seen[seq], *added[seq]][:at]
+                how = hows.get(seq, True)
+                if isinstance(how, KeyedDraws):
+                    u = how.uniforms([at])[0]
+                    want = target_distribution(logits, drawn[seq], before, 0).pick(u)
                     assert device.sampled(row) == want, f"decode {step} {layout}, row {row}"
                 else:
+                    params = drawn.get(seq, SamplingParams())
                     got = device.top2(row)[0]
-                    assert got == int(logits.argmax()), f"decode {step} {layout}, row {row}"
+                    want = int(np.argmax(penalised_logits(logits, params, before, 0)))
+                    assert got == want, f"decode {step} {layout}, row {row}"
+            for seq, tokens in added.items():
+                seen[seq] += tokens
         assert device.rows_read == 0
 
 
