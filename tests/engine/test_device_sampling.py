@@ -311,25 +311,36 @@ def test_cut_sampling_on_the_device_draws_the_hosts_tokens(soft_dense: Path) -> 
     the prompt from other batches parted from the host at the end of a nucleus (T 1.4, top-p
     0.9: ids 57 and 234 equal on one engine, 1.2e-7 apart on the other), so both engines
     here are fresh and are asked the same requests in the same order."""
+    differ = _device_runs_as_host(soft_dense, CUTS, SEEDS[:6], 40,
+                                  {"top_k": 0, "top_p": 1.0, "min_p": 0.0})
+    assert differ >= len(CUTS) * 3, "the cuts never changed a draw"
+
+
+def _device_runs_as_host(model: Path, requests: list[SamplingParams], seeds: range,
+                         tokens: int, without: dict[str, object]) -> int:
+    """Each of ``requests`` with each of ``seeds``, n-gram and plain, and plain with
+    ``without`` (what is under test switched off), on a fresh engine that verifies on the
+    device and a fresh one that reads its rows, asked the same requests in the same order:
+    the tokens are equal and the device engine reads no row. Returns how many plain runs
+    ``without`` changed."""
     differ = 0
-    with _engine(soft_dense) as device, _engine(soft_dense, device=False) as host:
+    with _engine(model) as device, _engine(model, device=False) as host:
         text = [*PROMPT, *host.generate(PROMPT, 40, PLAIN).tokens]
         assert device.generate(PROMPT, 40, PLAIN).tokens == text[len(PROMPT):]
         rows = device.target.rows_read
-        for params in CUTS:
-            for seed in SEEDS[:6]:
-                uncut = params.model_copy(update={"top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                                                  "seed": seed})
+        for params in requests:
+            for seed in seeds:
                 runs = []
                 for spec, sampled in ((NGRAM, _seeded(seed, params)),
-                                      (PLAIN, _seeded(seed, params)), (PLAIN, uncut)):
-                    on_host = host.generate(text, 40, spec, sampling=sampled).tokens
-                    got = device.generate(text, 40, spec, sampling=sampled).tokens
+                                      (PLAIN, _seeded(seed, params)),
+                                      (PLAIN, _seeded(seed, params.model_copy(update=without)))):
+                    on_host = host.generate(text, tokens, spec, sampling=sampled).tokens
+                    got = device.generate(text, tokens, spec, sampling=sampled).tokens
                     assert got == on_host, f"{sampled} {spec.method}"
                     runs.append(got)
                 differ += runs[1] != runs[2]
         assert device.target.rows_read == rows
-    assert differ >= len(CUTS) * 3, "the cuts never changed a draw"
+    return differ
 
 
 #: Bias and penalties the device applies before its draw, alone and with cuts.
@@ -349,25 +360,9 @@ def test_penalised_sampling_on_the_device_draws_the_hosts_tokens(soft_dense: Pat
     before it): plain sampling (greedy too) and n-gram speculation there give the host's
     tokens seed for seed, no row read, and the penalties changed the tokens (the same seeds
     without them differ). Fresh engines of one history, as the cut test's."""
-    differ = 0
-    with _engine(soft_dense) as device, _engine(soft_dense, device=False) as host:
-        text = [*PROMPT, *host.generate(PROMPT, 40, PLAIN).tokens]
-        assert device.generate(PROMPT, 40, PLAIN).tokens == text[len(PROMPT):]
-        rows = device.target.rows_read
-        for params in [*PENALISED, GREEDY_PENALISED]:
-            for seed in SEEDS[:4]:
-                bare = params.model_copy(update={
-                    "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "logit_bias": {}, "seed": seed})
-                runs = []
-                for spec, sampled in ((NGRAM, _seeded(seed, params)),
-                                      (PLAIN, _seeded(seed, params)), (PLAIN, bare)):
-                    on_host = host.generate(text, 60, spec, sampling=sampled).tokens
-                    got = device.generate(text, 60, spec, sampling=sampled).tokens
-                    assert got == on_host, f"{sampled} {spec.method}"
-                    runs.append(got)
-                differ += runs[1] != runs[2]
-        assert device.target.rows_read == rows
+    differ = _device_runs_as_host(soft_dense, [*PENALISED, GREEDY_PENALISED], SEEDS[:4], 60,
+                                  {"repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                   "frequency_penalty": 0.0, "logit_bias": {}})
     assert differ >= len(PENALISED) * 2 + 1, "the penalties never changed a draw"
 
 
