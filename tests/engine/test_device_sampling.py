@@ -32,11 +32,11 @@ from worker.engine import sampling
 from worker.engine.core.constraint import SlotConstraint
 from worker.engine.core.draft import Draft
 from worker.engine.engine import EngineConfig, SpeculativeEngine
+from worker.engine.penalties import Penalties
 from worker.engine.sampling import (
     DeviceRandomSampler,
     GreedySampler,
     KeyedDraws,
-    Penalties,
     RandomSampler,
     penalised_logits,
     target_distribution,

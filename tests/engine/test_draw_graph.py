@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from shared.protocol import SamplingParams
-from worker.engine.sampling import _nucleus, adjustment, penalised_logits, target_distribution
+from worker.engine.penalties import adjustment
+from worker.engine.sampling import _nucleus, penalised_logits, target_distribution
 from worker.llm import device_sampling
 from worker.llm.device_sampling import (
     NO_FLOOR,

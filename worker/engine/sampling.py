@@ -31,7 +31,7 @@ device").
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -42,8 +42,9 @@ from worker.engine.core.constraint import SlotConstraint
 from worker.engine.core.distribution import Distribution
 from worker.engine.core.draft import Draft
 from worker.engine.core.sampler import Sampler
+from worker.engine.penalties import Penalties, adjustment
 from worker.llm import Context
-from worker.llm.device_sampling import Adjustment, Greedy
+from worker.llm.device_sampling import Greedy
 
 _MASK64 = (1 << 64) - 1
 #: Log-probability floors (relative to the top token) tried in turn to find the ``top_p``
@@ -94,34 +95,6 @@ def accept_or_resample(p: Distribution, q: Distribution, x: int, u: float) -> tu
             return True, x
         rest = u - (end - 1.0)
     return False, p.residual(q).pick(min(rest / (1.0 - a), np.nextafter(1.0, 0.0)))
-
-
-def adjustment(params: SamplingParams, history: Sequence[int], n_prompt: int) -> Adjustment:
-    """What ``logit_bias`` and the penalties change in the logits of a row that has seen
-    ``history`` (its first ``n_prompt`` tokens the prompt): the bias of each biased id, the
-    repetition penalty of every id of ``history``, and the presence and frequency penalties of
-    each id of its generated part, as one :class:`~worker.llm.device_sampling.Adjustment`.
-    One decision for both sides: the host applies it (:func:`penalised_logits`) and the
-    device's draw applies it op for op (``device_sampling._adjusted``)."""
-    f32 = np.float32
-    none = np.zeros(0, np.int64)
-    bias_ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
-    seen = (np.unique(np.asarray(history, dtype=np.int64))
-            if params.repetition_penalty != 1.0 and len(history) else none)
-    generated = history[n_prompt:]
-    gen_ids, counts = (np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
-                       if (params.presence_penalty or params.frequency_penalty)
-                       and len(generated) else (none, none))
-    ids = np.union1d(np.union1d(bias_ids, seen), gen_ids)
-    bias = np.zeros(len(ids), f32)
-    bias[np.searchsorted(ids, bias_ids)] = np.fromiter(params.logit_bias.values(), f32,
-                                                       len(bias_ids))
-    penalty = np.ones(len(ids), f32)
-    penalty[np.searchsorted(ids, seen)] = params.repetition_penalty
-    minus = np.zeros(len(ids), f32)
-    minus[np.searchsorted(ids, gen_ids)] = (params.presence_penalty
-                                            + params.frequency_penalty * counts).astype(f32)
-    return Adjustment(ids.astype(np.int32), bias, penalty, minus)
 
 
 def penalised_logits(logits: np.ndarray, params: SamplingParams, history: Sequence[int],
@@ -316,33 +289,11 @@ class DeviceGreedySampler(_DeviceVerify, GreedySampler):
 
 
 @dataclass(frozen=True)
-class Penalties:
-    """A request's bias and penalties, for the device's draws: its parameters and its
-    slot's history (the engine's own list, which grows as tokens are committed)."""
-
-    params: SamplingParams
-    history: list[int]
-    n_prompt: int
-
-    def before(self, position: int, batch: Mapping[int, int]) -> list[int]:
-        """The tokens a row choosing the token at ``position`` has seen: the committed ones,
-        then the decode's own (its drafts) up to that position."""
-        history = self.history
-        return history[:position] + [batch[q] for q in range(len(history), position)]
-
-    def adjustments(self, positions: Sequence[int],
-                    batch: Mapping[int, int]) -> list[Adjustment]:
-        """Each row's :func:`adjustment` (:class:`~worker.llm.device_sampling.Adjusts`)."""
-        return [adjustment(self.params, self.before(p, batch), self.n_prompt)
-                for p in positions]
-
-
-@dataclass(frozen=True)
 class KeyedDraws:
     """A sampled request's draws on the device (:class:`~worker.llm.device_sampling.Draws`):
     its temperature, its top-k, top-p and min-p cuts (0, 1 and 0: none), the keyed uniform of
     each position (the very ones :meth:`RandomSampler.verify` uses), and its bias and
-    penalties (None: none), each row's :func:`adjustment`."""
+    penalties (None: none), each row's adjustment (:class:`~worker.engine.penalties.Penalties`)."""
 
     seed: int
     temperature: float

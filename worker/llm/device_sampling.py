@@ -159,8 +159,9 @@ class Adjustment(NamedTuple):
         missing = capacity - len(self.ids)
         if missing < 0:
             raise ValueError(f"an adjustment of {len(self.ids)} ids over {capacity}")
-        spare = np.setdiff1d(np.arange(min(n_vocab, capacity + len(self.ids)), dtype=np.int32),
-                             self.ids, assume_unique=True)[:missing]
+        free = np.ones(min(n_vocab, capacity + len(self.ids)), bool)
+        free[self.ids[self.ids < len(free)]] = False
+        spare = np.flatnonzero(free)[:missing]
         f32 = np.float32
         return Adjustment(np.concatenate([self.ids, spare]).astype(np.int32),
                           np.concatenate([self.bias, np.zeros(missing, f32)]).astype(f32),
