@@ -101,6 +101,14 @@ def test_bad_requests_are_clear_value_errors(dense_ngram: Subject, prompt: list[
         dense_ngram.engine.generate(prompt, max_tokens, NGRAM4)
 
 
+def test_a_bias_outside_the_vocabulary_is_a_clear_value_error(dense_ngram: Subject) -> None:
+    """An engine driven directly refuses a ``logit_bias`` id past its vocabulary, naming the
+    field, before anything runs: on the device the id would be gathered out of bounds."""
+    bias = SamplingParams(temperature=0.8, logit_bias={3: 1.0, 256: 2.0})
+    with pytest.raises(ValueError, match=r"sampling\.logit_bias: token id\(s\) 256 outside"):
+        dense_ngram.engine.generate(PROMPT, 5, NGRAM4, sampling=bias)
+
+
 def test_generation_stops_at_the_end_of_the_context(dense_model: Path) -> None:
     with open_engine(dense_model, SpecMethod.NGRAM, n_ctx=64) as engine:
         result = engine.generate(PROMPT, 500, NGRAM4)

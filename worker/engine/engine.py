@@ -181,16 +181,17 @@ class SpeculativeEngine:
     def admit(self, request: SlotRequest) -> Slot:
         """Start ``request`` in a free slot; it is prefilled and decoded by the next steps.
 
-        Bad requests (empty or out-of-vocabulary prompt, ``max_tokens < 1``, a prompt that
-        leaves no room in the per-slot context, a method the engine was not loaded for) are a
-        ``ValueError`` here, before anything is allocated.
+        Bad requests (empty or out-of-vocabulary prompt, a ``logit_bias`` id outside the
+        vocabulary, ``max_tokens < 1``, a prompt that leaves no room in the per-slot context,
+        a method the engine was not loaded for) are a ``ValueError`` here, before anything is
+        allocated.
         """
         # Narrowed to what the engine was loaded for, unset fields the engine's: the rule of
         # shared/capacity.py, applied here once for the worker as at submit for the fleet.
         spec = within_capacity(request.spec or self.config.request_defaults,
                                self.plan.capacity())
         method = spec.method
-        self._check_request(request.prompt_tokens, request.max_tokens)
+        self._check_request(request)
         free = [s for s in range(self.config.slots) if s not in self._slots]
         if not free:
             raise NoFreeSlotError(f"all {self.config.slots} slots are busy")
@@ -307,8 +308,12 @@ class SpeculativeEngine:
         self._allocated.close()
 
     # -- internals -------------------------------------------------------------------------
-    def _check_request(self, prompt: Sequence[int], max_tokens: int) -> None:
-        """Reject what cannot run, at the edge, with a message naming the limit."""
+    def _check_request(self, request: SlotRequest) -> None:
+        """Reject what cannot run, at the edge, with a message naming the limit. The service
+        refuses out-of-vocabulary ids before they reach a worker (``shared.admission``); an
+        engine driven directly checks them here too, since a bias id past the vocabulary
+        would be gathered out of bounds on the device (``device_sampling._adjusted``)."""
+        prompt, max_tokens = request.prompt_tokens, request.max_tokens
         n_vocab = self.model.n_vocab
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -317,9 +322,11 @@ class SpeculativeEngine:
         if len(prompt) >= self.config.n_ctx:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds "
                              f"{self.config.n_ctx} (prompt + at least one generated token)")
-        why = outside_vocabulary(prompt, n_vocab)
-        if why is not None:
-            raise ValueError(f"prompt: {why}")
+        for field, ids in (("prompt", prompt),
+                           ("sampling.logit_bias", request.sampling.logit_bias)):
+            why = outside_vocabulary(ids, n_vocab)
+            if why is not None:
+                raise ValueError(f"{field}: {why}")
 
     def _step(self, during: HostWork) -> list[SlotUpdate]:
         started = perf_counter()
