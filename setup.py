@@ -1,5 +1,6 @@
 """The one native part of specfleet: the suffix drafter's token index
-(worker/engine/proposers/_lookup.c, docs/drafting.md). Everything else is in pyproject.toml.
+(worker/engine/proposers/_lookup.c; docs/engine.md, "Host work the drafter does every
+step anyway"). Everything else is in pyproject.toml.
 
 Optional: a gateway or client install (docker/Dockerfile's gateway image has no compiler)
 never imports the drafter, so a failed build there leaves only that module out; a worker

@@ -14,8 +14,9 @@ the rule and its message are these.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from shared.protocol import MAX_EMBEDDING_TOKENS, GenerationRequest
+from shared.protocol import MAX_EMBEDDING_TOKENS, SamplingParams
 
 #: Ids named in a refusal, at most (a prompt of garbage would otherwise fill the message).
 SHOWN_IDS = 5
@@ -31,7 +32,18 @@ def outside_vocabulary(ids: Iterable[int], n_vocab: int) -> str | None:
     return f"token id(s) {shown} outside the vocabulary (ids 0..{n_vocab - 1})"
 
 
-def vocabulary_refusal(request: GenerationRequest, n_vocab: int) -> tuple[str, str] | None:
+class HoldsTokenIds(Protocol):
+    """What carries token ids that must fit a vocabulary: a queued request
+    (:class:`~shared.protocol.GenerationRequest`) or an engine's own slot request."""
+
+    @property
+    def prompt_tokens(self) -> Sequence[int] | None: ...
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+
+
+def vocabulary_refusal(request: HoldsTokenIds, n_vocab: int) -> tuple[str, str] | None:
     """The first of the request's token-id fields (``prompt_tokens``, ``sampling.logit_bias``)
     that does not fit ``n_vocab``, and why; None when both do."""
     for field, ids in (("prompt_tokens", request.prompt_tokens or []),

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from time import perf_counter
 
-from shared.admission import outside_vocabulary
+from shared.admission import vocabulary_refusal
 from shared.capacity import within_capacity
 from shared.constraint import Constraint
 from shared.logs import get_logger
@@ -322,11 +322,10 @@ class SpeculativeEngine:
         if len(prompt) >= self.config.n_ctx:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds "
                              f"{self.config.n_ctx} (prompt + at least one generated token)")
-        for field, ids in (("prompt", prompt),
-                           ("sampling.logit_bias", request.sampling.logit_bias)):
-            why = outside_vocabulary(ids, n_vocab)
-            if why is not None:
-                raise ValueError(f"{field}: {why}")
+        refusal = vocabulary_refusal(request, n_vocab)
+        if refusal is not None:
+            field, why = refusal
+            raise ValueError(f"{field}: {why}")
 
     def _step(self, during: HostWork) -> list[SlotUpdate]:
         started = perf_counter()

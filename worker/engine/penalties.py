@@ -13,7 +13,8 @@ per row, changing only the drafts' ids.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import ChainMap
+from collections.abc import Mapping, MutableMapping, Sequence
 
 import numpy as np
 
@@ -48,14 +49,59 @@ def adjustment(params: SamplingParams, history: Sequence[int], n_prompt: int) ->
     return Adjustment(ids.astype(np.int32), bias, penalty, minus)
 
 
+class _Changes:
+    """The ids changed so far, in the order they were first changed, and each one's bias,
+    repetition penalty, generated count and what comes off (the first :attr:`n` entries of
+    each array); :attr:`slot` finds an id's entry."""
+
+    def __init__(self, slot: MutableMapping[int, int], arrays: tuple[np.ndarray, ...],
+                 n: int) -> None:
+        self.slot = slot
+        self.ids, self.bias, self.penalty, self.count, self.minus = arrays
+        self.n = n
+
+    @classmethod
+    def empty(cls, size: int) -> _Changes:
+        return cls({}, (np.zeros(size, np.int32), np.zeros(size, _F32), np.ones(size, _F32),
+                        np.zeros(size, np.int64), np.zeros(size, _F32)), 0)
+
+    def fork(self) -> _Changes:
+        """A copy to fold a row's drafts into, this one left as it is: the arrays copied (a
+        memcpy), the ids looked up here and the new ones kept apart (not a copy of a dict of
+        every id seen)."""
+        return _Changes(ChainMap({}, self.slot), tuple(a.copy() for a in self._arrays()),
+                        self.n)
+
+    def entry(self, token: int) -> int:
+        """``token``'s entry (a new one, changed by nothing yet, where it had none)."""
+        at = self.slot.get(token)
+        if at is not None:
+            return at
+        if self.n == len(self.ids):  # twice the room, the new half changing nothing
+            more = _Changes.empty(len(self.ids))._arrays()
+            self.ids, self.bias, self.penalty, self.count, self.minus = (
+                np.concatenate(pair) for pair in zip(self._arrays(), more, strict=True))
+        at = self.slot[token] = self.n
+        self.ids[at] = token
+        self.n += 1
+        return at
+
+    def adjustment(self) -> Adjustment:
+        n = self.n
+        return Adjustment(self.ids[:n].copy(), self.bias[:n].copy(), self.penalty[:n].copy(),
+                          self.minus[:n].copy())
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.ids, self.bias, self.penalty, self.count, self.minus
+
+
 class Penalties:
     """A request's bias and penalties over its slot's history (the engine's own list, which
     only grows as tokens are committed), each output row's :class:`Adjustment` made for the
     device (:class:`~worker.llm.device_sampling.Adjusts`).
 
-    The committed history is folded in once, token by token, into arrays of the ids changed
-    so far (in the order they were first changed) and each one's bias, penalty, generated
-    count and what comes off; a row copies them and folds in only the drafts before it."""
+    The committed history is folded in once, token by token (:meth:`_fold`); a row forks
+    those changes and folds in only the drafts before it, the same way."""
 
     def __init__(self, params: SamplingParams, history: list[int], n_prompt: int) -> None:
         self.params = params
@@ -63,17 +109,10 @@ class Penalties:
         self.n_prompt = n_prompt
         self._repeats = params.repetition_penalty != 1.0
         self._counts = bool(params.presence_penalty or params.frequency_penalty)
-        self._slot: dict[int, int] = {}
-        size = max(16, len(params.logit_bias))
-        self._ids = np.zeros(size, np.int32)
-        self._bias = np.zeros(size, _F32)
-        self._penalty = np.ones(size, _F32)
-        self._count = np.zeros(size, np.int64)
-        self._minus = np.zeros(size, _F32)
-        self._n = 0
-        self._folded = 0
+        self._committed = _Changes.empty(max(16, len(params.logit_bias)))
         for token, bias in params.logit_bias.items():
-            self._bias[self._add(token)] = bias
+            self._committed.bias[self._committed.entry(token)] = bias
+        self._folded = 0
 
     def adjustments(self, positions: Sequence[int],
                     batch: Mapping[int, int]) -> list[Adjustment]:
@@ -81,74 +120,34 @@ class Penalties:
         committed tokens before p, then ``batch``'s (the decode's drafts) up to p."""
         history = self.history
         while self._folded < len(history):  # committed since the last decode
-            self._fold(history[self._folded], self._folded)
+            self._fold(self._committed, history[self._folded], self._folded)
             self._folded += 1
         return [self._row(p, batch) for p in positions]
 
     def _row(self, position: int, batch: Mapping[int, int]) -> Adjustment:
-        """The committed history's arrays, copied, with the drafts before ``position``
-        folded into the copy. A row that has not seen the whole committed history (a prompt's
-        rows where all are outputs; the engine asks for its last) is made from scratch."""
+        """The committed history's changes with the drafts before ``position`` folded into a
+        fork of them. A row that has not seen the whole committed history (a prompt's rows
+        where all are outputs; the engine asks for its last) is made from scratch."""
         if position < len(self.history):
             return adjustment(self.params, self.history[:position], self.n_prompt)
-        n = self._n
-        drafts = [(q, batch[q]) for q in range(len(self.history), position)]
-        k = len(drafts)
-        ids = np.concatenate([self._ids[:n], np.zeros(k, np.int32)])
-        bias = np.concatenate([self._bias[:n], np.zeros(k, _F32)])
-        penalty = np.concatenate([self._penalty[:n], np.ones(k, _F32)])
-        minus = np.concatenate([self._minus[:n], np.zeros(k, _F32)])
-        added: dict[int, int] = {}
-        counts: dict[int, int] = {}
-        m = n
-        for q, token in drafts:
-            generated = q >= self.n_prompt and self._counts
-            if not (self._repeats or generated):
-                continue
-            slot = self._slot.get(token, added.get(token))
-            if slot is None:  # a new id: no bias (every biased id has a slot from the start)
-                slot = added[token] = m
-                ids[m] = token
-                m += 1
-            if self._repeats:
-                penalty[slot] = self.params.repetition_penalty
-            if generated:
-                counts[slot] = counts.get(slot, int(self._count[slot]) if slot < n else 0) + 1
-                minus[slot] = self._taken_off(counts[slot])
-        return Adjustment(ids[:m], bias[:m], penalty[:m], minus[:m])
+        if position == len(self.history):
+            return self._committed.adjustment()
+        row = self._committed.fork()
+        for q in range(len(self.history), position):
+            self._fold(row, batch[q], q)
+        return row.adjustment()
 
-    def _taken_off(self, count: int) -> float:
-        """What the presence and frequency penalties take off an id generated ``count``
-        times (summed in float64, as :func:`adjustment` sums it)."""
-        return self.params.presence_penalty + self.params.frequency_penalty * count
-
-    def _fold(self, token: int, position: int) -> None:
-        """The token at ``position`` seen: its repetition penalty, and its count where it was
-        generated."""
+    def _fold(self, changes: _Changes, token: int, position: int) -> None:
+        """The token at ``position`` seen: its repetition penalty, and where it was generated
+        its count and what the presence and frequency penalties take off (summed in float64,
+        as :func:`adjustment` sums it)."""
         generated = position >= self.n_prompt and self._counts
         if not (self._repeats or generated):
             return
-        slot = self._add(token)
+        at = changes.entry(token)
         if self._repeats:
-            self._penalty[slot] = self.params.repetition_penalty
+            changes.penalty[at] = self.params.repetition_penalty
         if generated:
-            self._count[slot] += 1
-            self._minus[slot] = self._taken_off(int(self._count[slot]))
-
-    def _add(self, token: int) -> int:
-        """``token``'s slot in the arrays (a new one, changed by nothing yet, where it had
-        none)."""
-        slot = self._slot.get(token)
-        if slot is not None:
-            return slot
-        if self._n == len(self._ids):
-            grow = len(self._ids)
-            self._ids = np.concatenate([self._ids, np.zeros(grow, np.int32)])
-            self._bias = np.concatenate([self._bias, np.zeros(grow, _F32)])
-            self._penalty = np.concatenate([self._penalty, np.ones(grow, _F32)])
-            self._count = np.concatenate([self._count, np.zeros(grow, np.int64)])
-            self._minus = np.concatenate([self._minus, np.zeros(grow, _F32)])
-        slot = self._slot[token] = self._n
-        self._ids[slot] = token
-        self._n += 1
-        return slot
+            changes.count[at] += 1
+            changes.minus[at] = (self.params.presence_penalty
+                                 + self.params.frequency_penalty * int(changes.count[at]))

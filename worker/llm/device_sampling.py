@@ -263,6 +263,7 @@ def draw_graph(ctx: int, logits: int, candidates: int | None, inputs: RowInputs,
 
     exps = keep(g.ggml_exp(ctx, scaled))
     kept = at_least(inputs.floor)
+    cut = None
     if 0 < top_k < n:
         best = keep(g.ggml_get_rows(ctx, _column(ctx, scaled, keep),
                                     keep(g.ggml_top_k(ctx, scaled, top_k))))
@@ -270,11 +271,9 @@ def draw_graph(ctx: int, logits: int, candidates: int | None, inputs: RowInputs,
             ctx, keep(g.ggml_reshape_1d(ctx, best, top_k)), -1.0, 0.0))))
         cut = at_least(keep(g.ggml_get_rows(ctx, best, lowest)))
         kept = keep(g.ggml_mul(ctx, kept, cut))
-        exps_cut = keep(g.ggml_mul(ctx, exps, cut))
-    else:
-        exps_cut = exps
-    if inputs.mass is not None:
-        kept = keep(g.ggml_mul(ctx, kept, _nucleus(ctx, scaled, exps_cut, inputs.mass, keep)))
+    if inputs.mass is not None:  # the nucleus of what the top-k cut kept, before min-p
+        within = exps if cut is None else keep(g.ggml_mul(ctx, exps, cut))
+        kept = keep(g.ggml_mul(ctx, kept, _nucleus(ctx, scaled, within, inputs.mass, keep)))
     weights = keep(g.ggml_mul(ctx, exps, kept))
     return _inverse_cdf(ctx, weights, candidates, inputs.uniform, keep), made
 

@@ -292,13 +292,6 @@ static PyObject *TokenIndex_occurrences(TokenIndex *self, PyObject *args) {
     return occurrences(self, order, key);
 }
 
-static PyObject *TokenIndex_holds(TokenIndex *self, PyObject *args) {
-    Py_ssize_t order;
-    uint64_t key;
-    if (parse_key(args, &order, &key) < 0 || catch_up(self) < 0) return NULL;
-    return PyBool_FromLong(table_get(&self->tables[order], key) >= 0);
-}
-
 static PyObject *TokenIndex_tail_keys(TokenIndex *self, PyObject *unused) {
     if (catch_up(self) < 0) return NULL;
     PyObject *keys = PyList_New(N_ORDERS);
@@ -401,8 +394,6 @@ static PyMethodDef TokenIndex_methods[] = {
     {"occurrences", (PyCFunction)TokenIndex_occurrences, METH_VARARGS,
      "occurrences(order, key): follower positions of the context's most recent occurrences, "
      "newest first."},
-    {"holds", (PyCFunction)TokenIndex_holds, METH_VARARGS,
-     "holds(order, key): whether the context occurred with a follower."},
     {"tail_keys", (PyCFunction)TokenIndex_tail_keys, METH_NOARGS,
      "The hash of the sequence's last n tokens per order (None where it is shorter)."},
     {"nbytes", (PyCFunction)TokenIndex_nbytes, METH_NOARGS,
@@ -864,7 +855,6 @@ PyMODINIT_FUNC PyInit__lookup(void) {
                                      ORDERS[4], ORDERS[5], ORDERS[6]);
     if (orders == NULL || PyModule_AddObject(module, "ORDERS", orders) < 0 ||
         PyModule_AddIntConstant(module, "MAX_OCCURRENCES", MAX_OCCURRENCES) < 0 ||
-        PyModule_AddIntConstant(module, "BYTES_PER_TOKEN", BYTES_PER_TOKEN) < 0 ||
         PyModule_AddObject(module, "BASE", PyLong_FromUnsignedLongLong(BASE)) < 0 ||
         PyModule_AddObjectRef(module, "TokenIndex", (PyObject *)&TokenIndexType) < 0 ||
         PyModule_AddObjectRef(module, "Calibration", (PyObject *)&CalibrationType) < 0) {
